@@ -1,0 +1,70 @@
+"""Every Kubernetes API call the operator makes, kopf's own included: the one list.
+
+kube.py refuses a call that is not listed here, the chart's RBAC rules are checked against it
+(tests/charts/test_rbac.py), and the operator tests check that every request the emulated API
+server received is listed (tests/operator/conftest.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+from urllib.parse import urlsplit, parse_qs
+
+
+@dataclass(frozen=True)
+class ApiCall:
+    group: str  # "" is the core group
+    resource: str  # a plural, or plural/subresource
+    verbs: tuple[str, ...]
+    why: str
+
+
+API_CALLS: tuple[ApiCall, ...] = (
+    ApiCall("quire.dev", "llmdeployments", ("get", "list", "watch", "patch"),
+            "kopf watches them and patches its annotations and finalizer; status updates re-read them"),
+    ApiCall("quire.dev", "llmdeployments/status", ("patch",), "conditions, replicas, autoscaler decisions"),
+    ApiCall("quire.dev", "llmdeployments/scale", ("get", "patch"), "the autoscaler sets replicas as HPA would"),
+    ApiCall("apps", "deployments", ("get", "list", "watch", "create", "patch"),
+            "the pods' Deployment; its status feeds the LLMDeployment's"),
+    ApiCall("", "services", ("get", "create", "patch"), "the in-cluster endpoint"),
+    ApiCall("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete"), "the optional PDB"),
+    ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
+    ApiCall("", "events", ("create",), "kopf posts Events on actions and invalid specs"),
+    ApiCall("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
+            "kopf notices when the CRD is installed or changed"),
+)
+
+# Discovery: read-only, granted to every authenticated user by the system:discovery role.
+_DISCOVERY = re.compile(r"^/version/?$|^/api(/[^/]+)?/?$|^/apis(/[^/]+){0,2}/?$")
+
+
+def allowed(group: str, resource: str, verb: str, calls: Iterable[ApiCall] = API_CALLS) -> bool:
+    return any(c.group == group and c.resource == resource and verb in c.verbs for c in calls)
+
+
+def classify(method: str, url: str) -> tuple[str, str, str] | None:
+    """(group, resource, verb) of an API request, or None for discovery."""
+    parts = urlsplit(url)
+    path, query = parts.path, parse_qs(parts.query)
+    if _DISCOVERY.match(path):
+        return None
+    segments = path.strip("/").split("/")
+    if segments[0] == "api":
+        group, rest = "", segments[2:]
+    elif segments[0] == "apis":
+        group, rest = segments[1], segments[3:]
+    else:
+        raise ValueError(f"not a Kubernetes API path: {path}")
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) != 2:
+        rest = rest[2:]  # namespaced; a bare namespaces/NAME is the namespace object itself
+    plural, name, sub = (rest + [None, None])[:3]
+    resource = f"{plural}/{sub}" if sub else plural
+    method = method.upper()
+    if method == "GET":
+        verb = "watch" if query.get("watch", [""])[0] in ("true", "1") else ("get" if name else "list")
+    else:
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update",
+                "DELETE": "delete" if name else "deletecollection"}[method]
+    return group, resource, verb

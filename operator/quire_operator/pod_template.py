@@ -1,0 +1,158 @@
+"""The pod that serves one replica: `quire serve` with flags from the spec, probes, GPUs."""
+
+from __future__ import annotations
+
+import math
+
+from . import names
+from .spec import LLMSpec, RuntimeSpec
+
+# How often the startup probe asks /health while the model loads.
+STARTUP_PERIOD_SECONDS = 10
+# Time between SIGTERM's drain deadline and SIGKILL: the server needs a moment to exit.
+GRACE_MARGIN_SECONDS = 15
+
+
+def model_argument(spec: LLMSpec) -> str | None:
+    """MODEL for `quire serve`, as the pod sees it; None serves the runtime's default model."""
+    source = spec.model.source
+    if spec.model.pvc_claim:
+        return f"{names.MODELS_MOUNT}/{source}"
+    return source
+
+
+def server_args(spec: LLMSpec) -> list[str]:
+    """The arguments after `quire`: the runtime's CLI, vLLM-style flag names."""
+    args = ["serve"]
+    model = model_argument(spec)
+    if model is not None:
+        args.append(model)
+    args += ["--host", "0.0.0.0", "--port", str(spec.port)]
+    if spec.model.served_name:
+        args += ["--served-model-name", spec.model.served_name]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
+    args += _runtime_flags(spec.runtime)
+    args += list(spec.runtime.extra_args)
+    return args
+
+
+def _runtime_flags(rt: RuntimeSpec) -> list[str]:
+    valued = [
+        ("--dtype", rt.dtype),
+        ("--max-model-len", rt.max_model_len),
+        ("--block-size", rt.block_size),
+        ("--max-num-seqs", rt.max_num_seqs),
+        ("--max-num-batched-tokens", rt.max_num_batched_tokens),
+        ("--kv-cache-dtype", rt.kv_cache_dtype),
+        ("--kv-cache-memory", rt.kv_cache_memory),
+        ("--kv-cache-memory-fraction", rt.kv_cache_memory_fraction),
+        ("--max-queue-len", rt.max_queue_len),
+        ("--shutdown-timeout", rt.shutdown_timeout_seconds),
+    ]
+    flags = []
+    for flag, value in valued:
+        if value is not None:
+            flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    if rt.enable_prefix_caching is not None:
+        flags.append("--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching")
+    if rt.log_requests:
+        flags.append("--log-requests")
+    return flags
+
+
+def _env(spec: LLMSpec) -> list[dict]:
+    env = [dict(item) for item in spec.env]
+    if spec.model.cache_claim:
+        env.append({"name": "HF_HOME", "value": f"{names.CACHE_MOUNT}/huggingface"})
+    if spec.runtime.api_key_secret:
+        secret, key = spec.runtime.api_key_secret
+        env.append({"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    return env
+
+
+def _resources(spec: LLMSpec) -> dict:
+    requests, limits = {}, {}
+    if spec.resources.cpu is not None:
+        requests["cpu"] = spec.resources.cpu
+    if spec.resources.memory is not None:
+        requests["memory"] = limits["memory"] = spec.resources.memory
+    if spec.resources.gpus:
+        limits["nvidia.com/gpu"] = spec.resources.gpus  # extended resources: limits only
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
+    # torch's shared-memory tensors outgrow the container runtime's 64 MiB /dev/shm.
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.model.pvc_claim:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": names.MODELS_MOUNT, "readOnly": True})
+    if spec.model.cache_claim:
+        volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": spec.model.cache_claim}})
+        mounts.append({"name": "cache", "mountPath": names.CACHE_MOUNT})
+    return volumes, mounts
+
+
+def _probes(spec: LLMSpec) -> dict:
+    def http_get(path: str) -> dict:
+        return {"path": path, "port": names.PORT_NAME}
+
+    return {
+        # /health answers while the engine loop lives; loading a model may take many minutes.
+        "startupProbe": {
+            "httpGet": http_get("/health"),
+            "periodSeconds": STARTUP_PERIOD_SECONDS,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(spec.runtime.startup_timeout_seconds / STARTUP_PERIOD_SECONDS),
+        },
+        # /ready is 200 only once the model serves: the Service sends traffic to ready pods only.
+        "readinessProbe": {"httpGet": http_get("/ready"), "periodSeconds": 5, "timeoutSeconds": 5,
+                           "failureThreshold": 3},
+        "livenessProbe": {"httpGet": http_get("/health"), "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 6},
+    }
+
+
+def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
+    volumes, mounts = _volumes(spec)
+    container = {
+        "name": names.CONTAINER_NAME,
+        "image": spec.image or default_image,
+        "command": ["quire"],
+        "args": server_args(spec),
+        "ports": [{"name": names.PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        **_probes(spec),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    if not container["env"]:
+        del container["env"]
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.port),
+        "prometheus.io/path": "/metrics",
+        **spec.pod_annotations,
+    }
+    pod_spec = {
+        "containers": [container],
+        "volumes": volumes,
+        # The server drains in-flight requests for --shutdown-timeout after SIGTERM.
+        "terminationGracePeriodSeconds": spec.runtime.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return {
+        "metadata": {"labels": names.child_labels(name), "annotations": annotations},
+        "spec": pod_spec,
+    }

@@ -1,0 +1,310 @@
+"""Validate an LLMDeployment spec and fill in its defaults.
+
+The CRD's schema catches most mistakes at `kubectl apply`, but not all (min > max, a block size
+that is not a power of two, a model source that names nothing), and an older CRD may lack a
+check. Everything the operator relies on is checked here again, with the field's path in the
+message. The defaults equal the CRD's (tests/operator/test_spec.py compares them).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Flags the operator sets itself: the probes, the Service and the drain depend on them.
+MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key")
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+class SpecError(ValueError):
+    """An invalid spec; `field` is the path of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str | None = None
+    served_name: str | None = None
+    revision: str | None = None
+    pvc_claim: str | None = None
+    cache_claim: str | None = None
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpus: int = 0
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    dtype: str | None = None
+    max_model_len: int | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: str | None = None
+    enable_prefix_caching: bool | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    max_queue_len: int | None = None
+    shutdown_timeout_seconds: int = 30
+    startup_timeout_seconds: int = 1800
+    log_requests: bool = False
+    api_key_secret: tuple[str, str] | None = None  # (secret name, key)
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    target_queue_depth: float = 4.0
+    target_kv_cache_utilization: float = 0.8
+    tolerance: float = 0.1
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+    max_scale_up_step: int = 4
+    poll_interval_seconds: int = 15
+
+
+@dataclass(frozen=True)
+class LLMSpec:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    image: str | None = None
+    image_pull_policy: str | None = None
+    replicas: int = 1
+    port: int = 8000
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    env: tuple[dict, ...] = ()
+    node_selector: dict = field(default_factory=dict)
+    tolerations: tuple[dict, ...] = ()
+    pod_annotations: dict = field(default_factory=dict)
+    pdb_enabled: bool = False
+    pdb_max_unavailable: int = 1
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+
+
+def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
+    """The spec with defaults filled in; raises SpecError naming the first bad field."""
+    spec = _Reader(raw or {}, "spec")
+    model = spec.section("model")
+    resources = spec.section("resources")
+    runtime = spec.section("runtime")
+    pdb = spec.section("podDisruptionBudget")
+    scaling = spec.section("autoscaling")
+
+    parsed = LLMSpec(
+        model=_parse_model(model),
+        image=spec.string("image"),
+        image_pull_policy=spec.choice("imagePullPolicy", PULL_POLICIES),
+        replicas=spec.integer("replicas", 1, minimum=0),
+        port=spec.integer("port", 8000, minimum=1, maximum=65535),
+        resources=ResourcesSpec(
+            gpus=resources.integer("gpus", 0, minimum=0, maximum=16),
+            cpu=resources.quantity("cpu"),
+            memory=resources.quantity("memory"),
+        ),
+        runtime=_parse_runtime(runtime),
+        env=tuple(spec.objects("env", required_key="name")),
+        node_selector=spec.string_map("nodeSelector"),
+        tolerations=tuple(spec.objects("tolerations")),
+        pod_annotations=spec.string_map("podAnnotations"),
+        pdb_enabled=pdb.boolean("enabled", False),
+        pdb_max_unavailable=pdb.integer("maxUnavailable", 1, minimum=0),
+        autoscaling=_parse_autoscaling(scaling),
+    )
+    return parsed
+
+
+def _parse_model(model: "_Reader") -> ModelSpec:
+    pvc = model.section("pvc")
+    cache = model.section("cache")
+    parsed = ModelSpec(
+        source=model.string("source"),
+        served_name=model.string("servedName"),
+        revision=model.string("revision"),
+        pvc_claim=pvc.string("claimName", required=bool(pvc.raw)),
+        cache_claim=cache.string("claimName", required=bool(cache.raw)),
+    )
+    _check_source(parsed, model.path + ".source")
+    return parsed
+
+
+def _check_source(model: ModelSpec, path: str) -> None:
+    """A source must name something the pod can open; the runtime cannot say so until it starts."""
+    source = model.source
+    if model.pvc_claim:
+        if source is None:
+            raise SpecError(path, "is required with model.pvc (the path of the model inside the volume)")
+        if source.startswith("/") or ".." in source.split("/"):
+            raise SpecError(path, f"{source!r} must be a relative path inside the volume, without '..'")
+        return
+    if source is None or source.startswith("/"):
+        return  # the runtime's default model, or a path inside the image
+    if source.endswith(".gguf"):
+        raise SpecError(path, f"{source!r} names no file: a GGUF path must be absolute inside the image, "
+                              "or relative to model.pvc")
+    if not _HF_ID.match(source):
+        raise SpecError(path, f"{source!r} names nothing: expected a Hugging Face id (org/name), an absolute "
+                              "path inside the image, or a path inside model.pvc")
+
+
+def _parse_runtime(runtime: "_Reader") -> RuntimeSpec:
+    secret = runtime.section("apiKeySecret")
+    block_size = runtime.integer("blockSize", None, minimum=1, maximum=256)
+    if block_size is not None and block_size & (block_size - 1):
+        raise SpecError(runtime.path + ".blockSize", f"{block_size} is not a power of two (1, 2, 4 … 256)")
+    extra_args = tuple(runtime.strings("extraArgs"))
+    for arg in extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise SpecError(runtime.path + ".extraArgs", f"{flag} is set by the operator; use the spec field instead")
+    return RuntimeSpec(
+        dtype=runtime.choice("dtype", DTYPES),
+        max_model_len=runtime.integer("maxModelLen", None, minimum=1),
+        block_size=block_size,
+        max_num_seqs=runtime.integer("maxNumSeqs", None, minimum=1),
+        max_num_batched_tokens=runtime.integer("maxNumBatchedTokens", None, minimum=1),
+        kv_cache_dtype=runtime.choice("kvCacheDtype", KV_CACHE_DTYPES),
+        enable_prefix_caching=runtime.boolean("enablePrefixCaching", None),
+        kv_cache_memory=runtime.integer("kvCacheMemory", None, minimum=1),
+        kv_cache_memory_fraction=runtime.number("kvCacheMemoryFraction", None, above=0.0, maximum=1.0),
+        max_queue_len=runtime.integer("maxQueueLen", None, minimum=1),
+        shutdown_timeout_seconds=runtime.integer("shutdownTimeoutSeconds", 30, minimum=0, maximum=3600),
+        startup_timeout_seconds=runtime.integer("startupTimeoutSeconds", 1800, minimum=10, maximum=86400),
+        log_requests=bool(runtime.boolean("logRequests", False)),
+        api_key_secret=(secret.string("name", required=True), secret.string("key") or "api-key") if secret.raw else None,
+        extra_args=extra_args,
+    )
+
+
+def _parse_autoscaling(scaling: "_Reader") -> AutoscalingSpec:
+    enabled = bool(scaling.boolean("enabled", False))
+    parsed = AutoscalingSpec(
+        enabled=enabled,
+        min_replicas=scaling.integer("minReplicas", 1, minimum=1),
+        max_replicas=scaling.integer("maxReplicas", None, minimum=1),
+        target_queue_depth=scaling.number("targetQueueDepth", 4.0, above=0.0),
+        target_kv_cache_utilization=scaling.number("targetKVCacheUtilization", 0.8, above=0.0, maximum=1.0),
+        tolerance=scaling.number("tolerance", 0.1, minimum=0.0, maximum=1.0),
+        scale_up_stabilization_seconds=scaling.integer("scaleUpStabilizationSeconds", 0, minimum=0, maximum=3600),
+        scale_down_stabilization_seconds=scaling.integer("scaleDownStabilizationSeconds", 300, minimum=0, maximum=3600),
+        max_scale_up_step=scaling.integer("maxScaleUpStep", 4, minimum=1),
+        poll_interval_seconds=scaling.integer("pollIntervalSeconds", 15, minimum=1, maximum=3600),
+    )
+    if enabled and parsed.max_replicas is None:
+        raise SpecError(scaling.path + ".maxReplicas", "is required when autoscaling is enabled")
+    if parsed.max_replicas is not None and parsed.min_replicas > parsed.max_replicas:
+        raise SpecError(scaling.path + ".minReplicas",
+                        f"{parsed.min_replicas} is greater than maxReplicas {parsed.max_replicas}")
+    return parsed
+
+
+class _Reader:
+    """Typed reads of one object of the spec, each naming its field on error."""
+
+    def __init__(self, raw: Any, path: str) -> None:
+        if not isinstance(raw, Mapping):
+            raise SpecError(path, f"must be an object, not {type(raw).__name__}")
+        self.raw = raw
+        self.path = path
+
+    def _get(self, key: str) -> Any:
+        return self.raw.get(key)
+
+    def section(self, key: str) -> "_Reader":
+        value = self._get(key)
+        return _Reader({} if value is None else value, f"{self.path}.{key}")
+
+    def string(self, key: str, *, required: bool = False) -> str | None:
+        value = self._get(key)
+        if value is None:
+            if required:
+                raise SpecError(f"{self.path}.{key}", "is required")
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise SpecError(f"{self.path}.{key}", f"must be a non-empty string, not {value!r}")
+        return value
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str | None:
+        value = self.string(key)
+        if value is not None and value not in allowed:
+            raise SpecError(f"{self.path}.{key}", f"{value!r} is not one of {', '.join(allowed)}")
+        return value
+
+    def integer(self, key: str, default: int | None, *, minimum: int | None = None,
+                maximum: int | None = None) -> int | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{self.path}.{key}", f"must be an integer, not {value!r}")
+        _check_range(f"{self.path}.{key}", value, minimum=minimum, maximum=maximum)
+        return value
+
+    def number(self, key: str, default: float | None, *, minimum: float | None = None,
+               maximum: float | None = None, above: float | None = None) -> float | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{self.path}.{key}", f"must be a number, not {value!r}")
+        if above is not None and not value > above:
+            raise SpecError(f"{self.path}.{key}", f"{value} must be greater than {above:g}")
+        _check_range(f"{self.path}.{key}", value, minimum=minimum, maximum=maximum)
+        return float(value)
+
+    def boolean(self, key: str, default: bool | None) -> bool | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise SpecError(f"{self.path}.{key}", f"must be true or false, not {value!r}")
+        return value
+
+    def quantity(self, key: str) -> str | None:
+        value = self._get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip():
+            raise SpecError(f"{self.path}.{key}", f"must be a quantity such as 4, '500m' or '16Gi', not {value!r}")
+        return str(value)
+
+    def strings(self, key: str) -> list[str]:
+        value = self._get(key) or []
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise SpecError(f"{self.path}.{key}", "must be a list of strings")
+        return list(value)
+
+    def string_map(self, key: str) -> dict[str, str]:
+        value = self._get(key) or {}
+        if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+            raise SpecError(f"{self.path}.{key}", "must map strings to strings")
+        return dict(value)
+
+    def objects(self, key: str, *, required_key: str | None = None) -> list[dict]:
+        value = self._get(key) or []
+        if not isinstance(value, list) or not all(isinstance(item, Mapping) for item in value):
+            raise SpecError(f"{self.path}.{key}", "must be a list of objects")
+        if required_key and not all(item.get(required_key) for item in value):
+            raise SpecError(f"{self.path}.{key}", f"every item needs a {required_key!r}")
+        return [dict(item) for item in value]
+
+
+def _check_range(path: str, value: float, *, minimum: float | None, maximum: float | None) -> None:
+    if minimum is not None and value < minimum:
+        raise SpecError(path, f"{value} is below the minimum {minimum}")
+    if maximum is not None and value > maximum:
+        raise SpecError(path, f"{value} is above the maximum {maximum}")
