@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any, Mapping
 from urllib.parse import quote, urlencode
 
@@ -50,7 +51,8 @@ def load_config() -> None:
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
+        # Read KUBECONFIG now: the kubernetes package reads it once, when first imported.
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
 
 
 class Kube:
