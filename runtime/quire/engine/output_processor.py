@@ -1,0 +1,132 @@
+"""From sequences with new tokens to RequestOutputs: detokenize, apply stop strings, gather
+the n samples of a request, and emit cumulative, delta or final-only outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from quire.engine.detokenizer import IncrementalDetokenizer
+from quire.engine.request import Request, RequestStatus
+from quire.outputs import CompletionOutput, Logprob, RequestOutput
+from quire.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Group:
+    """The n sequences a user request became, and what has been sent of each."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, seqs: list[Request], tokenizer) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs = seqs
+        self.detoks = [IncrementalDetokenizer(tokenizer, prompt_token_ids, s.sampling_params)
+                       for s in seqs]
+        self.sent_text = [0] * len(seqs)
+        self.sent_tokens = [0] * len(seqs)
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, tuple[_Group, int]] = {}
+
+    def add(self, request_id, prompt, prompt_token_ids, params, seqs: list[Request]) -> None:
+        group = _Group(request_id, prompt, prompt_token_ids, params, seqs, self.tokenizer)
+        self.groups[request_id] = group
+        for i, s in enumerate(seqs):
+            self._seq_group[s.request_id] = (group, i)
+
+    def process(self, updated: list[Request], logprobs: dict[str, tuple], finish) -> set[str]:
+        """Detokenize each sequence's new token; `finish(seq, status)` ends one early (a stop
+        string, or an error that is that sequence's alone). Returns the touched groups' ids."""
+        now = time.time()
+        touched = set()
+        for seq in updated:
+            group, i = self._seq_group[seq.request_id]
+            touched.add(group.request_id)
+            m = seq.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            token = seq.token_ids[-1]
+            try:
+                if seq.logprobs is not None and seq.request_id in logprobs:
+                    self._add_logprobs(seq, logprobs[seq.request_id], group.detoks[i])
+                stop = group.detoks[i].update(token)
+            except Exception as e:  # one bad sequence must not take the batch down
+                logger.exception("detokenizing request %s failed", seq.request_id)
+                group.error = f"detokenization failed: {e}"
+                finish(seq, RequestStatus.FINISHED_ERROR)
+                continue
+            if stop is not None and not seq.finished:
+                seq.stop_reason = stop
+                finish(seq, RequestStatus.FINISHED_STOPPED)
+        return touched
+
+    def _add_logprobs(self, seq: Request, lp: tuple, detok: IncrementalDetokenizer) -> None:
+        chosen_lp, rank, top_ids, top_lps = lp
+        token = seq.token_ids[-1]
+        entry = {tid: Logprob(l, r + 1, detok.decode_token(tid))
+                 for r, (tid, l) in enumerate(zip(top_ids, top_lps))}
+        if token not in entry:
+            entry[token] = Logprob(chosen_lp, rank, detok.decode_token(token))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += chosen_lp
+
+    def outputs(self, group_ids: set[str]) -> list[RequestOutput]:
+        outs = []
+        for gid in group_ids:
+            group = self.groups.get(gid)
+            if group is None:
+                continue
+            out = self._output(group)
+            if out is not None:
+                outs.append(out)
+            if group.finished:
+                self._drop(group)
+        return outs
+
+    def _output(self, group: _Group) -> RequestOutput | None:
+        kind = group.params.output_kind
+        finished = group.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for i, (seq, detok) in enumerate(zip(group.seqs, group.detoks)):
+            text = detok.visible_text(seq.finished)
+            tokens = seq.output_token_ids
+            lps = seq.logprobs
+            if kind == RequestOutputKind.DELTA:
+                text, tokens = text[group.sent_text[i]:], tokens[group.sent_tokens[i]:]
+                lps = lps[group.sent_tokens[i]:] if lps is not None else None
+            group.sent_text[i] = len(detok.visible_text(seq.finished))
+            group.sent_tokens[i] = seq.num_output_tokens
+            completions.append(CompletionOutput(
+                index=seq.sample_index, text=text, token_ids=list(tokens),
+                cumulative_logprob=seq.cumulative_logprob if lps is not None else None,
+                logprobs=lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        first = group.seqs[0]
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
+            metrics=first.metrics, num_cached_tokens=max(first.num_cached_tokens, 0),
+            error=group.error)
+
+    def _drop(self, group: _Group) -> None:
+        self.groups.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seq_group.pop(s.request_id, None)
+
+    def group_of(self, request_id: str) -> _Group | None:
+        return self.groups.get(request_id)

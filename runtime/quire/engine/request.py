@@ -1,0 +1,128 @@
+"""One sequence's state and token bookkeeping, as the scheduler sees it.
+
+A request with n > 1 samples is n `Request`s: the first computes the prompt, the others wait in
+`pending_forks` and are forked from it (sharing its KV blocks) at the step its prompt completes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from quire.outputs import RequestMetrics
+from quire.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_tokens: int,
+        arrival_time: float | None = None,
+        group_id: str | None = None,
+        sample_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.group_id = group_id or request_id  # the id the user gave
+        self.sample_index = sample_index
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.max_tokens = max_tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time or time.time())
+        self.prev_token_time: float | None = None  # for inter-token latency
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        self.pending_forks: list[Request] = []  # siblings (n > 1) forked when the prompt is done
+        self.block_hashes: list[int] = []       # chained hashes of this request's full blocks
+        self.num_preemptions = 0
+
+    # --- token bookkeeping ---------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def group_size(self) -> int:
+        """Sequences this request will occupy once its pending forks join."""
+        return 1 + len(self.pending_forks)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    # --- stopping ------------------------------------------------------------------------
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stops (EOS, stop_token_ids, length); stop strings are the detokenizer's.
+        Returns the status to finish with, or None to go on."""
+        last = self.token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            if last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

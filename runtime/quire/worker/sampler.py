@@ -1,0 +1,167 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Everything runs on [rows, vocab] tensors. The only per-row work is drawing noise for rows
+that carry their own seed, so that a seeded request samples the same tokens whatever else
+shares its batch. Sampling uses the exponential race (argmax of p / Exp(1) noise), which
+draws exactly from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quire.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: None, or (sampled logprob, sampled rank, top ids, top logprobs)
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[Request]) -> SamplerOutput:
+        params = [r.sampling_params for r in rows]
+        want_logprobs = [p.logprobs for p in params]
+        raw_logprobs = None
+        if any(k is not None for k in want_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        logits = self._ban_early_stops(logits, rows)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows, greedy)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, want_logprobs, tokens))
+
+    # --- logits processing ---------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+        idx = [i for i, r in enumerate(rows) if _has_penalty(r.sampling_params)]
+        if not idx:
+            return logits
+        logits = logits.clone()
+        sel = [rows[i] for i in idx]
+        out_counts = self._counts([r.output_token_ids for r in sel])
+        seen = out_counts > 0
+        seen |= self._counts([r.prompt_token_ids for r in sel]) > 0
+        x = logits[idx]
+        rep = self._tensor([r.sampling_params.repetition_penalty for r in sel])[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        freq = self._tensor([r.sampling_params.frequency_penalty for r in sel])[:, None]
+        pres = self._tensor([r.sampling_params.presence_penalty for r in sel])[:, None]
+        x = x - freq * out_counts - pres * (out_counts > 0).float()
+        logits[idx] = x
+        return logits
+
+    def _counts(self, token_lists: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in token_lists), default=0)
+        padded = torch.full((len(token_lists), max(width, 1)), self.vocab_size, dtype=torch.long)
+        for i, t in enumerate(token_lists):
+            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=self.device)
+        counts.scatter_add_(1, padded.to(self.device), torch.ones_like(padded, dtype=torch.float,
+                                                                          device=self.device))
+        return counts[:, : self.vocab_size]
+
+    def _ban_early_stops(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+        """Under min_tokens, EOS and stop_token_ids can't be sampled."""
+        bans = [(i, list(r.eos_token_ids | r.stop_token_ids)) for i, r in enumerate(rows)
+                if r.num_output_tokens < r.sampling_params.min_tokens]
+        bans = [(i, ids) for i, ids in bans if ids]
+        if not bans:
+            return logits
+        logits = logits.clone()
+        for i, ids in bans:
+            logits[i, ids] = float("-inf")
+        return logits
+
+    # --- sampling ------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: list[Request], greedy: list[bool]) -> torch.Tensor:
+        params = [r.sampling_params for r in rows]
+        temps = self._tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+        x = logits / temps[:, None]
+        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_p):
+            x = self._top_k_top_p(x, top_k, top_p)
+        elif any(top_k):
+            x = self._top_k(x, top_k)
+        probs = torch.softmax(x, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            floor = self._tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.sampling_params.seed is not None and not greedy[i]:
+                noise[i].exponential_(generator=self._request_generator(r))
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy, device=self.device),
+                                  logits.argmax(dim=-1), sampled)
+        return sampled
+
+    def _request_generator(self, r: Request) -> torch.Generator:
+        if r.generator is None:
+            r.generator = torch.Generator(device=self.device)
+            r.generator.manual_seed(r.sampling_params.seed)
+        return r.generator
+
+    def _top_k(self, x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        k_max = max(top_k)
+        kth = x.topk(k_max, dim=-1).values
+        k = torch.tensor([max(k, 1) - 1 for k in top_k], device=self.device)
+        threshold = kth.gather(1, k[:, None])
+        threshold[torch.tensor([k == 0 for k in top_k], device=self.device)] = float("-inf")
+        return x.masked_fill(x < threshold, float("-inf"))
+
+    def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        sorted_x, order = x.sort(dim=-1)  # ascending, as transformers' warpers do
+        v = x.shape[-1]
+        if any(top_k):
+            k = torch.tensor([k or v for k in top_k], device=self.device)
+            threshold = sorted_x.gather(1, (v - k)[:, None])
+            sorted_x = sorted_x.masked_fill(sorted_x < threshold, float("-inf"))
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - self._tensor(top_p)[:, None]
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+    # --- logprobs ------------------------------------------------------------------------
+    def _logprobs(self, raw: torch.Tensor | None, want: list[int | None], tokens: torch.Tensor):
+        if raw is None:
+            return [None] * len(want)
+        rows = [i for i, k in enumerate(want) if k is not None]
+        sel = raw[rows]
+        chosen = tokens[rows]
+        chosen_lp = sel.gather(1, chosen[:, None])
+        ranks = (sel > chosen_lp).sum(dim=-1) + 1
+        k_max = max(want[i] for i in rows)
+        top_lp, top_ids = sel.topk(k_max, dim=-1) if k_max else (sel[:, :0], chosen[:, None][:, :0])
+        out: list = [None] * len(want)
+        chosen_lp, ranks = chosen_lp[:, 0].tolist(), ranks.tolist()
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            k = want[i]
+            out[i] = (chosen_lp[j], ranks[j], top_ids[j][:k], top_lp[j][:k])
+        return out
+
+    def _tensor(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+
+def _has_penalty(p) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
