@@ -151,8 +151,9 @@ def _explain(p: _Proposal, target: float) -> str:
 
 
 def _limit(wanted: int, stabilized: int, limited: int, final: int) -> str:
-    if stabilized < wanted:
-        return "the scale-up stabilization window"
+    """Which bound stopped a scale-up short: the tightest one is named."""
+    if final < limited:
+        return "maxReplicas"
     if limited < stabilized:
         return "maxScaleUpStep"
-    return "maxReplicas"
+    return "the scale-up stabilization window"

@@ -135,8 +135,8 @@ def _parse_model(model: "_Reader") -> ModelSpec:
         source=model.string("source"),
         served_name=model.string("servedName"),
         revision=model.string("revision"),
-        pvc_claim=pvc.string("claimName", required=bool(pvc.raw)),
-        cache_claim=cache.string("claimName", required=bool(cache.raw)),
+        pvc_claim=pvc.string("claimName", required=model.has("pvc")),
+        cache_claim=cache.string("claimName", required=model.has("cache")),
     )
     _check_source(parsed, model.path + ".source")
     return parsed
@@ -185,7 +185,8 @@ def _parse_runtime(runtime: "_Reader") -> RuntimeSpec:
         shutdown_timeout_seconds=runtime.integer("shutdownTimeoutSeconds", 30, minimum=0, maximum=3600),
         startup_timeout_seconds=runtime.integer("startupTimeoutSeconds", 1800, minimum=10, maximum=86400),
         log_requests=bool(runtime.boolean("logRequests", False)),
-        api_key_secret=(secret.string("name", required=True), secret.string("key") or "api-key") if secret.raw else None,
+        api_key_secret=((secret.string("name", required=True), secret.string("key") or "api-key")
+                        if runtime.has("apiKeySecret") else None),
         extra_args=extra_args,
     )
 
@@ -223,6 +224,9 @@ class _Reader:
 
     def _get(self, key: str) -> Any:
         return self.raw.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
 
     def section(self, key: str) -> "_Reader":
         value = self._get(key)
