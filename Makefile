@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/quire serve --host 127.0.0.1 --port 8000
+	# until the server lands: complete a few prompts with the default model
+	$(VENV)/bin/quire generate
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

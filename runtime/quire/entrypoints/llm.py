@@ -22,6 +22,13 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
