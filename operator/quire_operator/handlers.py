@@ -102,7 +102,8 @@ def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, memo:
     try:
         decision = poll(kube, namespace, name, parsed.autoscaling, parsed.port,
                         pods_by_llmdeployment.get((namespace, name), []), memo.get("history"), time.time(),
-                        lambda reason, message: kopf.info(body, reason=reason, message=message))
+                        # kopf.event, not kopf.info: posting.level (WARNING) filters kopf.info out.
+                        lambda reason, message: kopf.event(body, type="Normal", reason=reason, message=message))
     except ApiError as e:
         log.warning("%s/%s: autoscaler poll failed, next poll retries: %s", namespace, name, e)
         return

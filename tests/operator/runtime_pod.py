@@ -1,0 +1,148 @@
+"""A stand-in for one `quire serve` pod, bound to its own loopback IP.
+
+Until the real server can run in the test, `start_runtime_pod` starts a tiny HTTP server with
+the runtime's contract as the operator sees it: /health, /ready, /metrics with the documented
+gauge names, and /v1/completions that queues like an engine with `max_num_seqs` slots (a
+request past them waits, and counts in quire:num_requests_waiting). Swapping in the real server
+means changing start_runtime_pod only: the end-to-end test loads pods through HTTP requests.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+MODEL_NAME = "smollm2"
+MAX_NUM_SEQS = 2  # requests generated at once; the rest wait
+SECONDS_PER_REQUEST = 0.25  # time a request holds its slot
+KV_BLOCKS = 64
+BLOCKS_PER_SEQUENCE = 8
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.slots = threading.Semaphore(MAX_NUM_SEQS)
+        self.lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def complete(self, prompt: str, max_tokens: int) -> None:
+        with self.lock:
+            self.waiting += 1
+        self.slots.acquire()
+        with self.lock:
+            self.waiting -= 1
+            self.running += 1
+        try:
+            time.sleep(SECONDS_PER_REQUEST)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.prompt_tokens += len(prompt.split())
+                self.generation_tokens += max_tokens
+            self.slots.release()
+
+    def metrics(self) -> str:
+        with self.lock:
+            used = self.running * BLOCKS_PER_SEQUENCE
+            gauges = {
+                "quire:num_requests_running": self.running,
+                "quire:num_requests_waiting": self.waiting,
+                "quire:num_requests_swapped": 0,
+                "quire:kv_cache_usage_perc": used / KV_BLOCKS,
+                "quire:kv_cache_blocks_total": KV_BLOCKS,
+                "quire:kv_cache_blocks_used": used,
+            }
+            counters = {
+                "quire:num_preemptions": 0,
+                "quire:prompt_tokens": self.prompt_tokens,
+                "quire:generation_tokens": self.generation_tokens,
+            }
+        lines = []
+        for name, value in gauges.items():
+            lines += [f"# HELP {name} {name}", f"# TYPE {name} gauge", f'{name}{{model_name="{MODEL_NAME}"}} {float(value)}']
+        for name, value in counters.items():
+            lines += [f"# HELP {name} {name}", f"# TYPE {name} counter",
+                      f'{name}_total{{model_name="{MODEL_NAME}"}} {float(value)}']
+        return "\n".join(lines) + "\n"
+
+
+def _handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # quiet: the test's output stays readable
+            pass
+
+        def _send(self, status: int, body: str, content_type: str = "application/json") -> None:
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path in ("/health", "/ready"):
+                self._send(200, '{"status": "ok"}')
+            elif self.path == "/metrics":
+                self._send(200, engine.metrics(), "text/plain; version=0.0.4")
+            else:
+                self._send(404, '{"error": "not found"}')
+
+        def do_POST(self) -> None:
+            if self.path != "/v1/completions":
+                self._send(404, '{"error": "not found"}')
+                return
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            engine.complete(request.get("prompt", ""), int(request.get("max_tokens", 16)))
+            self._send(200, json.dumps({"object": "text_completion", "model": MODEL_NAME,
+                                        "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}]}))
+
+    return Handler
+
+
+class RuntimePod:
+    def __init__(self, ip: str, port: int) -> None:
+        self.ip, self.port = ip, port
+        self.url = f"http://{ip}:{port}"
+        self.engine = FakeEngine()
+        self._server = ThreadingHTTPServer((ip, port), _handler(self.engine))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name=f"pod-{ip}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@contextmanager
+def start_runtime_pod(ip: str, port: int) -> Iterator[RuntimePod]:
+    """One serving pod at ip:port until the block ends; /ready answers 200 when this yields."""
+    pod = RuntimePod(ip, port)
+    try:
+        yield pod
+    finally:
+        pod.stop()
+
+
+def free_port(*ips: str) -> int:
+    """A port that is free on every one of these IPs (pods of one Deployment share a port)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((ips[0], 0))
+            port = probe.getsockname()[1]
+        try:
+            for ip in ips:
+                with socket.socket() as s:
+                    s.bind((ip, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no port free on all of {ips}")
