@@ -32,9 +32,9 @@ API_CALLS: tuple[ApiCall, ...] = (
     ApiCall("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete"), "the optional PDB"),
     ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
     ApiCall("", "events", ("create",), "kopf posts Events on actions and invalid specs"),
-    ApiCall("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
-            "kopf notices when the CRD is installed or changed"),
 )
+# Nothing cluster-scoped: kopf's runtime scanning of namespaces and CRDs is off (handlers.configure),
+# so a single-namespace install needs Roles only.
 
 # Discovery: read-only, granted to every authenticated user by the system:discovery role.
 _DISCOVERY = re.compile(r"^/version/?$|^/api(/[^/]+)?/?$|^/apis(/[^/]+){0,2}/?$")

@@ -33,6 +33,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.KOPF_PREFIX)
     settings.persistence.finalizer = names.FINALIZER
+    # No watching of namespaces and CRDs: the namespaces are given, the CRD comes before the
+    # operator (Helm installs crds/ first), and RBAC then needs nothing cluster-scoped.
+    settings.scanning.disabled = True
     # Our own Events say what happened; kopf posts only its warnings and errors.
     settings.posting.level = logging.WARNING
     load_config()
