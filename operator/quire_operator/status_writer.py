@@ -45,4 +45,5 @@ def update_status(kube: Kube, namespace: str, name: str,
         if not fields or contains(obj.get("status") or {}, fields):
             return False
         kube.patch_llmdeployment_status(namespace, name, fields)
+        log.debug("%s/%s: status updated: %s", namespace, name, sorted(fields))
         return True

@@ -1,18 +1,24 @@
-"""A stand-in for one `quire serve` pod, bound to its own loopback IP.
+"""One serving pod for the end-to-end test, bound to its own loopback IP.
 
-Until the real server can run in the test, `start_runtime_pod` starts a tiny HTTP server with
-the runtime's contract as the operator sees it: /health, /ready, /metrics with the documented
-gauge names, and /v1/completions that queues like an engine with `max_num_seqs` slots (a
-request past them waits, and counts in quire:num_requests_waiting). Swapping in the real server
-means changing start_runtime_pod only: the end-to-end test loads pods through HTTP requests.
+`start_runtime_pod` is the one place that decides what a pod is. By default it is a tiny HTTP
+server with the runtime's contract as the operator sees it: /health, /ready, /metrics with the
+documented gauge names, and /v1/completions that queues like an engine with `max_num_seqs`
+slots (a request past them waits, and counts in quire:num_requests_waiting). With
+QUIRE_E2E_RUNTIME=real it is `quire serve` itself on the default model; once the server has
+landed and is fast enough here, make that the default. The test loads pods only through HTTP.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
@@ -123,13 +129,47 @@ class RuntimePod:
 
 
 @contextmanager
-def start_runtime_pod(ip: str, port: int) -> Iterator[RuntimePod]:
+def start_runtime_pod(ip: str, port: int) -> Iterator[object]:
     """One serving pod at ip:port until the block ends; /ready answers 200 when this yields."""
+    if os.environ.get("QUIRE_E2E_RUNTIME") == "real":
+        with _real_server(ip, port) as pod:
+            yield pod
+        return
     pod = RuntimePod(ip, port)
     try:
         yield pod
     finally:
         pod.stop()
+
+
+@contextmanager
+def _real_server(ip: str, port: int, ready_timeout: float = 300) -> Iterator[subprocess.Popen]:
+    quire = pathlib.Path(sys.executable).with_name("quire")
+    process = subprocess.Popen([str(quire), "serve", "--host", ip, "--port", str(port),
+                                "--served-model-name", MODEL_NAME, "--max-num-seqs", str(MAX_NUM_SEQS),
+                                "--shutdown-timeout", "5"])
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"quire serve exited with {process.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://{ip}:{port}/ready", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"quire serve on {ip}:{port} was not ready in {ready_timeout}s")
+            time.sleep(0.5)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def free_port(*ips: str) -> int:
