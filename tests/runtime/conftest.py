@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from quire.models.loader import DEFAULT_MODEL_FILE, default_model_path
+from quire.models.loader import default_model_path
 
 MODEL_FAMILIES = ("llama", "mistral", "qwen2")
 TINY_MAX_NEW_TOKENS = 32
@@ -114,14 +114,29 @@ SMOLLM_MAX_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="session")
-def smollm_reference(smollm_tokenizer):
-    """(prompt token ids, transformers' greedy outputs) for SmolLM2 loaded from the GGUF by
-    transformers itself."""
+def hf_smollm():
+    """SmolLM2 as transformers itself loads it from the GGUF file (its own dequantization and
+    Q/K un-permutation), float32."""
+    folder, name = os.path.split(default_model_path())
+    return hf_model(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def smollm_reference(smollm_tokenizer, hf_smollm):
+    """(prompt token ids, transformers' greedy outputs) for SmolLM2."""
     prompts = [smollm_tokenizer(p).input_ids for p in SMOLLM_PROMPTS]
     assert min(map(len, prompts)) == 1 and max(map(len, prompts)) <= 300
-    folder, name = os.path.split(default_model_path())
-    model = hf_model(folder, gguf_file=name)
-    return prompts, hf_greedy(model, prompts, SMOLLM_MAX_NEW_TOKENS)
+    return prompts, hf_greedy(hf_smollm, prompts, SMOLLM_MAX_NEW_TOKENS)
 
 
-__all__ = ["DEFAULT_MODEL_FILE"]
+@pytest.fixture(scope="session")
+def smollm():
+    """One float32 SmolLM2 engine shared by the tests that only read outputs."""
+    from quire import LLM
+    return LLM(dtype="float32", kv_cache_memory=64 << 20)
+
+
+def assert_no_blocks_in_use(llm) -> None:
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_used_blocks == 0, f"{pool.num_used_blocks} KV blocks still in use"
+

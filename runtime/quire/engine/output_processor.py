@@ -63,6 +63,9 @@ class OutputProcessor:
             try:
                 if seq.logprobs is not None and seq.request_id in logprobs:
                     self._add_logprobs(seq, logprobs[seq.request_id], group.detoks[i])
+                stopped_by_token = seq.status == RequestStatus.FINISHED_STOPPED
+                if stopped_by_token and not seq.sampling_params.include_stop_str_in_output:
+                    continue  # EOS / stop_token_ids: in token_ids, not in the text
                 stop = group.detoks[i].update(token)
             except Exception as e:  # one bad sequence must not take the batch down
                 logger.exception("detokenizing request %s failed", seq.request_id)

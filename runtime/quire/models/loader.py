@@ -82,6 +82,8 @@ def resolve_model(model: str | None, revision: str | None = None,
         if len(ggufs) == 1:
             return ModelSource("gguf", ggufs[0], model)
         raise ValueError(f"model folder {model!r} has no config.json (and not exactly one .gguf)")
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or model.endswith(".gguf"):
+        raise ValueError(f"model path {model!r} does not exist (a Hub id looks like org/name)")
     return ModelSource("hf", _download(model, revision, download_dir), model)
 
 

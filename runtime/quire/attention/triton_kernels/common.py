@@ -1,0 +1,79 @@
+"""Pieces every attention kernel shares: reading K/V tiles through the block table, the
+dtype that tl.dot multiplies in, and tile sizes."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634   # kernels use exp2: scores are scaled by log2(e) up front
+
+# Activations -> (dtype of tl.dot operands, input_precision).
+# fp32 asks for "ieee" so a GPU doesn't quietly drop to TF32: float32 serving exists to match
+# the reference token for token. bf16 tiles are upcast to fp32 ("tf32" holds a bf16 operand
+# exactly and rounds P more finely than bf16 would): Triton's CPU interpreter multiplies bf16
+# operands as raw integers, so a native bf16 tl.dot could never be checked here.
+_DOT = {
+    torch.float32: (tl.float32, "ieee"),
+    torch.float16: (tl.float16, "tf32"),   # precision is ignored for fp16 operands
+    torch.bfloat16: (tl.float32, "tf32"),
+}
+
+
+def dot_config(dtype: torch.dtype):
+    if dtype not in _DOT:
+        raise ValueError(f"triton attention supports float32, float16 and bfloat16 "
+                         f"activations, got {dtype}")
+    return _DOT[dtype]
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """tl.arange needs a power of two, and tl.dot on a GPU a reduction of at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def is_interpreted(kernel) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+@triton.jit
+def kv_tile_offsets(block_table_row_ptr, pos, valid, kv_head, stride_cache_block,
+                    stride_cache_token, stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    """Element offsets of token positions `pos` (one head's row start) in a paged cache.
+
+    Each position finds its own block, so a tile may span several cache blocks and any
+    power-of-two block size works, however small."""
+    block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    return (block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
+            + kv_head * stride_cache_head)
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, row_offsets, valid, d, d_valid, DOT_DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] tile in the dot dtype; fp8 goes through fp32, which the interpreter
+    converts exactly (its fp8 -> fp16 path drops e5m2 subnormals)."""
+    x = tl.load(cache_ptr + row_offsets[:, None] + d[None, :],
+                mask=valid[:, None] & d_valid[None, :], other=0.0)
+    return x.to(tl.float32).to(DOT_DTYPE)
+
+
+def decode_block_n(block_d: int) -> int:
+    """Keys per decode tile: K and V tiles stay within registers at head_dim 256."""
+    return 64 if block_d <= 128 else 32
+
+
+def prefill_rows(group: int, block_d: int) -> tuple[int, int]:
+    """(BLOCK_M rows, BLOCK_Q query tokens) of a prefill tile: rows = tokens x group."""
+    block_m = max(64 if block_d <= 128 else 32, triton.next_power_of_2(group))
+    return block_m, block_m // group
+
+
+def prefill_block_n(block_d: int, dot_dtype) -> int:
+    """Keys per prefill tile, so Q, K and V tiles fit a GPU's shared memory even with fp32
+    operands at head_dim 256. Not tuned on hardware (see benchmarks/README.md)."""
+    if block_d <= 64:
+        return 64
+    if block_d <= 128 or dot_dtype != tl.float32:
+        return 32
+    return 16

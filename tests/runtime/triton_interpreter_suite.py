@@ -1,0 +1,86 @@
+"""The Triton kernels against the torch reference backend, in Triton's CPU interpreter.
+
+Not collected by pytest on its own (no test_ prefix): test_triton_backend.py runs it in a
+child process with TRITON_INTERPRET=1, because Triton fixes interpreter-or-compiler for its
+own standard library when triton is first imported, and in a full test session something
+(torch._dynamo, via transformers) has usually imported it long before. To see each case:
+
+    TRITON_INTERPRET=1 python -m pytest tests/runtime/triton_interpreter_suite.py --durations=0
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
+    raise RuntimeError("run this module in a fresh process with TRITON_INTERPRET=1 "
+                       "(see tests/runtime/test_triton_backend.py)")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from quire.attention import triton_backend  # noqa: E402
+from quire.attention.base import AttentionMetadata  # noqa: E402
+from quire.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from quire.attention.triton_kernels.cache_write import write_kv_cache  # noqa: E402
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# Output tolerance (absolute, on outputs of magnitude ~1) against the torch backend.
+# fp32: both accumulate in fp32, in a different order. fp16/bf16: the reference rounds the
+# probabilities to the activation dtype before P @ V where the kernels keep fp32 (bf16 tiles
+# are upcast to fp32 for tl.dot, see triton_kernels/common.py), and the interpreter truncates
+# rather than rounds fp32 -> bf16 when it stores the output.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def test_kernels_run_in_the_interpreter():
+    assert triton_backend.INTERPRETED
+
+
+def reference_write(k, v, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0):
+    """torch_backend.write_kv's rule (fp8 stores value / scale); index_copy_ has no fp8 CPU
+    kernel, so fp8 goes through byte views."""
+    hk, d = k_cache.shape[-2:]
+    if k_cache.dtype != k.dtype:
+        k = (k / k_scale).to(k_cache.dtype).view(torch.uint8)
+        v = (v / v_scale).to(v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_cache.view(-1, hk, d).index_copy_(0, slots, k)
+    v_cache.view(-1, hk, d).index_copy_(0, slots, v)
+
+
+def fused_qkv(t, h, hkv, d, dtype, gen):
+    """q, k, v as strided views of one fused projection, as the model hands them over."""
+    fused = torch.randn(t, (h + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, v = fused.split([h * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+# ------------------------------------------------------------------------------ cache write
+
+@pytest.mark.parametrize("dtype,kv,scale", [
+    (torch.float32, None, 1.0), (torch.float16, None, 1.0), (torch.bfloat16, None, 1.0),
+    (torch.float32, "e4m3", 0.37), (torch.float32, "e5m2", 3.1),
+    (torch.float16, "e4m3", 0.5), (torch.bfloat16, "e5m2", 2.0),
+])
+def test_cache_write_stores_the_same_bytes_as_torch(dtype, kv, scale):
+    """Power-of-two scales for fp16/bf16: torch divides in the activation dtype, the kernel
+    in fp32, and only an exact division makes the two round alike."""
+    gen = torch.Generator().manual_seed(0)
+    t, hkv, d, bs, blocks = 37, 3, 64, 8, 12
+    cache_dtype = FP8[kv] if kv else dtype
+    _, k, v = fused_qkv(t, 1, hkv, d, torch.float32, gen)
+    if kv:  # from fp8 subnormals up to the largest finite value, with round-up carries
+        k = k * torch.exp2(torch.randint(-24, 12, k.shape, generator=gen).float())
+        k = k.clamp(-FP8_MAX[cache_dtype] * scale, FP8_MAX[cache_dtype] * scale)
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    got = [torch.zeros(blocks, bs, hkv, d, dtype=cache_dtype) for _ in range(2)]
+    want = [torch.zeros_like(got[0]) for _ in range(2)]
+    write_kv_cache(k, v, *got, slots, scale, scale)
+    reference_write(k, v, *want, slots, scale, scale)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
