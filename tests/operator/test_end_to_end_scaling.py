@@ -70,7 +70,9 @@ def test_scales_up_under_load_and_down_after_the_window(cluster):
 
             with Load(controller, port) as load:
                 wait_for(lambda: cluster.llmd("chat")["spec"]["replicas"] == 2, timeout=20, what="scale-up")
-                scaled_up = cluster.llmd("chat")["status"]["autoscaler"]
+                # The decision is recorded in status just after the replicas change.
+                scaled_up = wait_for(lambda: (a := cluster.llmd("chat")["status"].get("autoscaler") or {})
+                                     .get("lastScaleTime") and a, what="the recorded decision")
                 wait_for(lambda: len(controller.pods()) == 2, what="the second pod")
                 # 16 clients keep ~6 requests waiting per pod, 3× the target even at two pods:
                 # the autoscaler keeps asking for more than maxReplicas, and must stay at 2.

@@ -70,7 +70,8 @@ def test_create_makes_an_owned_deployment_and_service_with_the_served_pod(cluste
 def test_status_tells_the_truth_about_the_rollout(cluster):
     with running_operator():
         cluster.create(llmdeployment("chat", replicas=2))
-        llmd = wait_for(lambda: (o := cluster.llmd("chat")) and condition(o, "Ready") and o, what="a status")
+        llmd = wait_for(lambda: (o := cluster.llmd("chat")) and (o.get("status") or {}).get("observedGeneration") and o,
+                        what="generation 1 applied")
         assert condition(llmd, "Ready")["status"] == "False"
         assert is_true(llmd, "Progressing")
         assert condition(llmd, "Degraded")["status"] == "False"
@@ -154,7 +155,8 @@ def test_a_deleted_deployment_is_put_back_and_an_unwanted_pdb_removed(cluster):
     with running_operator():
         cluster.create(llmdeployment("chat", podDisruptionBudget={"enabled": True, "maxUnavailable": 2}))
         first = wait_for(lambda: cluster.deployment("chat"))
-        assert cluster.get("policy/v1", "poddisruptionbudgets", "chat")["spec"]["maxUnavailable"] == 2
+        pdb = wait_for(lambda: cluster.get("policy/v1", "poddisruptionbudgets", "chat"), what="the PDB")
+        assert pdb["spec"]["maxUnavailable"] == 2
 
         cluster.delete("apps/v1", "deployments", "chat")
         again = wait_for(lambda: (d := cluster.deployment("chat")) and d["metadata"]["uid"] != first["metadata"]["uid"]
