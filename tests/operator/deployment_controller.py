@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Sequence
 
-from conftest import Cluster
+from operator_harness import Cluster
 
 
 class DeploymentController:

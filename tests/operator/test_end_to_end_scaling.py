@@ -4,7 +4,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from conftest import LLMD_API, llmdeployment, running_operator, wait_for
+from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 from deployment_controller import DeploymentController
 from runtime_pod import free_port, start_runtime_pod
 

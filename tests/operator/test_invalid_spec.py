@@ -2,7 +2,7 @@
 
 import time
 
-from conftest import LLMD_API, llmdeployment, running_operator, wait_for
+from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 from quire_operator import names
 

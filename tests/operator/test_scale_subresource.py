@@ -1,6 +1,6 @@
 """/scale, as `kubectl scale`, HPA or KEDA use it, reads and writes the replica count."""
 
-from conftest import LLMD_API, llmdeployment, running_operator, wait_for
+from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 from quire_operator import names
 

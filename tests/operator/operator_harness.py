@@ -1,4 +1,10 @@
-"""Fixtures: an emulated API server with the CRD installed, a kubectl-like client, the operator."""
+"""The operator tests' harness: an emulated API server with the CRD installed, a kubectl-like
+client, the operator in a thread.
+
+Not a conftest.py on purpose: the runtime tests import their conftest by the name `conftest`, and
+two such modules replace each other in sys.modules. Test modules import the `cluster` fixture
+from here instead.
+"""
 
 from __future__ import annotations
 
