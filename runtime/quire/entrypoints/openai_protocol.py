@@ -1,0 +1,309 @@
+"""Request and response bodies of the HTTP API (OpenAI's shapes plus Quire's extras), and
+the errors the server answers with.
+
+Requests are parsed strictly from the raw JSON (no "5" for 5, no 1.5 for an integer), and every
+problem becomes an OpenAIError: HTTP 400 naming the parameter, in OpenAI's error shape.
+Ranges are checked once, by SamplingParams and the engine, whose ValueErrors name the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quire.sampling_params import RequestOutputKind, SamplingParams
+
+MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, "invalid_value")
+
+
+# --- parsing --------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def parse_request(cls: type[_Request], raw: bytes) -> Any:
+    """The body as `cls`, or an OpenAIError (400) naming the first bad parameter."""
+    try:
+        return cls.model_validate_json(raw or b"")
+    except ValidationError as e:
+        raise _validation_error(cls, e) from None
+
+
+def _validation_error(cls: type[BaseModel], exc: ValidationError) -> OpenAIError:
+    err = exc.errors(include_url=False)[0]
+    kind, loc = err["type"], err["loc"]
+    if kind == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {err['msg']}")
+    if kind == "model_type" or not loc:
+        return bad_request("the request body must be a JSON object")
+    param = str(loc[0])
+    if kind == "missing" and len(loc) == 1:
+        return bad_request(f"'{param}' is required", param)
+    if kind == "extra_forbidden":
+        allowed = ", ".join(sorted(cls.model_fields))
+        return bad_request(f"unknown parameter '{param}'; this endpoint takes {allowed}", param)
+    field = cls.model_fields.get(param)
+    expected = field.description if field is not None and field.description else None
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:]
+                    if isinstance(p, int) or not _is_union_tag(p))
+    message = f"invalid '{param}{where}': {err['msg']}"
+    if expected:
+        message += f" ({param} must be {expected})"
+    return bad_request(message, param)
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+_FIRST_WORD = re.compile(r"^'?([a-z_]+)'?\b")
+
+
+def param_of(message: str, known: set[str], renames: dict[str, str] | None = None) -> str | None:
+    """The parameter a library ValueError names ("temperature must be >= 0, ...")."""
+    m = _FIRST_WORD.match(message)
+    if not m or m.group(1) not in known:
+        return None
+    name = m.group(1)
+    return (renames or {}).get(name, name)
+
+
+# --- sampling parameters shared by /v1/completions, /v1/chat/completions and /generate -----
+class SamplingFields(_Request):
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="-1 or 0 (all tokens) or a positive integer")
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description="a string or a list of strings")
+    stop_token_ids: list[int] | None = Field(None, description="a list of token ids")
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                        stream: bool, max_n: int | None = None) -> SamplingParams:
+        """SamplingParams, or OpenAIError 400 naming the parameter that is out of range."""
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad_request(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}",
+                              "seed")
+        if max_n is not None and isinstance(self.n, int) and self.n > max_n:
+            raise bad_request(f"n must be <= {max_n} (this server's --max-num-seqs), "
+                              f"got {self.n}", "n")
+        values = {k: getattr(self, k) for k in (
+            "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+            "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens")}
+        values = {k: v for k, v in values.items() if v is not None}
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs,
+                                  output_kind=kind)
+        except ValueError as e:
+            raise bad_request(str(e), param_of(str(e), SAMPLING_PARAM_NAMES)) from None
+
+
+SAMPLING_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt"}
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+# --- /v1/completions ------------------------------------------------------------------------
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids or a list of lists of "
+                    "token ids")
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, description="an integer in [0, 20] or null")
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+
+
+# --- /v1/chat/completions -------------------------------------------------------------------
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[ContentPart] | None = Field(
+        None, description="a string or a list of {'type': 'text', 'text': ...} parts")
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content parts of type {part.type!r} are not supported; "
+                                      "only 'text' parts", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(
+        description="a non-empty list of {'role', 'content'} messages")
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, description="an integer in [0, 20] or null")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+    user: str | None = None
+
+
+# --- /generate (vLLM's simple API) ----------------------------------------------------------
+class GenerateRequest(SamplingFields):
+    model_config = ConfigDict(extra="forbid", strict=True)  # every other field is a mistake
+    model: str | None = None
+    prompt: str | list[int] = Field(description="a string or a list of token ids")
+    stream: bool = False
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+
+# --- /tokenize, /detokenize -----------------------------------------------------------------
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(description="a list of token ids")
+
+
+# --- responses ------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json(exclude_unset=False)
+    else:
+        data = json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

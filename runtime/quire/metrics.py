@@ -1,0 +1,165 @@
+"""Prometheus metrics for the server, from the engine's snapshots and step events.
+
+Every figure is exported as `quire:*` with a `model_name` label; the operator's autoscaler
+reads `quire:num_requests_waiting` and `quire:kv_cache_usage_perc`, so these names are a
+contract. With `compat="vllm"` the same figures are also exported under vLLM's names (both
+`vllm:kv_cache_usage_perc` and the older `vllm:gpu_cache_usage_perc`), so dashboards and KEDA
+triggers written for vLLM work unchanged. Each ServerMetrics has its own CollectorRegistry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from quire.engine.stats import EngineSnapshot, StepEvents
+from quire.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+COMPAT_CHOICES = ("none", "vllm")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# vLLM's buckets, so histograms line up on shared dashboards.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    key: str
+    kind: type
+    name: str                          # quire:... (counters without the _total suffix)
+    vllm: tuple[str, ...]              # vLLM's names for the same figure
+    doc: str
+    buckets: tuple[float, ...] = ()
+    labels: tuple[str, ...] = ()       # beyond model_name
+
+
+SPECS = (
+    _Spec("running", Gauge, "quire:num_requests_running", ("vllm:num_requests_running",),
+          "Sequences in the running batch."),
+    _Spec("waiting", Gauge, "quire:num_requests_waiting", ("vllm:num_requests_waiting",),
+          "Sequences waiting to be scheduled."),
+    _Spec("swapped", Gauge, "quire:num_requests_swapped", ("vllm:num_requests_swapped",),
+          "Sequences swapped out to host memory."),
+    _Spec("kv_usage", Gauge, "quire:kv_cache_usage_perc",
+          ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+          "Fraction of KV-cache blocks in use (0 to 1)."),
+    _Spec("blocks_total", Gauge, "quire:kv_cache_blocks_total", (),
+          "KV-cache blocks in the pool."),
+    _Spec("blocks_used", Gauge, "quire:kv_cache_blocks_used", (),
+          "KV-cache blocks held by requests."),
+    _Spec("preemptions", Counter, "quire:num_preemptions", ("vllm:num_preemptions",),
+          "Preemptions (recompute and swap)."),
+    _Spec("prefix_queries", Counter, "quire:prefix_cache_queries",
+          ("vllm:prefix_cache_queries",), "Prompt tokens looked up in the prefix cache."),
+    _Spec("prefix_hits", Counter, "quire:prefix_cache_hits", ("vllm:prefix_cache_hits",),
+          "Prompt tokens found in the prefix cache."),
+    _Spec("prompt_tokens", Counter, "quire:prompt_tokens", ("vllm:prompt_tokens",),
+          "Prompt tokens computed (prefill)."),
+    _Spec("generation_tokens", Counter, "quire:generation_tokens", ("vllm:generation_tokens",),
+          "Tokens generated."),
+    _Spec("request_success", Counter, "quire:request_success", ("vllm:request_success",),
+          "Finished sequences, by finish reason (stop, length, abort, error).",
+          labels=("finished_reason",)),
+    _Spec("ttft", Histogram, "quire:time_to_first_token_seconds",
+          ("vllm:time_to_first_token_seconds",), "Time to first token.", TTFT_BUCKETS),
+    _Spec("itl", Histogram, "quire:inter_token_latency_seconds",
+          ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+          "Time between two output tokens of a sequence.", ITL_BUCKETS),
+    _Spec("e2e", Histogram, "quire:e2e_request_latency_seconds",
+          ("vllm:e2e_request_latency_seconds",), "Arrival to last token.", REQUEST_BUCKETS),
+    _Spec("queue", Histogram, "quire:request_queue_time_seconds",
+          ("vllm:request_queue_time_seconds",), "Arrival to first scheduling.",
+          REQUEST_BUCKETS),
+)
+
+
+class ServerMetrics:
+    """Metric families exist from construction; samples appear once `bind(model_name)`."""
+
+    def __init__(self, compat: str = "none") -> None:
+        if compat not in COMPAT_CHOICES:
+            raise ValueError(f"metrics_compat must be one of {', '.join(COMPAT_CHOICES)}; "
+                             f"got {compat!r}")
+        self.registry = CollectorRegistry()
+        self.model_name: str | None = None
+        self._families: dict[str, list] = {}
+        self._children: dict[str, list] = {}
+        self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        for spec in SPECS:
+            names = (spec.name,) + (spec.vllm if compat == "vllm" else ())
+            kwargs = {"buckets": spec.buckets} if spec.kind is Histogram else {}
+            self._families[spec.key] = [
+                spec.kind(name, spec.doc, ("model_name",) + spec.labels,
+                          registry=self.registry, **kwargs)
+                for name in names]
+
+    def bind(self, model_name: str) -> None:
+        self.model_name = model_name
+        for spec in SPECS:
+            if not spec.labels:
+                self._children[spec.key] = [f.labels(model_name=model_name)
+                                            for f in self._families[spec.key]]
+        for reason in ("stop", "length", "abort", "error"):  # present at 0 from the start
+            self._reason(reason)
+
+    def _reason(self, reason: str) -> list:
+        return [f.labels(model_name=self.model_name, finished_reason=reason)
+                for f in self._families["request_success"]]
+
+    # --- updates (from the engine loop, between steps) -----------------------------------
+    def record(self, snap: EngineSnapshot, ev: StepEvents) -> None:
+        if self.model_name is None:
+            return
+        self._set("running", snap.num_running)
+        self._set("waiting", snap.num_waiting)
+        self._set("swapped", snap.num_swapped)
+        self._set("kv_usage", snap.kv_usage)
+        self._set("blocks_total", snap.blocks_total)
+        self._set("blocks_used", snap.blocks_used)
+        self._advance("preemptions", sum(snap.preemptions.values()))
+        self._advance("prefix_queries", snap.prefix_queries)
+        self._advance("prefix_hits", snap.prefix_hits)
+        self._inc("prompt_tokens", ev.prompt_tokens)
+        self._inc("generation_tokens", ev.generation_tokens)
+        for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),
+                            ("e2e", ev.e2e_latency), ("queue", ev.queue_time)):
+            for v in values:
+                if v is not None and math.isfinite(v):
+                    for child in self._children[key]:
+                        child.observe(max(0.0, v))
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """One count per finished sequence of a finished request (aborts and errors too)."""
+        if self.model_name is None:
+            return
+        for c in output.outputs:
+            for child in self._reason(c.finish_reason or "abort"):
+                child.inc()
+
+    def _set(self, key: str, value: float) -> None:
+        for child in self._children[key]:
+            child.set(value)
+
+    def _inc(self, key: str, amount: float) -> None:
+        if amount > 0:
+            for child in self._children[key]:
+                child.inc(amount)
+
+    def _advance(self, key: str, total: int) -> None:
+        """Counters the engine keeps as lifetime totals: add what is new since last time."""
+        self._inc(key, total - self._totals[key])
+        self._totals[key] = max(total, self._totals[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
