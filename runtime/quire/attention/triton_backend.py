@@ -77,6 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0):
         plan: _StepPlan = meta.backend_state[self]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if k_cache.dtype == q.dtype:   # as in the torch backend, scales only mean fp8
+            k_scale = v_scale = 1.0
         out = torch.empty_like(q)
         dot_dtype, precision = common.dot_config(q.dtype)
         shared = dict(scale=self.scale, k_scale=k_scale, v_scale=v_scale,

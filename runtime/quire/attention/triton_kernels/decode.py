@@ -40,7 +40,7 @@ def _decode_split_kernel(
     lo = 0
     if HAS_WINDOW:  # the query sits at seq_len - 1 and sees `window` keys back to itself
         lo = tl.maximum(seq_len - window, 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(seq_len - lo, num_splits)   # short sequences leave splits empty
     start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -78,12 +78,11 @@ def _decode_split_kernel(
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # an empty split (short sequence) leaves lse = -inf and weighs nothing
-        empty = l == 0.0
-        o = acc / tl.where(empty, 1.0, l)[:, None]
+        l = tl.where(l == 0.0, 1.0, l)
         part = seq * stride_part_seq + head * stride_part_head + split
-        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=mask)
-        tl.store(part_lse_ptr + part, tl.where(empty, float("-inf"), m + tl.log2(l)),
-                 mask=h_valid)
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], acc / l[:, None],
+                 mask=mask)
+        tl.store(part_lse_ptr + part, m + tl.log2(l), mask=h_valid)   # empty: -inf
 
 
 @triton.jit
@@ -123,13 +122,13 @@ def paged_decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, que
                                device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
                                device=q.device)
-    common = dict(stride_part_seq=num_heads * num_splits, stride_part_head=num_splits)
+    part_strides = dict(stride_part_seq=num_heads * num_splits, stride_part_head=num_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
         scale * k_scale * LOG2E, float(v_scale), sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        **common,
+        **part_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
@@ -138,7 +137,7 @@ def paged_decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, que
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, query_start_loc, float(v_scale), num_splits,
-            out.stride(0), out.stride(1), **common,
+            out.stride(0), out.stride(1), **part_strides,
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
         )
 
