@@ -1,59 +1,20 @@
-"""Shared fixtures: tiny random models of each family, the default model, and transformers'
-greedy reference outputs (the correctness oracle)."""
+"""Runtime test fixtures. The helpers they use live in runtime_helpers.py: a unique module
+name, since every test folder has a conftest.py and `from conftest import` is ambiguous."""
 
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
-import torch
 
-from quire.models.loader import default_model_path
-
-MODEL_FAMILIES = ("llama", "mistral", "qwen2")
-TINY_MAX_NEW_TOKENS = 32
-
-
-def _tokenizer():
-    from transformers import AutoTokenizer
-    folder, name = os.path.split(default_model_path())
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+from runtime_helpers import (MODEL_FAMILIES, SMOLLM_PROMPTS, SMOLLM_MAX_NEW_TOKENS,
+                             TINY_MAX_NEW_TOKENS, default_model_path, hf_greedy, hf_model,
+                             random_prompts, save_tiny_model, smollm2_tokenizer, tiny_config)
 
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
-    return _tokenizer()
-
-
-def tiny_config(family: str, **overrides):
-    """Small enough to run in seconds, big enough to exercise GQA, biases, windows, RoPE."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  initializer_range=0.08, bos_token_id=1, eos_token_id=2)
-    common.update(overrides)
-    if family == "llama":
-        return LlamaConfig(**{"rope_theta": 10000.0, **common})
-    if family == "mistral":  # a short sliding window, so 300-token prompts cross it
-        return MistralConfig(**{"sliding_window": 48, "head_dim": 16, **common})
-    if family == "qwen2":    # q/k/v biases, tied embeddings
-        return Qwen2Config(**{"tie_word_embeddings": True, **common})
-    raise ValueError(family)
-
-
-def save_tiny_model(path: str, config, tokenizer, seed: int = 0) -> str:
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
-        with torch.no_grad():  # biases start at zero; make them matter
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.5)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -64,53 +25,12 @@ def tiny_models(tmp_path_factory, smollm_tokenizer):
             for f in MODEL_FAMILIES}
 
 
-def random_prompts(n: int = 12, lengths=None, seed: int = 0, vocab: int = 49152):
-    """Token-id prompts of lengths 1 to 300 (never EOS, so none stops at once)."""
-    rng = random.Random(seed)
-    lengths = lengths or [1, 2, 7, 15, 16, 17, 33, 64, 100, 150, 257, 300][:n]
-    return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
-
-
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy generate, one prompt at a time (no padding to blur the oracle)."""
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
-def hf_model(path: str, **kwargs):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
-
-
 @pytest.fixture(scope="session")
 def tiny_references(tiny_models):
     """family -> (prompts, transformers' greedy outputs)."""
     prompts = random_prompts()
     return {f: (prompts, hf_greedy(hf_model(path), prompts, TINY_MAX_NEW_TOKENS))
             for f, path in tiny_models.items()}
-
-
-SMOLLM_PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "List three colors:",
-    "Translate to French: Good morning, how are you today?",
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Question: What is the boiling point of water at sea level? Answer:",
-    "Write a haiku about autumn leaves falling gently.",
-    "In mathematics, a prime number is " * 6,
-    "Paris is a city in France. " * 20,
-    "The history of the Roman Empire spans many centuries and " * 25,
-]
-SMOLLM_MAX_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="session")
@@ -134,9 +54,3 @@ def smollm():
     """One float32 SmolLM2 engine shared by the tests that only read outputs."""
     from quire import LLM
     return LLM(dtype="float32", kv_cache_memory=64 << 20)
-
-
-def assert_no_blocks_in_use(llm) -> None:
-    pool = llm.engine.kv_manager.pool
-    assert pool.num_used_blocks == 0, f"{pool.num_used_blocks} KV blocks still in use"
-

@@ -11,7 +11,7 @@ import torch
 from quire import LLM, SamplingParams
 from quire.models.loader import unpermute_qk
 
-from conftest import assert_no_blocks_in_use
+from runtime_helpers import assert_no_blocks_in_use
 
 
 def _logprobs(llm, prompts):

@@ -8,7 +8,7 @@ import pytest
 from quire import LLM, SamplingParams
 from quire.worker.kv_cache import bytes_per_block
 
-from conftest import MODEL_FAMILIES, SMOLLM_MAX_NEW_TOKENS, TINY_MAX_NEW_TOKENS
+from runtime_helpers import MODEL_FAMILIES, SMOLLM_MAX_NEW_TOKENS, TINY_MAX_NEW_TOKENS
 
 
 def _blocks_budget(llm_cfg, num_blocks: int, block_size: int = 16) -> int:
@@ -55,7 +55,6 @@ def test_tiny_models_match_transformers(family, setting, tiny_models, tiny_refer
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_smollm2_matches_transformers(setting, smollm_reference):
-    from quire.models.loader import default_model_path  # noqa: F401  (the default model)
     from transformers import LlamaConfig
     prompts, expected = smollm_reference
     cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,

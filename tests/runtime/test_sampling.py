@@ -7,7 +7,7 @@ import pytest
 
 from quire import LLM, SamplingParams
 
-from conftest import assert_no_blocks_in_use, random_prompts
+from runtime_helpers import assert_no_blocks_in_use, random_prompts
 
 
 @pytest.fixture(scope="module")
