@@ -264,7 +264,7 @@ def test_engine_greedy_tokens_equal_torch_backend(family, tmp_path):
     """Chunked prefill (32-token budget) and prefix-cache hits (a second batch reusing the
     first one's prompts) both go through the prefill kernel; Mistral's 48-token window is
     crossed by the longer prompts."""
-    from conftest import random_prompts, save_tiny_model, tiny_config
+    from runtime_helpers import random_prompts, save_tiny_model, tiny_config
     from quire import LLM, SamplingParams
     from quire.worker.kv_cache import bytes_per_block
 
