@@ -1,11 +1,12 @@
 """Quire: a paged-KV LLM inference runtime."""
 
 from quire.config import EngineArgs
+from quire.engine.beam_search import BeamSearchParams
 from quire.entrypoints.llm import LLM
 from quire.outputs import CompletionOutput, Logprob, RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
            "CompletionOutput", "Logprob", "__version__"]

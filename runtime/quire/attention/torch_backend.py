@@ -21,8 +21,12 @@ _MAX_PADDING_WASTE = 0.25
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
     hk, d = k_cache.shape[-2:]
-    if k_cache.dtype != k.dtype:  # fp8: store value / scale
-        k, v = (k / k_scale).to(k_cache.dtype), (v / v_scale).to(v_cache.dtype)
+    if k_cache.dtype != k.dtype:  # fp8: store value / scale, saturated (e4m3fn has no inf)
+        limit = torch.finfo(k_cache.dtype).max
+        k = (k.float() / k_scale).clamp_(-limit, limit).to(k_cache.dtype)
+        v = (v.float() / v_scale).clamp_(-limit, limit).to(v_cache.dtype)
+        # CPU torch has no index_copy_ for float8: move the bytes instead
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v)
 
@@ -37,9 +41,11 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """[n * nb] block ids -> [n, nb * block_size, Hkv, D] in the compute dtype."""
     num_blocks, bs, hk, d = cache.shape
-    x = cache.view(num_blocks, -1).index_select(0, block_ids)
-    if x.dtype != dtype:
-        x = x.to(dtype) * scale
+    if cache.element_size() == 1:  # float8: gather the bytes (no CPU index_select for it)
+        x = cache.view(torch.uint8).view(num_blocks, -1).index_select(0, block_ids)
+        x = x.view(cache.dtype).to(dtype) * scale
+    else:
+        x = cache.view(num_blocks, -1).index_select(0, block_ids).to(dtype)
     return x.view(-1, bs, hk, d)
 
 

@@ -16,8 +16,7 @@ import torch
 from quire.attention.base import AttentionBackend, AttentionMetadata
 from quire.attention.triton_kernels import common
 from quire.attention.triton_kernels.cache_write import write_kv_cache
-from quire.attention.triton_kernels.decode import (_decode_split_kernel, choose_num_splits,
-                                                   paged_decode_attention)
+from quire.attention.triton_kernels.decode import choose_num_splits, paged_decode_attention
 from quire.attention.triton_kernels.prefill import paged_prefill_attention, prefill_tiles
 
 # Decode splits: none shorter than this many context tokens, and up to this many
@@ -26,7 +25,7 @@ DEFAULT_MIN_SPLIT_LEN = 256
 PROGRAMS_PER_SM = 2
 
 # Whether the kernels were defined for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
-INTERPRETED = common.is_interpreted(_decode_split_kernel)
+INTERPRETED = common.is_interpreted(common.kv_tile_offsets)
 
 
 @functools.cache

@@ -14,12 +14,14 @@ from typing import Sequence
 import torch
 
 from quire.config import EngineArgs
+from quire.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
 from quire.engine.stats import EngineSnapshot, StepEvents
+from quire.engine.swap_manager import SwapManager
 from quire.models.config import ModelConfig
 from quire.models.llama import LlamaForCausalLM
 from quire.models.loader import (default_dtype, iter_weights, load_hf_config, load_tokenizer,
@@ -69,16 +71,18 @@ class LLMEngine:
         self.kv_cache = self._allocate_kv_cache(cfg)
         pool = BlockPool(self.kv_cache.num_blocks, args.enable_prefix_caching)
         self.kv_manager = KVCacheManager(pool, self.block_size)
+        self.swap_manager, host_cache = self._swap_space(cfg)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
-                                   args.max_num_batched_tokens)
+                                   args.max_num_batched_tokens, self.swap_manager)
         self.sampler = Sampler(cfg.vocab_size, self.device, args.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
-                                  self.device)
+                                  self.device, host_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
         self._aborted_outputs: list[RequestOutput] = []
+        self.beam_groups: dict[str, BeamSearchGroup] = {}
         self._ids = itertools.count()
         logger.info("loaded %s (%s, %s, attention %s) in %.1fs", self.model_name,
                     cfg.architecture, str(self.dtype).removeprefix("torch."),
@@ -115,6 +119,21 @@ class LLMEngine:
                     cache.nbytes / 2**30, str(self.kv_dtype).removeprefix("torch."),
                     tokens / self.max_model_len, self.max_model_len)
         return cache
+
+    def _swap_space(self, cfg: ModelConfig):
+        if self.args.preemption_mode != "swap":
+            return None, None
+        per_block = bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, self.kv_dtype)
+        num_host_blocks = self.args.swap_space // per_block
+        if num_host_blocks < 1:
+            raise ValueError(f"swap_space of {self.args.swap_space} bytes holds no block; one "
+                             f"block needs {per_block} bytes")
+        host = KVCache(cfg.num_layers, num_host_blocks, self.block_size, cfg.num_kv_heads,
+                       cfg.head_dim, self.kv_dtype, torch.device("cpu"),
+                       pin_memory=self.device.type == "cuda")
+        logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, host.nbytes / 2**30)
+        return SwapManager(self.kv_manager, num_host_blocks), host
 
     def _eos_token_ids(self, cfg: ModelConfig) -> frozenset[int]:
         ids = set(cfg.eos_token_ids)
@@ -192,10 +211,59 @@ class LLMEngine:
                 f"{self.capacity_tokens - prompt_len}, got {params.max_tokens}")
         return params.max_tokens
 
+    def add_beam_search(self, request_id: str | None, prompt: PromptType,
+                        params: BeamSearchParams, arrival_time: float | None = None) -> str:
+        """Queue a beam search; its one output (the best beam_width sequences, best first)
+        comes from step() when it finishes."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.beam_groups or self.output_processor.group_of(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._max_tokens(len(token_ids), SamplingParams(max_tokens=params.max_tokens))
+        # greedy rows that return the top-2W logprobs; the group chooses the tokens
+        seq_params = SamplingParams(temperature=0, logprobs=2 * params.beam_width,
+                                    max_tokens=params.max_tokens, ignore_eos=True)
+        root = Request(f"{request_id}#beam0", token_ids, seq_params, frozenset(),
+                       params.max_tokens, arrival_time, group_id=request_id)
+        root.beam = BeamSearchGroup(request_id, text, root, params, self.eos_token_ids)
+        self.beam_groups[request_id] = root.beam
+        self.scheduler.add_request(root)
+        return request_id
+
+    def _fork_beam(self, parent: Request, new_id: str) -> Request:
+        child = Request(new_id, parent.prompt_token_ids, parent.sampling_params, frozenset(),
+                        parent.max_tokens, parent.metrics.arrival_time, group_id=parent.group_id)
+        child.token_ids = list(parent.token_ids)
+        child.beam = parent.beam
+        if parent.request_id in self.kv_manager.req_blocks:  # share its blocks
+            self.kv_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.scheduler.running.append(child)
+        return child
+
+    def _advance_beams(self, updated: list[Request], logprobs: dict) -> list[RequestOutput]:
+        groups = {}
+        for seq in updated:
+            seq.beam.add_logprobs(seq, logprobs[seq.request_id])
+            groups[seq.beam.request_id] = seq.beam
+        outs = []
+        for group in groups.values():
+            if group.ready():
+                group.advance(self._fork_beam, self.scheduler.finish)
+            if group.finished:
+                del self.beam_groups[group.request_id]
+                outs.append(group.output(self.tokenizer))
+        return outs
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
+            beam = self.beam_groups.pop(rid, None)
+            if beam is not None:
+                beam.abort(self.scheduler.finish)
+                continue
             group = self.output_processor.group_of(rid)
             if group is None:
                 continue
@@ -222,6 +290,10 @@ class LLMEngine:
         self.num_prompt_tokens_computed += result.num_prompt_tokens
         self.events.prompt_tokens += result.num_prompt_tokens
         updated = self.scheduler.update(sched, result.sampled)
+        beams = [r for r in updated if r.beam is not None]
+        if beams:
+            updated = [r for r in updated if r.beam is None]
+            outputs += self._advance_beams(beams, result.logprobs)
         touched = self.output_processor.process(updated, result.logprobs, self.scheduler.finish)
         self._record(updated)
         return outputs + self.output_processor.outputs(touched)
@@ -269,8 +341,8 @@ class LLMEngine:
             blocks_cached_free=pool.num_cached_free,
             kv_usage=pool.usage(),
             slack_tokens=self.kv_manager.num_slack_tokens(sched.running),
-            host_blocks_total=0,
-            host_blocks_used=0,
+            host_blocks_total=self.swap_manager.host.num_blocks if self.swap_manager else 0,
+            host_blocks_used=self.swap_manager.host.num_used_blocks if self.swap_manager else 0,
             preemptions=dict(sched.num_preemptions),
             prefix_queries=self.kv_manager.prefix_queries,
             prefix_hits=self.kv_manager.prefix_hits,

@@ -127,6 +127,12 @@ class KVCacheManager:
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
+    def adopt_blocks(self, request: Request, blocks: list[KVBlock]) -> None:
+        """Freshly allocated blocks that now hold the request's KV (a swap-in). They are
+        registered in the prefix cache again at the next allocation."""
+        self.req_blocks[request.request_id] = blocks
+        self._num_hashed[request.request_id] = 0
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)

@@ -70,6 +70,7 @@ class Request:
         self.pending_forks: list[Request] = []  # siblings (n > 1) forked when the prompt is done
         self.block_hashes: list[int] = []       # chained hashes of this request's full blocks
         self.num_preemptions = 0
+        self.beam = None  # the BeamSearchGroup this sequence is a beam of, if any
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property

@@ -103,8 +103,8 @@ class Scheduler:
                 req = self.running[i]
                 i += 1
                 todo = req.num_tokens_to_compute
-                if req.request_id in scheduled or (todo == 1) != decoding:
-                    continue
+                if todo == 0 or req.request_id in scheduled or (todo == 1) != decoding:
+                    continue  # (nothing to compute: a beam waiting for its siblings)
                 n = min(todo, budget)
                 copies = self.kv.allocate_slots(req, n)
                 while copies is None:
@@ -211,6 +211,9 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
+            if req.beam is not None:  # its beam search group picks the next token
+                updated.append(req)
+                continue
             children = out.forks.get(req.request_id, ())
             for child in children:
                 self.kv.fork(req, child)

@@ -8,6 +8,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from quire.config import EngineArgs
+from quire.engine.beam_search import BeamSearchParams
 from quire.engine.engine import LLMEngine, PromptType
 from quire.outputs import RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
@@ -54,6 +55,14 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams, use_tqdm: bool = True) -> list[RequestOutput]:
+        """The best `beam_width` sequences per prompt, best first (outputs[0] is the best).
+        Beams share the KV blocks of their common history."""
+        prompts = _as_list(prompts)
+        ids = [self.engine.add_beam_search(None, p, params) for p in prompts]
+        return self._run(ids, use_tqdm)
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -92,6 +101,10 @@ class LLM:
                                     f"output: {out_toks / elapsed:.0f} toks/s", refresh=False)
                 bar.update(1)
         bar.close()
+        failed = [done[i] for i in ids if done[i].error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed; the first: "
+                               f"{failed[0].error}")
         return [done[i] for i in ids]
 
 

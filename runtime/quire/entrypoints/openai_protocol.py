@@ -82,13 +82,10 @@ def _is_union_tag(part: str) -> bool:
 _FIRST_WORD = re.compile(r"^'?([a-z_]+)'?\b")
 
 
-def param_of(message: str, known: set[str], renames: dict[str, str] | None = None) -> str | None:
+def param_of(message: str, known: set[str]) -> str | None:
     """The parameter a library ValueError names ("temperature must be >= 0, ...")."""
     m = _FIRST_WORD.match(message)
-    if not m or m.group(1) not in known:
-        return None
-    name = m.group(1)
-    return (renames or {}).get(name, name)
+    return m.group(1) if m and m.group(1) in known else None
 
 
 # --- sampling parameters shared by /v1/completions, /v1/chat/completions and /generate -----

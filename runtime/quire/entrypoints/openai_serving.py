@@ -36,7 +36,7 @@ RETRY_AFTER_SECONDS = "1"
 def engine_error(e: Exception, renames: dict[str, str] | None = None) -> OpenAIError:
     """The HTTP answer to an exception from AsyncLLMEngine.add_request or a stream."""
     if isinstance(e, ValueError):
-        return bad_request(str(e), param_of(str(e), ENGINE_PARAMS, renames))
+        return renamed(bad_request(str(e), param_of(str(e), ENGINE_PARAMS)), renames)
     if isinstance(e, EngineOverloaded):
         return OpenAIError(503, str(e), "server_error", None, "queue_full",
                            {"Retry-After": RETRY_AFTER_SECONDS})
@@ -52,6 +52,14 @@ def engine_error(e: Exception, renames: dict[str, str] | None = None) -> OpenAIE
         return OpenAIError(500, f"the request failed in the engine: {e}", "server_error",
                            None, "request_failed")
     raise e
+
+
+def renamed(e: OpenAIError, renames: dict[str, str] | None) -> OpenAIError:
+    """Name the parameter as this endpoint's request calls it (chat: prompt -> messages)."""
+    if renames and e.param in renames:
+        e.param = renames[e.param]
+        e.message = f"{e.param}: {e.message}"
+    return e
 
 
 class Serving:
@@ -230,17 +238,14 @@ class Serving:
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         renames = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if req.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
         try:
             params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                          stream=req.stream, max_n=self.max_n)
         except OpenAIError as e:
-            if e.param == "max_tokens" and req.max_completion_tokens is not None:
-                e.param = "max_completion_tokens"
-            e.param = renames.get(e.param, e.param)
-            raise
+            raise renamed(e, renames) from None
         prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.chat_template)
-        if req.max_completion_tokens is not None:
-            renames["max_tokens"] = "max_completion_tokens"
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(request_id, [prompt], params, renames)
         if req.stream:
@@ -380,8 +385,11 @@ async def _collect(streams: list[RequestStream], disconnected) -> list[RequestOu
         if work.done():
             try:
                 return work.result()
-            except (RequestFailed, EngineDeadError) as e:
+            except RequestFailed as e:
                 raise engine_error(e) from None
+            except EngineDeadError as e:  # it died while this request was in flight
+                raise OpenAIError(500, f"the engine failed: {e}", "server_error", None,
+                                  "engine_dead") from None
         return None
     finally:
         watch.cancel()

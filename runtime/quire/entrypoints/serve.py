@@ -24,6 +24,7 @@ from quire.metrics import COMPAT_CHOICES
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "QUIRE_API_KEY"
+FATAL_EXIT_DELAY = 1.0  # seconds /health answers 503 (and clients get their errors) before exit
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -100,7 +101,10 @@ class QuireServer(uvicorn.Server):
 
     def _on_fatal(self, error: BaseException) -> None:
         self.exit_code = 1
-        self.should_exit = True
+        if self._loop is None:
+            self.should_exit = True
+        else:
+            self._loop.call_later(FATAL_EXIT_DELAY, setattr, self, "should_exit", True)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

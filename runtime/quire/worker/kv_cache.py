@@ -48,16 +48,27 @@ class KVCache:
     [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 pin_memory: bool = False) -> None:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         # zeros, not empty: padded gathers read unused slots, and garbage could be NaN
         self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device, pin_memory=pin_memory)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def swap(self, host: "KVCache", swap_out: list[tuple[int, int]],
+             swap_in: list[tuple[int, int]]) -> None:
+        """Out first: blocks freed by a swap-out may be handed to a swap-in in the same step."""
+        if swap_out:
+            src, dst = zip(*swap_out)
+            host.kv[:, :, list(dst)] = self.kv[:, :, list(src)].to(host.kv.device)
+        if swap_in:
+            src, dst = zip(*swap_in)
+            self.kv[:, :, list(dst)] = host.kv[:, :, list(src)].to(self.kv.device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: whole blocks, every layer, K and V, in one indexed copy."""

@@ -39,18 +39,19 @@ class _Batch:
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, host_cache: KVCache | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.host_cache = host_cache  # swap space
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
         self.dynamic_rope = model.rope.rope_type == "dynamic"
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, swapper=None) -> StepResult:
-        if swapper is not None:
-            swapper.run(out.swap_out, out.swap_in)
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        if out.swap_out or out.swap_in:
+            self.kv_cache.swap(self.host_cache, out.swap_out, out.swap_in)
         self.kv_cache.copy_blocks(out.block_copies)
         if not out.requests:
             return StepResult({}, {}, 0, 0)

@@ -16,7 +16,7 @@ LOG2E = 1.4426950408889634   # kernels use exp2: scores are scaled by log2(e) up
 # operands as raw integers, so a native bf16 tl.dot could never be checked here.
 _DOT = {
     torch.float32: (tl.float32, "ieee"),
-    torch.float16: (tl.float16, "tf32"),   # precision is ignored for fp16 operands
+    torch.float16: (tl.float16, None),     # the default: fp16 operands have no variants
     torch.bfloat16: (tl.float32, "tf32"),
 }
 
@@ -40,10 +40,9 @@ def is_interpreted(kernel) -> bool:
 @triton.jit
 def kv_tile_offsets(block_table_row_ptr, pos, valid, kv_head, stride_cache_block,
                     stride_cache_token, stride_cache_head, BLOCK_SIZE: tl.constexpr):
-    """Element offsets of token positions `pos` (one head's row start) in a paged cache.
-
-    Each position finds its own block, so a tile may span several cache blocks and any
-    power-of-two block size works, however small."""
+    """Offsets of the rows (head kv_head, from dim 0) of token positions `pos` in a paged
+    cache. Each position looks up its own block, so a tile may span several cache blocks and
+    tile sizes don't depend on the block size, however small."""
     block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
     return (block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
             + kv_head * stride_cache_head)

@@ -109,7 +109,7 @@ def _decode_reduce_kernel(
 def paged_decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
                            *, num_seqs: int, num_splits: int, scale: float, k_scale: float,
                            v_scale: float, sliding_window: int | None, dot_dtype,
-                           dot_precision: str, block_n: int, block_d: int) -> None:
+                           dot_precision: str | None, block_n: int, block_d: int) -> None:
     """Attention for sequences 0..num_seqs-1, each with its one query token at
     query_start_loc[i]; q/out [T, H, D], caches [num_blocks, block_size, Hkv, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -97,7 +97,7 @@ def prefill_tiles(query_start_loc: list[int], first_seq: int, block_q: int):
 def paged_prefill_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
                             tile_seq, tile_first, *, scale: float, k_scale: float,
                             v_scale: float, sliding_window: int | None, dot_dtype,
-                            dot_precision: str, block_m: int, block_q: int, block_n: int,
+                            dot_precision: str | None, block_m: int, block_q: int, block_n: int,
                             block_d: int) -> None:
     """q/out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; tile_seq/tile_first from
     prefill_tiles() for the same block_q."""
