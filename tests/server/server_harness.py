@@ -1,0 +1,234 @@
+"""Real `quire serve` processes for the server tests.
+
+Each server is uvicorn in a subprocess on a free port. All of them are started together the
+first time any test asks for one (loading models in parallel saves minutes on two cores), and
+they are stopped when the test process exits. While they load, /ready is polled every 0.1 s
+and its answers kept in `ServerProcess.ready_history`.
+
+Not a conftest.py: the runtime tests import theirs as the module `conftest`, and a second one
+would replace it in sys.modules. The tiny-model helpers come from tests/runtime/runtime_helpers.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+API_KEY = "test-key-7f3a"
+SMOLLM_NAME = "smollm2"
+READY_TIMEOUT = 300.0
+
+_runtime_helpers = None
+
+
+def runtime_helpers():
+    """tests/runtime/runtime_helpers.py (tiny_config, save_tiny_model, ...), loaded by path."""
+    global _runtime_helpers
+    if _runtime_helpers is None:
+        spec = importlib.util.spec_from_file_location(
+            "runtime_helpers", ROOT / "tests" / "runtime" / "runtime_helpers.py")
+        _runtime_helpers = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_runtime_helpers)
+    return _runtime_helpers
+
+
+_tmp_root: str | None = None
+
+
+def tmp_root() -> str:
+    global _tmp_root
+    if _tmp_root is None:
+        _tmp_root = tempfile.mkdtemp(prefix="quire-server-tests-")
+        atexit.register(shutil.rmtree, _tmp_root, True)
+    return _tmp_root
+
+
+_tiny_model: str | None = None
+
+
+def tiny_model() -> str:
+    """A tiny random Llama (3 layers, hidden 64) with the SmolLM2 tokenizer, saved once."""
+    global _tiny_model
+    if _tiny_model is None:
+        from quire.models.loader import load_tokenizer, materialize, resolve_model
+        helpers = runtime_helpers()
+        tokenizer = load_tokenizer(materialize(resolve_model(None)), None)
+        path = os.path.join(tmp_root(), "tiny-llama")
+        helpers.save_tiny_model(path, helpers.tiny_config("llama"), tokenizer)
+        _tiny_model = path
+    return _tiny_model
+
+
+_reference_llm = None
+
+
+def reference_llm():
+    """The default model in this process (float32, one thread): the greedy reference."""
+    global _reference_llm
+    if _reference_llm is None:
+        from quire import LLM
+        _reference_llm = LLM(dtype="float32", kv_cache_memory=64 << 20, num_threads=1)
+    return _reference_llm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None, api_key: str | None = None) -> None:
+        self.name = name
+        self.args = args
+        self.env = env or {}
+        self.launcher = launcher or [sys.executable, "-m", "quire.entrypoints.cli"]
+        self.api_key = api_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(tmp_root(), f"{name}.log")
+        self.proc: subprocess.Popen | None = None
+        self.ready_history: list[int | None] = []  # /ready answers while loading
+        self.is_ready = False
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [*self.launcher, "serve", *self.args, "--host", "127.0.0.1",
+               "--port", str(self.port)]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=ROOT)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def poll_ready(self) -> bool:
+        """One /ready probe; True once ready. Raises if the process died."""
+        if self.is_ready:
+            return True
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server {self.name} exited with {self.proc.returncode} while "
+                               f"starting:\n{self.log_tail()}")
+        try:
+            status = requests.get(self.url + "/ready", timeout=2).status_code
+        except requests.RequestException:
+            status = None  # not listening yet
+        self.ready_history.append(status)
+        self.is_ready = status == 200
+        return self.is_ready
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# Two cores are shared by the servers, the test process's reference LLMs and whatever else
+# runs: one torch thread each (oversubscribed OpenMP threads make every step several times
+# slower).
+def _configs() -> dict[str, ServerProcess]:
+    tiny = tiny_model()
+    fp32_small = ["--dtype", "float32", "--kv-cache-memory", "16M", "--num-threads", "1"]
+    return {
+        # The default model (real text), vLLM metric names too, a served name of its own.
+        "smollm": ServerProcess("smollm", [
+            "--served-model-name", SMOLLM_NAME, "--dtype", "float32", "--max-model-len", "2048",
+            "--kv-cache-memory", "128M", "--metrics-compat", "vllm", "--max-num-seqs", "16",
+            "--num-threads", "1"]),
+        # Tiny model, no prefix caching (blocks must all come back), 8 sequences at once so
+        # 64 clients queue; the API key comes from the environment.
+        "tiny": ServerProcess("tiny", [tiny, *fp32_small, "--no-enable-prefix-caching",
+                                       "--max-num-seqs", "8", "--log-requests"],
+                              env={"QUIRE_API_KEY": API_KEY}, api_key=API_KEY),
+        # One sequence at a time and a queue of one: for --max-queue-len and the SIGTERM drain.
+        "queue": ServerProcess("queue", [tiny, *fp32_small, "--max-num-seqs", "1",
+                                         "--max-queue-len", "1", "--shutdown-timeout", "3"]),
+        # An engine whose step raises once a request with the prompt "__die__" is added.
+        "fault": ServerProcess("fault", [tiny, *fp32_small],
+                               launcher=[sys.executable, str(HERE / "fault_launcher.py")]),
+    }
+
+
+_servers: dict[str, ServerProcess] | None = None
+
+
+def _stop_all() -> None:
+    for s in (_servers or {}).values():
+        s.stop()
+
+
+def server(name: str) -> ServerProcess:
+    """The named server, started (all of them at once, the first time) and ready."""
+    global _servers
+    if _servers is None:
+        _servers = _configs()
+        atexit.register(_stop_all)
+        for s in _servers.values():
+            s.start()
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not all(s.is_ready for s in _servers.values()):
+            if time.monotonic() > deadline:
+                late = [s.name for s in _servers.values() if not s.is_ready]
+                raise RuntimeError(f"servers {late} not ready after {READY_TIMEOUT}s:\n" +
+                                   "\n".join(_servers[n].log_tail() for n in late))
+            for s in _servers.values():
+                s.poll_ready()
+            time.sleep(0.1)
+    return _servers[name]
+
+
+def metrics_of(srv: ServerProcess) -> dict[tuple[str, frozenset], float]:
+    """The server's /metrics, parsed by prometheus_client: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(srv.url + "/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """One sample's value; labels not given are summed over."""
+    total, found = 0.0, False
+    for (n, lbls), v in samples.items():
+        if n == name and all((k, val) in lbls for k, val in labels.items()):
+            total += v
+            found = True
+    if not found:
+        raise KeyError(f"no sample {name} {labels}")
+    return total
