@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	# until the server lands: complete a few prompts with the default model
-	$(VENV)/bin/quire generate
+	$(VENV)/bin/quire serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
