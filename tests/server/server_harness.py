@@ -2,8 +2,8 @@
 
 Each server is uvicorn in a subprocess on a free port. All of them are started together the
 first time any test asks for one (loading models in parallel saves minutes on two cores), and
-they are stopped when the test process exits. While they load, /ready is polled every 0.1 s
-and its answers kept in `ServerProcess.ready_history`.
+they are stopped when the test process exits. From each process's start a thread polls /ready
+every 0.1 s until it answers 200, keeping the answers in `ServerProcess.ready_history`.
 
 Not a conftest.py: the runtime tests import theirs as the module `conftest`, and a second one
 would replace it in sys.modules. The tiny-model helpers come from tests/runtime/runtime_helpers.py.
@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -113,18 +114,31 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=ROOT)
+        self._poller = threading.Thread(target=self._poll_until_ready, daemon=True)
+        self._poller.start()
+
+    def _poll_until_ready(self) -> None:
+        """From the start: probe /ready every 0.1 s until it says 200 or the process ends."""
+        while self.proc.poll() is None and not self.poll_ready():
+            time.sleep(0.1)
+
+    def wait_ready(self, timeout: float) -> None:
+        if self.is_ready:
+            return
+        self._poller.join(timeout)
+        if not self.is_ready:
+            state = ("exited with %s" % self.proc.returncode if self.proc.poll() is not None
+                     else f"not ready after {timeout:.0f}s")
+            raise RuntimeError(f"server {self.name} {state}:\n{self.log_tail()}")
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def poll_ready(self) -> bool:
-        """One /ready probe; True once ready. Raises if the process died."""
+        """One /ready probe; True once ready."""
         if self.is_ready:
             return True
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"server {self.name} exited with {self.proc.returncode} while "
-                               f"starting:\n{self.log_tail()}")
         try:
             status = requests.get(self.url + "/ready", timeout=2).status_code
         except requests.RequestException:
@@ -160,15 +174,18 @@ class ServerProcess:
 # Two cores are shared by the servers, the test process's reference LLMs and whatever else
 # runs: one torch thread each (oversubscribed OpenMP threads make every step several times
 # slower).
-def _configs() -> dict[str, ServerProcess]:
+def _smollm_config() -> ServerProcess:
+    # The default model (real text), vLLM metric names too, a served name of its own.
+    return ServerProcess("smollm", [
+        "--served-model-name", SMOLLM_NAME, "--dtype", "float32", "--max-model-len", "2048",
+        "--kv-cache-memory", "128M", "--metrics-compat", "vllm", "--max-num-seqs", "16",
+        "--num-threads", "1"])
+
+
+def _tiny_configs() -> dict[str, ServerProcess]:
     tiny = tiny_model()
     fp32_small = ["--dtype", "float32", "--kv-cache-memory", "16M", "--num-threads", "1"]
     return {
-        # The default model (real text), vLLM metric names too, a served name of its own.
-        "smollm": ServerProcess("smollm", [
-            "--served-model-name", SMOLLM_NAME, "--dtype", "float32", "--max-model-len", "2048",
-            "--kv-cache-memory", "128M", "--metrics-compat", "vllm", "--max-num-seqs", "16",
-            "--num-threads", "1"]),
         # Tiny model, no prefix caching (blocks must all come back), 8 sequences at once so
         # 64 clients queue; the API key comes from the environment.
         "tiny": ServerProcess("tiny", [tiny, *fp32_small, "--no-enable-prefix-caching",
@@ -195,19 +212,16 @@ def server(name: str) -> ServerProcess:
     """The named server, started (all of them at once, the first time) and ready."""
     global _servers
     if _servers is None:
-        _servers = _configs()
+        _servers = {"smollm": _smollm_config()}
         atexit.register(_stop_all)
-        for s in _servers.values():
+        _servers["smollm"].start()  # it loads while the tiny model is written
+        tiny = _tiny_configs()
+        for s in tiny.values():
             s.start()
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not all(s.is_ready for s in _servers.values()):
-            if time.monotonic() > deadline:
-                late = [s.name for s in _servers.values() if not s.is_ready]
-                raise RuntimeError(f"servers {late} not ready after {READY_TIMEOUT}s:\n" +
-                                   "\n".join(_servers[n].log_tail() for n in late))
-            for s in _servers.values():
-                s.poll_ready()
-            time.sleep(0.1)
+        _servers.update(tiny)
+    deadline = time.monotonic() + READY_TIMEOUT
+    for s in _servers.values():  # (a failure here fails every test that asks, not only one)
+        s.wait_ready(max(1.0, deadline - time.monotonic()))
     return _servers[name]
 
 

@@ -88,20 +88,24 @@ class Serving:
 
     async def submit(self, request_id: str, prompts: Sequence, params: SamplingParams,
                      renames: dict[str, str] | None = None) -> list[RequestStream]:
-        """Add one engine request per prompt; all or none (the added ones are aborted)."""
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params))
-                if self.log_requests:
-                    logger.info("request %s: prompt=%s params=%s", rid, _short(prompt), params)
-        except BaseException as e:
+        """Add one engine request per prompt, all in the same step; all or none (if one is
+        refused, the others are aborted)."""
+        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
+               for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
+            return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if not isinstance(r, RequestStream)]
+        if errors:
             for s in streams:
                 s.abort()
-            if isinstance(e, Exception):
-                raise engine_error(e, renames) from None
-            raise
+            if not isinstance(errors[0], Exception):  # cancelled
+                raise errors[0]
+            raise engine_error(errors[0], renames) from None
+        if self.log_requests:
+            for rid, prompt in zip(ids, prompts):
+                logger.info("request %s: prompt=%s params=%s", rid, _short(prompt), params)
         return streams
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -39,7 +39,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on the API (default: "
                         f"${API_KEY_ENV}); /health, /ready, /metrics stay open")
-    p.add_argument("--max-queue-len", type=_non_negative, default=None,
+    p.add_argument("--max-queue-len", type=_positive, default=None,
                    help="waiting requests beyond which new ones get 503 + Retry-After "
                         "(default: unbounded)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -53,10 +53,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
