@@ -264,9 +264,9 @@ def word_tokenizer():
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_engine_greedy_tokens_equal_torch_backend(family, tmp_path):
-    """Chunked prefill (32-token budget) and prefix-cache hits (a second batch reusing the
-    first one's prompts) both go through the prefill kernel; Mistral's 48-token window is
-    crossed by the longer prompts."""
+    """Chunked prefill (a 40-token budget, so chunks end mid-block) and prefix-cache hits
+    (a second batch reusing the first one's prompts) both go through the prefill kernel;
+    Mistral's 48-token window is crossed by the longer prompts."""
     from runtime_helpers import random_prompts, save_tiny_model, tiny_config
     from quire import LLM, SamplingParams
     from quire.worker.kv_cache import bytes_per_block
@@ -282,7 +282,7 @@ def test_engine_greedy_tokens_equal_torch_backend(family, tmp_path):
     results = {}
     for backend in ("torch", "triton"):
         llm = LLM(path, dtype="float32", attention_backend=backend, kv_cache_memory=kv_bytes,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=40)
         assert llm.engine.attention_backend == backend
         tokens = [o.outputs[0].token_ids
                   for batch in (first, second) for o in llm.generate(batch, params, use_tqdm=False)]
