@@ -64,3 +64,19 @@ def test_smollm2_matches_transformers(setting, smollm_reference):
     if setting == "preempt":
         assert llm.engine.scheduler.num_preemptions["recompute"] > 0
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_mixed_sliding_and_full_layers_match_transformers(tmp_path, smollm_tokenizer):
+    """Qwen2 with sliding-window layers above max_window_layers: two attention backends (one
+    per window) share each step, and each must use its own masks."""
+    from runtime_helpers import hf_greedy, hf_model, random_prompts, save_tiny_model, tiny_config
+    cfg = tiny_config("qwen2", use_sliding_window=True, sliding_window=40, max_window_layers=1)
+    assert set(cfg.layer_types) == {"full_attention", "sliding_attention"}
+    path = save_tiny_model(str(tmp_path / "qwen2-swa"), cfg, smollm_tokenizer)
+    prompts = random_prompts(6, lengths=[3, 39, 41, 90, 160, 300], seed=21)
+    expected = hf_greedy(hf_model(path), prompts, 24)
+    llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=64)
+    got = [o.outputs[0].token_ids for o in
+           llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
+    assert got == expected
+    assert len(llm.engine.model.backends) == 2

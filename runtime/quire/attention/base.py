@@ -25,7 +25,8 @@ class AttentionMetadata:
     # the same, as Python lists, for backends that loop over prefill sequences on the host
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
-    # per-step tensors a backend derives once in prepare() and reuses in every layer
+    # per-step tensors a backend derives once in prepare() and reuses in every layer; keyed
+    # by the backend instance (a model may have one per sliding window)
     backend_state: dict = field(default_factory=dict)
 
     @property

@@ -1,6 +1,8 @@
 """Reference paged attention in plain torch, fast on CPU.
 
-K/V are gathered a whole block at a time (one index_select of block-sized rows per layer,
+Decodes run the native CPU kernel (cpu_kernels/paged_decode.cpp), which reads K/V in place
+through the block table, when it could be built and the cache holds the compute dtype.
+Otherwise, and for prefill chunks, K/V are gathered a whole block at a time (one index_select of block-sized rows per layer,
 ~3x cheaper than per-token rows) and attended with scaled_dot_product_attention on strided
 views (no layout copies). Decodes are batched, grouped by length so short contexts don't pay
 for long ones; prefill chunks loop per sequence (few per step). Index and mask tensors are
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quire.attention import cpu_kernels
 from quire.attention.base import AttentionBackend, AttentionMetadata
 
 # Decodes whose padded length would waste more than this fraction go to a separate group.
@@ -53,6 +56,22 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        prefills = []
+        for i in range(meta.num_decodes, meta.num_seqs):
+            q0, q1 = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            ctx = meta.seq_lens_cpu[i]
+            blocks = None
+            if ctx > q1 - q0:  # a cached prefix to read
+                blocks = meta.block_tables[i, : -(-ctx // meta.block_size)].long()
+            mask = self._prefill_mask(ctx, q1 - q0, meta.block_tables.device)
+            prefills.append((q0, q1, ctx, blocks, mask))
+        meta.backend_state[self, "prefills"] = prefills
+
+    def _decode_groups(self, meta: AttentionMetadata) -> list:
+        """The pure-torch decode plan: built on first use in a step, shared by the layers."""
+        groups = meta.backend_state.get((self, "decode_groups"))
+        if groups is not None:
+            return groups
         lens = meta.seq_lens_cpu[: meta.num_decodes]
         order = sorted(range(len(lens)), key=lens.__getitem__)
         groups, start, used = [], 0, 0
@@ -63,17 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
             used += lens[seq]
         if order:
             groups.append(self._decode_group(meta, order[start:], lens))
-        meta.backend_state["decode_groups"] = groups
-        prefills = []
-        for i in range(meta.num_decodes, meta.num_seqs):
-            q0, q1 = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-            ctx = meta.seq_lens_cpu[i]
-            blocks = None
-            if ctx > q1 - q0:  # a cached prefix to read
-                blocks = meta.block_tables[i, : -(-ctx // meta.block_size)].long()
-            mask = self._prefill_mask(ctx, q1 - q0, meta.block_tables.device)
-            prefills.append((q0, q1, ctx, blocks, mask))
-        meta.backend_state["prefills"] = prefills
+        meta.backend_state[self, "decode_groups"] = groups
+        return groups
 
     def _decode_group(self, meta: AttentionMetadata, seqs: list[int], lens: list[int]):
         device = meta.block_tables.device
@@ -103,7 +113,12 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
-        for where, blocks, mask in meta.backend_state["decode_groups"]:
+        nd = meta.num_decodes
+        if nd and cpu_kernels.native_decode_supported(q, k_cache):
+            cpu_kernels.paged_decode(q[:nd], k_cache, v_cache, out[:nd], meta.block_tables[:nd],
+                                     meta.seq_lens[:nd], self.scale, self.sliding_window)
+            nd = 0
+        for where, blocks, mask in (self._decode_groups(meta) if nd else ()):
             kc = gather_blocks(k_cache, blocks, k_scale, q.dtype)
             vc = gather_blocks(v_cache, blocks, v_scale, q.dtype)
             n = mask.shape[0]
@@ -113,7 +128,7 @@ class TorchAttentionBackend(AttentionBackend):
                 vc.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
                 attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[where] = o.view(n, self.num_heads, self.head_dim)
-        for q0, q1, ctx, blocks, mask in meta.backend_state["prefills"]:
+        for q0, q1, ctx, blocks, mask in meta.backend_state[self, "prefills"]:
             if blocks is None:  # no cached prefix: this chunk's own K/V
                 kc, vc = k[q0:q1], v[q0:q1]
             else:

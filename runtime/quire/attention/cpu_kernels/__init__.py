@@ -1,0 +1,99 @@
+"""Native CPU kernels: plain C++ compiled on first use with the system's C++ compiler (about a
+second), cached under ~/.cache/quire/kernels (QUIRE_CACHE_DIR), called through ctypes.
+
+Where there is no compiler the build fails once, a warning says so, and the torch backend
+keeps its pure-torch path. QUIRE_CPU_KERNELS=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("QUIRE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                              "quire")
+    return os.path.join(root, "kernels")
+
+
+def _build(compiler: str) -> str:
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"paged_decode-{key}.so")
+    if not os.path.exists(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *_FLAGS, _SOURCE, "-o", tmp], check=True,
+                           capture_output=True, text=True)
+            os.replace(tmp, target)  # atomic: concurrent builders are harmless
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library():
+    if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler found; the CPU decode attention uses the pure-torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(_build(compiler))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("the native CPU decode-attention kernel could not be built; using the "
+                       "pure-torch path: %s", detail.strip().splitlines()[-1:] or detail)
+        return None
+    fn = lib.quire_paged_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+def native_decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype in _DTYPE_CODES and k_cache.dtype == q.dtype
+            and _library() is not None)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float, window: int | None) -> None:
+    """out[i] = attention of q[i] (one token) over the first seq_lens[i] tokens of sequence i,
+    read through block_tables[i]. q/out [n, H, D] with contiguous rows; caches
+    [num_blocks, block_size, Hkv, D] contiguous; block_tables/seq_lens int32."""
+    n, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    seq_lens = seq_lens.contiguous()
+    rc = _library()(_DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                    out.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), n, num_heads,
+                    num_kv_heads, head_dim, block_size, q.stride(0), out.stride(0),
+                    block_tables.stride(0), scale, window or 0)
+    if rc:
+        raise RuntimeError(f"paged_decode: unsupported dtype {q.dtype}")

@@ -1,0 +1,70 @@
+"""The native CPU decode kernel against scaled_dot_product_attention, and the engine's
+pure-torch fallback where the kernel can't be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quire import LLM, SamplingParams
+from quire.attention import cpu_kernels
+
+from runtime_helpers import assert_no_blocks_in_use, random_prompts
+
+
+def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    bs = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i, length in enumerate(seq_lens.tolist()):
+        pos = torch.arange(length)
+        slots = block_tables[i][pos // bs].long() * bs + pos % bs
+        k = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()
+        v = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()
+        mask = pos >= length - window if window else None
+        o = F.scaled_dot_product_attention(q[i][:, None].float(), k, v, attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[i] = o[:, 0].to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size,window", [
+    (2, 1, 64, 16, None), (3, 3, 64, 16, None), (1, 8, 128, 8, None), (2, 2, 16, 32, None),
+    (2, 3, 64, 16, 20), (1, 2, 48, 16, None),
+])
+def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size, window):
+    assert cpu_kernels.native_decode_supported(torch.zeros(1, dtype=dtype),
+                                               torch.zeros(1, dtype=dtype))
+    torch.manual_seed(0)
+    num_blocks, max_blocks = 64, 6
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    # lengths at and around block boundaries; block tables shuffled (non-contiguous)
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size, 6 * block_size]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens]).int()
+    q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode(q, k_cache, v_cache, out, tables, seq_lens, head_dim ** -0.5, window)
+    want = _reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+
+
+def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, monkeypatch):
+    prompts = random_prompts(6, lengths=[1, 15, 16, 17, 100, 300], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    native = LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory=8 << 20)
+    expected = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("QUIRE_CPU_KERNELS", "0")
+    cpu_kernels._library.cache_clear()
+    try:
+        fallback = LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory=8 << 20)
+        assert not cpu_kernels.native_decode_supported(torch.zeros(1), torch.zeros(1))
+        got = [o.outputs[0].token_ids for o in fallback.generate(prompts, params, use_tqdm=False)]
+    finally:
+        cpu_kernels._library.cache_clear()
+    assert got == expected
+    assert_no_blocks_in_use(fallback)
