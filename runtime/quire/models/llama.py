@@ -101,9 +101,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head for the rows that sample; float32 logits."""
+        """Final norm and LM head for the rows that sample, in the model dtype (the sampler
+        widens them to float32 when it needs more than an argmax)."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden), weight).float()
+        return F.linear(self.norm(hidden), weight)
 
     # --- weights -------------------------------------------------------------------------
     _FUSED = {  # transformers module -> (our fused parameter, its slot in the fused tensor)

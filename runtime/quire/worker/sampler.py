@@ -32,6 +32,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[Request]) -> SamplerOutput:
         params = [r.sampling_params for r in rows]
         want_logprobs = [p.logprobs for p in params]
+        if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params) and not any(
+                r.num_output_tokens < r.sampling_params.min_tokens for r in rows):
+            # argmax picks the same index in any float dtype: skip widening [rows, vocab]
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+        logits = logits.float()
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
