@@ -1,7 +1,8 @@
-"""`quire` with a sabotaged engine, for the test that the engine loop's death is fatal.
+"""`quire` with a sabotaged engine, for the tests of failures inside the engine.
 
-Adding a request whose prompt is "__die__" arms the engine; its next step raises, as a bug in
-the scheduler would. Everything else is the real `quire serve`.
+A request whose prompt is "__poison__" gets detokenizers that raise (a failure of that request
+alone); adding one whose prompt is "__die__" arms the engine: its next step raises, as a bug in
+the scheduler would, and the loop dies. Everything else is the real `quire serve`.
 """
 
 import sys
@@ -16,7 +17,14 @@ def add_request(self, request_id, prompt, *args, **kwargs):
     result = _add(self, request_id, prompt, *args, **kwargs)
     if prompt == "__die__":
         self.armed_to_die = True
+    if prompt == "__poison__":
+        for detok in self.output_processor.group_of(request_id).detoks:
+            detok.update = _surprise
     return result
+
+
+def _surprise(token_id):
+    raise RuntimeError("injected detokenizer surprise")
 
 
 def step(self):

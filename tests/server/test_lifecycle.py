@@ -111,6 +111,22 @@ def test_sigterm_drains_running_requests_and_exits_0():
     assert time.monotonic() - t0 >= 2.5
 
 
+def test_a_request_failing_in_the_engine_fails_alone():
+    srv = server("fault")  # "__poison__" requests get detokenizers that raise
+    other = Stream(srv, "q r s", 30)
+    assert other.next_event()
+    r = requests.post(srv.url + "/v1/completions", timeout=30,
+                      json={"prompt": "__poison__", "max_tokens": 5})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
+    assert "injected detokenizer surprise" in r.json()["error"]["message"]
+    poisoned = Stream(srv, "__poison__", 5)
+    assert any("error" in e for e in poisoned.read_all() if isinstance(e, dict))
+    assert _finish_reason(other.read_all()) == "length"  # the other request went on
+    r = requests.post(srv.url + "/v1/completions", json={"prompt": "t u", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert requests.get(srv.url + "/health").status_code == 200
+
+
 def test_engine_loop_death_fails_every_client_and_exits_nonzero():
     srv = server("fault")  # its engine raises in step() once "__die__" is added
     victim = Stream(srv, "n o p", LONG)

@@ -151,10 +151,6 @@ class AsyncLLMEngine:
         """False once the loop (or the load) has failed."""
         return self.fatal_error is None
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
     def queue_len(self) -> int:
         waiting = self.last_snapshot.num_waiting if self.last_snapshot else 0
         return waiting + len(self._adds)
