@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 GREEDY_EPSILON = 1e-5  # temperatures below this decode greedily, as in vLLM
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
 
 
 class RequestOutputKind(enum.Enum):
@@ -59,7 +60,7 @@ class SamplingParams:
         _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
         _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
         if self.seed is not None:
-            _int("seed", self.seed, lo=0, what="a non-negative integer or None")
+            _int("seed", self.seed, lo=0, hi=MAX_SEED, what=f"an integer in [0, {MAX_SEED}] or None")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a string or a list of non-empty strings, got {s!r}")

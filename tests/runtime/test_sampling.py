@@ -193,3 +193,19 @@ def test_bad_requests_are_rejected_and_nothing_else_is_lost(tiny):
     assert [o.request_id for o in done] == ["good"]
     assert len(done[0].outputs[0].token_ids) == 5
     assert_no_blocks_in_use(tiny)
+
+
+def test_requests_that_could_never_run_are_rejected_up_front(tiny_models):
+    """n above max_num_seqs could never be admitted and would block the queue behind it."""
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
+    with pytest.raises(ValueError, match="n must be <= max_num_seqs"):
+        llm.engine.add_request("big", [5, 6], SamplingParams(n=3, max_tokens=2))
+    from quire import BeamSearchParams
+    with pytest.raises(ValueError, match="beam_width must be <= max_num_seqs"):
+        llm.engine.add_beam_search("beams", [5, 6], BeamSearchParams(beam_width=3, max_tokens=2))
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    out = llm.generate([[5, 6]], SamplingParams(n=2, seed=2**63 - 1, temperature=1.0,
+                                                max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs) == 2  # the top seed works, and seed + 1 wraps
+    assert_no_blocks_in_use(llm)

@@ -28,7 +28,7 @@ from quire.models.loader import (default_dtype, iter_weights, load_hf_config, lo
                                  materialize, resolve_model)
 from quire.outputs import RequestOutput
 from quire.platform import attention_backend_class, resolve_device, resolve_dtype
-from quire.sampling_params import SamplingParams
+from quire.sampling_params import MAX_SEED, SamplingParams
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
 from quire.worker.model_runner import ModelRunner
 from quire.worker.sampler import Sampler
@@ -154,16 +154,22 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.group_of(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs ({self.args.max_num_seqs}): the n "
+                             f"samples run side by side; got {params.n}")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         seqs = []
-        for i in range(params.n):
+        for i in range(params.n):  # sample i draws with seed + i: one single run reproduces it
             seq_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
-            seqs.append(Request(
+                n=1, seed=None if params.seed is None else (params.seed + i) % (MAX_SEED + 1))
+            seq = Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
                 self.eos_token_ids, max_tokens, arrival_time, group_id=request_id,
-                sample_index=i))
+                sample_index=i)
+            if seq_params.seed is not None and not seq_params.greedy:
+                seq.generator = self.sampler.make_generator(seq_params.seed)
+            seqs.append(seq)
         seqs[0].pending_forks = seqs[1:]
         self.output_processor.add(request_id, text, token_ids, params, seqs)
         self.scheduler.add_request(seqs[0])
@@ -218,6 +224,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.beam_groups or self.output_processor.group_of(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.beam_width > self.args.max_num_seqs:
+            raise ValueError(f"beam_width must be <= max_num_seqs ({self.args.max_num_seqs}), "
+                             f"got {params.beam_width}")
         text, token_ids = self._tokenize(prompt)
         self._max_tokens(len(token_ids), SamplingParams(max_tokens=params.max_tokens))
         # greedy rows that return the top-2W logprobs; the group chooses the tokens
@@ -268,7 +277,11 @@ class LLMEngine:
             if group is None:
                 continue
             for seq in group.seqs:
-                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                if not seq.finished:
+                    self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                    self.events.finished_reasons.append("abort")
+                    self.events.e2e_latency.append(seq.metrics.finished_time
+                                                   - seq.metrics.arrival_time)
             self._aborted_outputs.extend(self.output_processor.outputs({rid}))
 
     def has_unfinished_requests(self) -> bool:

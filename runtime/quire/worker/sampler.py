@@ -118,10 +118,15 @@ class Sampler:
                                   logits.argmax(dim=-1), sampled)
         return sampled
 
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A request's own generator (made when it is added, so a bad seed fails alone)."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
     def _request_generator(self, r: Request) -> torch.Generator:
         if r.generator is None:
-            r.generator = torch.Generator(device=self.device)
-            r.generator.manual_seed(r.sampling_params.seed)
+            r.generator = self.make_generator(r.sampling_params.seed)
         return r.generator
 
     def _top_k(self, x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
