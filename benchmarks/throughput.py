@@ -16,6 +16,8 @@ import random
 import resource
 import time
 
+from machine import StealMeter
+
 
 def make_requests(n: int, seed: int, vocab: int = 49152):
     rng = random.Random(seed)
@@ -35,7 +37,8 @@ def run_quire(reqs, args) -> float:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate([p for p, _ in reqs[:4]], params[:4], use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=not args.quiet)
+    with StealMeter() as steal:
+        outs = llm.generate([p for p, _ in reqs], params, use_tqdm=not args.quiet)
     wall = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == sum(m for _, m in reqs)
@@ -47,7 +50,7 @@ def run_quire(reqs, args) -> float:
           f"{e.args.max_num_batched_tokens}): {len(reqs)} requests in {wall:.1f} s, "
           f"{generated / wall:.1f} generated tok/s, {(generated + prompt_tokens) / wall:.1f} "
           f"total tok/s, TTFT p50 {ttft[len(ttft) // 2]:.2f} s, preemptions "
-          f"{sum(e.scheduler.num_preemptions.values())}")
+          f"{sum(e.scheduler.num_preemptions.values())}, {steal}")
     return generated / wall
 
 
@@ -62,6 +65,7 @@ def run_hf(reqs, batch_size: int, dtype: str, limit: int | None) -> float:
     model.generation_config.eos_token_id = None  # ignore_eos
     order = sorted(reqs, key=lambda r: len(r[0]) + r[1])[: limit or len(reqs)]
     generated, start = 0, time.perf_counter()
+    steal = StealMeter().__enter__()
     with torch.inference_mode():
         for i in range(0, len(order), batch_size):
             batch = order[i:i + batch_size]
@@ -73,8 +77,9 @@ def run_hf(reqs, batch_size: int, dtype: str, limit: int | None) -> float:
                            min_new_tokens=new, pad_token_id=0)
             generated += sum(m for _, m in batch)
     wall = time.perf_counter() - start
+    steal.__exit__()
     print(f"transformers ({dtype}, batch {batch_size}): {len(order)} requests in {wall:.1f} s, "
-          f"{generated / wall:.1f} generated tok/s")
+          f"{generated / wall:.1f} generated tok/s, {steal}")
     return generated / wall
 
 

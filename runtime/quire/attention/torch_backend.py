@@ -134,8 +134,10 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 kc = gather_blocks(k_cache, blocks, k_scale, q.dtype).view(-1, *k.shape[1:])[:ctx]
                 vc = gather_blocks(v_cache, blocks, v_scale, q.dtype).view(-1, *v.shape[1:])[:ctx]
+            # 4-D (a batch of one): with 3-D inputs SDPA takes its slow math path on CPU
             o = F.scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
-                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa)
-            out[q0:q1] = o.transpose(0, 1)
+                q[q0:q1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                vc.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                scale=self.scale, enable_gqa=gqa)
+            out[q0:q1] = o[0].transpose(0, 1)
         return out

@@ -34,8 +34,9 @@ class Sampler:
         want_logprobs = [p.logprobs for p in params]
         if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params) and not any(
                 r.num_output_tokens < r.sampling_params.min_tokens for r in rows):
-            # argmax picks the same index in any float dtype: skip widening [rows, vocab]
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            # the first maximum is the same in any float dtype: skip widening [rows, vocab]
+            # (max().indices: torch's argmax is 2-4x slower on CPU, same first-max index)
+            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
         logits = logits.float()
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
@@ -44,7 +45,7 @@ class Sampler:
         logits = self._ban_early_stops(logits, rows)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.max(dim=-1).indices
         else:
             tokens = self._sample(logits, rows, greedy)
         token_list = tokens.tolist()
@@ -112,10 +113,10 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.sampling_params.seed is not None and not greedy[i]:
                 noise[i].exponential_(generator=self._request_generator(r))
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = (probs / noise).max(dim=-1).indices
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=self.device),
-                                  logits.argmax(dim=-1), sampled)
+                                  logits.max(dim=-1).indices, sampled)
         return sampled
 
     def make_generator(self, seed: int) -> torch.Generator:

@@ -47,6 +47,39 @@ inline __m512 load16(const uint16_t* p) {  // bf16 is the high half of a float32
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+
+// e^x for 16 lanes (Cephes' expf polynomial, ~1 ulp): n = round(x / ln 2), r = x - n ln 2,
+// e^x = 2^n * p(r).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The online-softmax update for one head over one block of 16 scores (lanes [t0, n) valid):
+// the scores become probabilities; returns the factor that rescales what came before.
+inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
+  const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << t0) - 1u));
+  const __m512 x = _mm512_maskz_loadu_ps(valid, s);
+  const float mx = std::max(m, _mm512_mask_reduce_max_ps(valid, x));
+  const float correction = std::exp(m - mx);
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+  _mm512_storeu_ps(s, p);
+  l = l * correction + _mm512_reduce_add_ps(p);
+  m = mx;
+  return correction;
+}
 #endif
 
 template <typename T>
@@ -116,6 +149,17 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
           }
         }
         // online softmax: rescale what came before
+#if defined(__AVX512F__)
+        if (vector_path && block_size == 16) {
+          for (int g = 0; g < group; ++g) {
+            const float correction = softmax_block16(scores.data() + g * 16, t0, n, m[g], l[g]);
+            if (correction != 1.f) {
+              float* a = acc.data() + g * head_dim;
+              for (int d = 0; d < head_dim; ++d) a[d] *= correction;
+            }
+          }
+        } else
+#endif
         for (int g = 0; g < group; ++g) {
           float* s = scores.data() + g * block_size;
           float mx = m[g];
