@@ -32,7 +32,7 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size,window", [
     (2, 1, 64, 16, None), (3, 3, 64, 16, None), (1, 8, 128, 8, None), (2, 2, 16, 32, None),
-    (2, 3, 64, 16, 20), (1, 2, 48, 16, None),
+    (2, 3, 64, 16, 20), (1, 2, 48, 16, None), (2, 4, 128, 16, None), (1, 8, 128, 16, 33),
 ])
 def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size, window):
     assert cpu_kernels.native_decode_supported(torch.zeros(1, dtype=dtype),

@@ -80,6 +80,88 @@ inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
   m = mx;
   return correction;
 }
+
+// One (sequence, KV head) with the group size G and head_dim / 16 = C known at compile time:
+// q and the output accumulators stay in registers across the whole context. Block size 16.
+template <typename T, int G, int C>
+void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
+                   const int32_t* table, int len, int lo, int64_t block_stride,
+                   int64_t row_stride, int64_t q_head_stride, float scale) {
+  __m512 qv[G][C], acc[G][C];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + c * 16), _mm512_set1_ps(scale));
+      acc[g][c] = _mm512_setzero_ps();
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  alignas(64) float s[G][16];
+  for (int first = lo / 16 * 16; first < len; first += 16) {
+    const int64_t phys = table[first / 16];
+    const T* kb = k_cache + phys * block_stride;
+    const T* vb = v_cache + phys * block_stride;
+    const int t0 = std::max(first, lo) - first;
+    const int n = std::min(16, len - first);
+    for (int t = t0; t < n; ++t) {
+      __m512 d[G];
+      for (int g = 0; g < G; ++g) d[g] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m512 kv = load16(kb + t * row_stride + c * 16);
+        for (int g = 0; g < G; ++g) d[g] = _mm512_fmadd_ps(qv[g][c], kv, d[g]);
+      }
+      for (int g = 0; g < G; ++g) s[g][t] = _mm512_reduce_add_ps(d[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float correction = softmax_block16(s[g], t0, n, m[g], l[g]);
+      if (correction != 1.f)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(correction));
+    }
+    for (int t = t0; t < n; ++t) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 vv = load16(vb + t * row_stride + c * 16);
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), vv, acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    alignas(64) float row[C * 16];
+    for (int c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    for (int d = 0; d < C * 16; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
+  }
+}
+
+template <typename T>
+using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
+                        int64_t, int64_t, float);
+
+template <typename T, int C>
+ItemFn<T> pick_group(int group) {
+  switch (group) {
+    case 1: return decode_item16<T, 1, C>;
+    case 2: return decode_item16<T, 2, C>;
+    case 3: return decode_item16<T, 3, C>;
+    case 4: return decode_item16<T, 4, C>;
+    case 5: return decode_item16<T, 5, C>;
+    case 6: return decode_item16<T, 6, C>;
+    case 7: return decode_item16<T, 7, C>;
+    case 8: return decode_item16<T, 8, C>;
+    default: return nullptr;
+  }
+}
+
+// The fixed-shape path for this layout, or nullptr (then the general loop runs).
+template <typename T>
+ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
+  if (block_size != 16) return nullptr;
+  switch (head_dim) {
+    case 64: return pick_group<T, 4>(group);
+    case 128: return pick_group<T, 8>(group);
+    default: return nullptr;
+  }
+}
 #endif
 
 template <typename T>
@@ -93,6 +175,20 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int chunks = head_dim / 16;
 #if defined(__AVX512F__)
   const bool vector_path = head_dim % 16 == 0 && chunks <= kMaxChunks && group <= kMaxGroup;
+  if (const ItemFn<T> item = fixed_shape_item<T>(group, head_dim, block_size)) {
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
+      const int64_t seq = work / num_kv_heads;
+      const int kv_head = work % num_kv_heads;
+      const int len = seq_lens[seq];
+      const int64_t head = int64_t(kv_head) * group * head_dim;
+      item(q + seq * q_stride + head, k_cache + int64_t(kv_head) * head_dim,
+           v_cache + int64_t(kv_head) * head_dim, out + seq * out_stride + head,
+           block_tables + seq * bt_stride, len, window > 0 ? std::max(0, len - window) : 0,
+           block_stride, row_stride, head_dim, scale);
+    }
+    return;
+  }
 #endif
 
 #pragma omp parallel
