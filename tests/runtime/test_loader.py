@@ -60,11 +60,13 @@ def test_unsupported_architecture_is_named(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_broken_gguf_file_is_named(tmp_path):
+def test_broken_gguf_file_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ValueError, match="broken.gguf.*not a readable GGUF"):
         LLM(str(bad))
+    assert not list((tmp_path / "cache" / "gguf").iterdir())  # no half-written conversion
 
 
 def test_missing_weights_are_named(tmp_path, tiny_models):

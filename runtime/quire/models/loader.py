@@ -140,14 +140,18 @@ def _convert_gguf(source: ModelSource, folder: str) -> None:
     tmp = f"{folder}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    hf_config = load_hf_config(source)
-    cfg = ModelConfig.from_hf(hf_config)
-    if not getattr(hf_config, "architectures", None):
-        hf_config.architectures = [cfg.architecture]
-    hf_config.save_pretrained(tmp)
-    load_tokenizer(source).save_pretrained(tmp)
-    save_file(dict(_iter_gguf(source.path, cfg)), os.path.join(tmp, "model.safetensors"))
-    open(os.path.join(tmp, ".complete"), "w").close()
+    try:
+        hf_config = load_hf_config(source)
+        cfg = ModelConfig.from_hf(hf_config)
+        if not getattr(hf_config, "architectures", None):
+            hf_config.architectures = [cfg.architecture]
+        hf_config.save_pretrained(tmp)
+        load_tokenizer(source).save_pretrained(tmp)
+        save_file(dict(_iter_gguf(source.path, cfg)), os.path.join(tmp, "model.safetensors"))
+        open(os.path.join(tmp, ".complete"), "w").close()
+    except BaseException:  # a broken file leaves no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
 
