@@ -15,15 +15,18 @@ import random
 import statistics
 import time
 
+from machine import StealMeter
 
-def run(prompts, max_tokens: int, caching: bool, args) -> None:
+
+def run(prompts, max_tokens: int, caching: bool, args) -> float:
     from quire import LLM, SamplingParams
     kw = {"num_threads": args.num_threads} if args.num_threads else {}
     llm = LLM(dtype=args.dtype, enable_prefix_caching=caching, **kw)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([[7, 8, 9]], params, use_tqdm=False)  # warm-up (not sharing the prefix)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with StealMeter() as steal:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -32,7 +35,7 @@ def run(prompts, max_tokens: int, caching: bool, args) -> None:
           f"(p50 {statistics.median(ttft):.2f} s), {len(prompts)} requests in {wall:.1f} s, "
           f"{generated / wall:.1f} generated tok/s, {(generated + sum(map(len, prompts))) / wall:.1f}"
           f" total tok/s, prompt tokens computed {e.num_prompt_tokens_computed}, "
-          f"prefix hits {e.kv_manager.prefix_hits} of {e.kv_manager.prefix_queries} tokens")
+          f"prefix hits {e.kv_manager.prefix_hits} of {e.kv_manager.prefix_queries} tokens, {steal}")
     return statistics.mean(ttft)
 
 

@@ -19,6 +19,11 @@ from quire.attention.base import AttentionBackend, AttentionMetadata
 
 # Decodes whose padded length would waste more than this fraction go to a separate group.
 _MAX_PADDING_WASTE = 0.25
+# Half-precision prefill pads a chunk to a multiple of this many rows: torch's CPU flash kernel
+# builds a matmul kernel per new shape, which costs more than the attention when every prompt
+# has its own length. Zero rows at the end are invisible to the real rows under the causal
+# mask. float32 keeps the exact shapes (and so the exact sums) that transformers uses.
+_PREFILL_PAD = 64
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -128,16 +133,26 @@ class TorchAttentionBackend(AttentionBackend):
                 vc.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
                 attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[where] = o.view(n, self.num_heads, self.head_dim)
+        pad = q.dtype != torch.float32
         for q0, q1, ctx, blocks, mask in meta.backend_state[self, "prefills"]:
+            qc = q[q0:q1]
             if blocks is None:  # no cached prefix: this chunk's own K/V
                 kc, vc = k[q0:q1], v[q0:q1]
+                if pad and (q1 - q0) % _PREFILL_PAD:
+                    qc, kc, vc = (_pad_rows(t, _PREFILL_PAD) for t in (qc, kc, vc))
             else:
                 kc = gather_blocks(k_cache, blocks, k_scale, q.dtype).view(-1, *k.shape[1:])[:ctx]
                 vc = gather_blocks(v_cache, blocks, v_scale, q.dtype).view(-1, *v.shape[1:])[:ctx]
             # 4-D (a batch of one): with 3-D inputs SDPA takes its slow math path on CPU
             o = F.scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                qc.transpose(0, 1)[None], kc.transpose(0, 1)[None],
                 vc.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                 scale=self.scale, enable_gqa=gqa)
-            out[q0:q1] = o[0].transpose(0, 1)
+            out[q0:q1] = o[0, :, : q1 - q0].transpose(0, 1)
         return out
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    padded = x.new_zeros(-(-x.shape[0] // multiple) * multiple, *x.shape[1:])
+    padded[: x.shape[0]] = x
+    return padded

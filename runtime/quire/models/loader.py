@@ -152,6 +152,9 @@ def _convert_gguf(source: ModelSource, folder: str) -> None:
     except BaseException:  # a broken file leaves no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if os.path.exists(os.path.join(folder, ".complete")):  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
 

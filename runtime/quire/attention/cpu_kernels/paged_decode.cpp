@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -81,6 +82,52 @@ inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
   return correction;
 }
 
+// Sixteen per-token dot-product vectors reduced to one vector of sixteen sums (lane t = token
+// t) by a shuffle tree: 15 adds instead of 16 horizontal reductions. Lanes never mix tokens,
+// so a stale row past the sequence's end only spoils its own (masked) lane.
+struct Transposer {
+  __m512 quads[4];
+  __m512 pairs[2];
+  static __m512 pair(__m512 a, __m512 b) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  static __m512 quad(__m512 ab, __m512 cd) {  // per 128-bit lane: partial sums of a, b, c, d
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  }
+  static __m512 lanes(__m512 x, __m512 y) {  // adds 128-bit lanes pairwise: x01 x23 y01 y23
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  }
+  // tokens 4k..4k+3 of the block
+  void add_quad(int k, __m512 d0, __m512 d1, __m512 d2, __m512 d3) {
+    quads[k] = quad(pair(d0, d1), pair(d2, d3));
+  }
+  __m512 sums() const {
+    return lanes(lanes(quads[0], quads[1]), lanes(quads[2], quads[3]));
+  }
+};
+
+#if defined(__AVX512BF16__)
+// Scores of one head against a block of 16 bfloat16 keys with the AVX512-BF16 dot product
+// (pairs of bf16 products summed in float32): keys are read as stored, never widened.
+template <int C>
+inline __m512 block_scores_bf16(const __m512bh (&qb)[C / 2], const uint16_t* kb,
+                                int64_t row_stride) {
+  Transposer tr;
+  for (int k = 0; k < 4; ++k) {
+    __m512 d[4];
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t* row = kb + (4 * k + i) * row_stride;
+      __m512 acc = _mm512_setzero_ps();
+      for (int j = 0; j < C / 2; ++j)
+        acc = _mm512_dpbf16_ps(acc, qb[j], (__m512bh)_mm512_loadu_si512(row + 32 * j));
+      d[i] = acc;
+    }
+    tr.add_quad(k, d[0], d[1], d[2], d[3]);
+  }
+  return tr.sums();
+}
+#endif
+
 // One (sequence, KV head) with the group size G and head_dim / 16 = C known at compile time:
 // q and the output accumulators stay in registers across the whole context. Block size 16.
 template <typename T, int G, int C>
@@ -98,13 +145,30 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
     l[g] = 0.f;
   }
   alignas(64) float s[G][16];
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16Dot = std::is_same_v<T, uint16_t>;
+  __m512bh qb[G][C / 2];
+  if constexpr (kBf16Dot)
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < C / 2; ++j)
+        qb[g][j] = (__m512bh)_mm512_loadu_si512(q + g * q_head_stride + 32 * j);
+#else
+  constexpr bool kBf16Dot = false;
+#endif
   for (int first = lo / 16 * 16; first < len; first += 16) {
     const int64_t phys = table[first / 16];
     const T* kb = k_cache + phys * block_stride;
     const T* vb = v_cache + phys * block_stride;
     const int t0 = std::max(first, lo) - first;
     const int n = std::min(16, len - first);
-    for (int t = t0; t < n; ++t) {
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Dot) {
+      for (int g = 0; g < G; ++g)
+        _mm512_store_ps(s[g], _mm512_mul_ps(block_scores_bf16<C>(qb[g], kb, row_stride),
+                                            _mm512_set1_ps(scale)));
+    }
+#endif
+    for (int t = t0; t < n && !kBf16Dot; ++t) {
       __m512 d[G];
       for (int g = 0; g < G; ++g) d[g] = _mm512_setzero_ps();
       for (int c = 0; c < C; ++c) {
