@@ -1,11 +1,11 @@
 """One serving pod for the end-to-end test, bound to its own loopback IP.
 
-`start_runtime_pod` is the one place that decides what a pod is. By default it is a tiny HTTP
-server with the runtime's contract as the operator sees it: /health, /ready, /metrics with the
-documented gauge names, and /v1/completions that queues like an engine with `max_num_seqs`
-slots (a request past them waits, and counts in quire:num_requests_waiting). With
-QUIRE_E2E_RUNTIME=real it is `quire serve` itself on the default model; once the server has
-landed and is fast enough here, make that the default. The test loads pods only through HTTP.
+`start_runtime_pod` is the one place that decides what a pod is. By default it is `quire serve`
+itself on the default model with `max_num_seqs` slots (a request past them waits, and counts in
+quire:num_requests_waiting). With QUIRE_E2E_RUNTIME=stand-in it is a tiny HTTP server with the
+same contract as the operator sees it (/health, /ready, /metrics with the documented gauge
+names, /v1/completions that queues): seconds faster, for iterating on the operator. The test
+loads pods only through HTTP.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class RuntimePod:
 @contextmanager
 def start_runtime_pod(ip: str, port: int) -> Iterator[object]:
     """One serving pod at ip:port until the block ends; /ready answers 200 when this yields."""
-    if os.environ.get("QUIRE_E2E_RUNTIME") == "real":
+    if os.environ.get("QUIRE_E2E_RUNTIME", "real") == "real":
         with _real_server(ip, port) as pod:
             yield pod
         return
