@@ -64,6 +64,7 @@ class LLMEngine:
             self.model = LlamaForCausalLM(cfg, make_backend, self.max_model_len, self.dtype,
                                           self.device)
         self.model.load_weights(iter_weights(source, cfg))
+        self.model.pack_weights()
         self.model.eval()
         self.attention_backend = next(iter(self.model.backends.values())).name
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.attention.base import AttentionBackend, AttentionMetadata
+from quire.models import packed_linear
 from quire.models.config import ModelConfig
 from quire.models.rope import RotaryEmbedding, apply_rope
 
@@ -54,22 +55,43 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param(h) if cfg.mlp_bias else None
         self.k_scale = 1.0  # fp8 KV cache: stored = value / scale
         self.v_scale = 1.0
+        self.packed: dict[str, torch.Tensor] = {}  # see pack_weights()
+
+    _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+    def pack_weights(self) -> None:
+        """Packs the projections for oneDNN where that pays (bf16 on CPU) and frees the
+        plain copies, so the model holds its weights once."""
+        for name in self._PROJECTIONS:
+            weight = getattr(self, f"{name}_proj")
+            packed = packed_linear.pack(weight)
+            if packed is None:
+                return
+            self.packed[name] = packed
+            weight.data = weight.data.new_empty(0)
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        bias = getattr(self, f"{name}_bias")
+        packed = self.packed.get(name)
+        if packed is not None:
+            return packed_linear.linear(x, packed, bias)
+        return F.linear(x, getattr(self, f"{name}_proj"), bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         residual = x
         x = self.input_layernorm(x)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self._linear(x, "qkv")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = apply_rope(q.view(t, self.num_heads, self.head_dim),
                           k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         o = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim),
                                  k_cache, v_cache, meta, self.k_scale, self.v_scale)
-        x = residual + F.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        x = residual + self._linear(o.reshape(t, self.q_size), "o")
         residual = x
         x = self.post_attention_layernorm(x)
-        gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        return residual + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        gate, up = self._linear(x, "gate_up").chunk(2, dim=-1)
+        return residual + self._linear(F.silu(gate) * up, "down")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, self.backends[w]) for w in cfg.sliding_windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.packed_lm_head: torch.Tensor | None = None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings, max_model_len, dtype, device)
 
@@ -103,8 +126,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head for the rows that sample, in the model dtype (the sampler
         widens them to float32 when it needs more than an argmax)."""
+        if self.packed_lm_head is not None:
+            return packed_linear.linear(self.norm(hidden), self.packed_lm_head, None)
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(self.norm(hidden), weight)
+
+    def pack_weights(self) -> None:
+        """Called once the weights are loaded: oneDNN-packed projections where that pays.
+        A tied LM head keeps the embedding table too (lookups need it)."""
+        for layer in self.layers:
+            layer.pack_weights()
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        self.packed_lm_head = packed_linear.pack(weight)
+        if self.packed_lm_head is not None and self.lm_head is not None:
+            self.lm_head.data = self.lm_head.data.new_empty(0)
 
     # --- weights -------------------------------------------------------------------------
     _FUSED = {  # transformers module -> (our fused parameter, its slot in the fused tensor)
