@@ -20,6 +20,7 @@ import yaml
 from kopf.testing import KopfRunner
 
 from quire_operator import api_calls, names
+from quire_operator.kube import resource_path
 
 from kube_emulator import RunningEmulator  # tests/operator is on sys.path (no __init__.py: no `operator` package)
 
@@ -31,15 +32,8 @@ LLMD_API = f"{names.GROUP}/{names.VERSION}"
 
 def api_path(api_version: str, plural: str, namespace: str | None = None, name: str | None = None,
              sub: str | None = None) -> str:
-    path = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    if namespace:
-        path += f"/namespaces/{namespace}"
-    path += f"/{plural}"
-    if name:
-        path += f"/{name}"
-    if sub:
-        path += f"/{sub}"
-    return path
+    group, _, version = api_version.rpartition("/")
+    return resource_path(group, version, plural, namespace, name, sub)
 
 
 class Cluster:

@@ -166,16 +166,18 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
       for (int g = 0; g < G; ++g)
         _mm512_store_ps(s[g], _mm512_mul_ps(block_scores_bf16<C>(qb[g], kb, row_stride),
                                             _mm512_set1_ps(scale)));
-    }
+    } else
 #endif
-    for (int t = t0; t < n && !kBf16Dot; ++t) {
-      __m512 d[G];
-      for (int g = 0; g < G; ++g) d[g] = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c) {
-        const __m512 kv = load16(kb + t * row_stride + c * 16);
-        for (int g = 0; g < G; ++g) d[g] = _mm512_fmadd_ps(qv[g][c], kv, d[g]);
+    {
+      for (int t = t0; t < n; ++t) {
+        __m512 d[G];
+        for (int g = 0; g < G; ++g) d[g] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m512 kv = load16(kb + t * row_stride + c * 16);
+          for (int g = 0; g < G; ++g) d[g] = _mm512_fmadd_ps(qv[g][c], kv, d[g]);
+        }
+        for (int g = 0; g < G; ++g) s[g][t] = _mm512_reduce_add_ps(d[g]);
       }
-      for (int g = 0; g < G; ++g) s[g][t] = _mm512_reduce_add_ps(d[g]);
     }
     for (int g = 0; g < G; ++g) {
       const float correction = softmax_block16(s[g], t0, n, m[g], l[g]);
