@@ -19,6 +19,9 @@ class ApiCall:
     resource: str  # a plural, or plural/subresource
     verbs: tuple[str, ...]
     why: str
+    # "watched": in every namespace the operator watches (ClusterRole, or a Role in each);
+    # "own": only in the operator's own namespace (a Role there).
+    scope: str = "watched"
 
 
 API_CALLS: tuple[ApiCall, ...] = (
@@ -27,11 +30,15 @@ API_CALLS: tuple[ApiCall, ...] = (
     ApiCall("quire.dev", "llmdeployments/status", ("patch",), "conditions, replicas, autoscaler decisions"),
     ApiCall("quire.dev", "llmdeployments/scale", ("get", "patch"), "the autoscaler sets replicas as HPA would"),
     ApiCall("apps", "deployments", ("get", "list", "watch", "create", "patch"),
-            "the pods' Deployment; its status feeds the LLMDeployment's"),
-    ApiCall("", "services", ("get", "create", "patch"), "the in-cluster endpoint"),
-    ApiCall("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete"), "the optional PDB"),
+            "the pods' Deployment; watched (by label) for drift, its status feeds the LLMDeployment's"),
+    ApiCall("", "services", ("get", "list", "watch", "create", "patch"),
+            "the in-cluster endpoint; watched (by label) for drift and deletion"),
+    ApiCall("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete"),
+            "the optional PDB; watched (by label) for drift"),
     ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
-    ApiCall("", "events", ("create",), "kopf posts Events on actions and invalid specs"),
+    ApiCall("", "events", ("create",), "Events on state changes and failures"),
+    ApiCall("coordination.k8s.io", "leases", ("get", "create", "patch"),
+            "leader election: only the replica holding the Lease acts", scope="own"),
 )
 # Nothing cluster-scoped: kopf's runtime scanning of namespaces and CRDs is off (handlers.configure),
 # so a single-namespace install needs Roles only.

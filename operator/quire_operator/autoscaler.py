@@ -9,6 +9,10 @@ result stays within [minReplicas, maxReplicas].
 Pods that are not ready, or whose metrics are missing, count conservatively, as the HPA counts
 them: as idle when the others ask to scale up, as exactly on target when they ask to scale down.
 No data, no decision.
+
+A sample that is not a finite, non-negative number (NaN, ±Inf, a negative gauge from a broken
+exporter) is dropped before anything else, and that pod counts as missing for that signal: one
+bad pod never stops the decision for the others. Decision.dropped lists what was dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class PodSample:
     """One pod as the autoscaler saw it; metrics is None when its scrape failed."""
     ready: bool
     metrics: Mapping[str, float] | None = None
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Decision:
     recommendation: int | None = None  # before stabilization, limits and clamping
     observed: Mapping[str, float] = field(default_factory=dict)  # per-replica averages
     history: tuple[Recommendation, ...] = ()
+    dropped: tuple[str, ...] = ()  # "pod metric=value" for each sample that was not usable
 
     def changes(self, current: int) -> bool:
         return self.replicas != current
@@ -76,19 +82,22 @@ def decide(current: int, pods: Sequence[PodSample], policy: Policy,
     it is taken as if `current` had been recommended just now, which holds off a scale-down
     for a full window rather than trusting no memory."""
     known = tuple(history) if history is not None else (Recommendation(now, current),)
+    pods, dropped = drop_bad_samples(pods)
     if current < policy.min_replicas:
         return Decision(policy.min_replicas, "BelowMinReplicas",
-                        f"{current} replicas is below minReplicas {policy.min_replicas}", history=known)
+                        f"{current} replicas is below minReplicas {policy.min_replicas}", history=known,
+                        dropped=dropped)
     if current > policy.max_replicas:
         return Decision(policy.max_replicas, "AboveMaxReplicas",
-                        f"{current} replicas is above maxReplicas {policy.max_replicas}", history=known)
+                        f"{current} replicas is above maxReplicas {policy.max_replicas}", history=known,
+                        dropped=dropped)
 
     proposals = [p for name, target in policy.targets.items()
                  if (p := _propose(name, target, current, pods, policy.tolerance)) is not None]
     observed = {p.signal: p.average for p in proposals}
     if not proposals:
-        return Decision(current, "NoMetrics", "no ready pod reported metrics; keeping the replica count",
-                        observed=observed, history=known)
+        return Decision(current, "NoMetrics", "no ready pod reported usable metrics; keeping the replica count",
+                        observed=observed, history=known, dropped=dropped)
     best = max(proposals, key=lambda p: (p.replicas, p.ratio))
 
     window = max(policy.scale_up_window, policy.scale_down_window)
@@ -120,7 +129,27 @@ def decide(current: int, pods: Sequence[PodSample], policy: Policy,
     else:
         reason = "ScaleDownStabilized" if stabilized == current else "AtMinReplicas"
     message = f"{why}; {current} → {replicas} replicas"
-    return Decision(replicas, reason, message, best.signal, best.replicas, observed, kept)
+    if dropped:
+        message += f"; ignored {len(dropped)} unusable sample(s): {', '.join(dropped)}"
+    return Decision(replicas, reason, message, best.signal, best.replicas, observed, kept, dropped)
+
+
+def usable(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+def drop_bad_samples(pods: Sequence[PodSample]) -> tuple[list[PodSample], tuple[str, ...]]:
+    """The pods without their unusable samples of the signals' metrics, and what was dropped."""
+    cleaned, dropped = [], []
+    for i, pod in enumerate(pods):
+        if pod.metrics is None:
+            cleaned.append(pod)
+            continue
+        bad = {m for m in METRIC_OF.values() if m in pod.metrics and not usable(pod.metrics[m])}
+        dropped += [f"{pod.name or f'pod {i}'} {m}={pod.metrics[m]}" for m in sorted(bad)]
+        cleaned.append(PodSample(pod.ready, {k: v for k, v in pod.metrics.items() if k not in bad}, pod.name)
+                       if bad else pod)
+    return cleaned, tuple(dropped)
 
 
 def _propose(signal: str, target: float, current: int, pods: Sequence[PodSample],

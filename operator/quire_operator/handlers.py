@@ -1,7 +1,16 @@
-"""The kopf handlers: thin wiring from Kubernetes events to reconcile.py and scaling.py."""
+"""The kopf handlers: thin wiring from Kubernetes events to reconcile.py, scaling.py and housekeeping.py.
+
+Three ways in, all ending in the same idempotent reconcile:
+- the LLMDeployment itself changes (create, update, resume after a restart);
+- one of its children changes or disappears (drift: watched by label, server-side);
+- the housekeeping loop's periodic resync.
+No handler here needs a finalizer, so deleting an LLMDeployment never waits for the operator.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
 import time
 from typing import Any
@@ -11,20 +20,28 @@ import kubernetes
 
 from . import names
 from .defaults import default_image
+from .housekeeping import Housekeeping, Key
 from .kube import ApiError, kube, load_config
-from .reconcile import reconcile, refresh_status
+from .reconcile import Announce, reconcile, repair
 from .scaling import PodRef, poll
 from .spec import SpecError, parse_spec
 
 log = logging.getLogger(__name__)
 
-# How often the autoscaling timer wakes; each object polls at its own pollIntervalSeconds.
+# How often the housekeeping loop looks for due work; each object polls at its own pollIntervalSeconds.
 TICK_SECONDS = 1.0
+# Every LLMDeployment is re-applied this often even when no watch event said anything changed.
+RESYNC_SECONDS = 300.0
 # A failed API call is retried after this long rather than kopf's default minute.
 RETRY_DELAY_SECONDS = 10
 
 LLMD = (names.GROUP, names.VERSION, names.PLURAL)
 OURS = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
+OURS_SELECTOR = f"{names.MANAGED_BY_LABEL}={names.MANAGED_BY}"
+# What the operator watches besides LLMDeployments: only what it made, filtered by the API server.
+CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
+                   ("policy", "v1", "poddisruptionbudgets")]
+PODS = ("", "v1", "pods")
 
 
 @kopf.on.startup()
@@ -32,19 +49,33 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # The structural schema would prune kopf's status fields: keep its state in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.KOPF_PREFIX)
-    settings.persistence.finalizer = names.FINALIZER
+    # No handler needs a finalizer; naming the one older versions added lets kopf remove it.
+    settings.persistence.finalizer = names.LEGACY_FINALIZER
     # No watching of namespaces and CRDs: the namespaces are given, the CRD comes before the
     # operator (Helm installs crds/ first), and RBAC then needs nothing cluster-scoped.
     settings.scanning.disabled = True
-    # Our own Events say what happened; kopf posts only its warnings and errors.
+    # Watch only our own children and pods, not every Deployment and Pod in the cluster.
+    for resource in [*CHILD_RESOURCES, PODS]:
+        settings.watching.label_selectors[resource] = OURS_SELECTOR
+    # Failures become Events: kopf's own reports of a handler that failed or will retry are
+    # posted (Warning and above); our handlers post their state changes explicitly.
+    settings.posting.loggers = True
     settings.posting.level = logging.WARNING
     load_config()
     kube.use(kubernetes.client.ApiClient())
     log.info("quire-operator started; serving image by default: %s", default_image())
 
 
-def _warn(body: kopf.Body):
-    return lambda reason, message: kopf.warn(body, reason=reason, message=message)
+def _announcer(body: Any) -> Announce:
+    # kopf.event, not kopf.info/warn: those obey posting.level, which is for kopf's own log lines.
+    target = _event_target(body)
+    return lambda type_, reason, message: kopf.event(target, type=type_, reason=reason, message=message[:1024])
+
+
+def _event_target(body: Any) -> dict:
+    meta = body.get("metadata", {})
+    return {"apiVersion": body.get("apiVersion", names.API_VERSION), "kind": body.get("kind", names.KIND),
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta}}
 
 
 @kopf.on.resume(*LLMD)
@@ -52,30 +83,38 @@ def _warn(body: kopf.Body):
 @kopf.on.update(*LLMD)
 def reconcile_llmdeployment(body: kopf.Body, **_: Any) -> None:
     try:
-        reconcile(kube, body, default_image(), _warn(body))
-    except ApiError as e:
+        reconcile(kube, body, default_image(), _announcer(body))
+    except ApiError as e:  # not a rejection (reconcile reports those): a server or network hiccup
         raise kopf.TemporaryError(f"API call failed, will retry: {e}", delay=RETRY_DELAY_SECONDS)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=OURS)
-def deployment_event(type: str | None, body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    """The Deployment's status is the LLMDeployment's; a deleted Deployment is put back."""
-    parent = labels.get(names.SELECTOR_LABEL)
-    if not parent or not any(ref.get("kind") == names.KIND for ref in body.get("metadata", {}).get("ownerReferences", [])):
+def _parent(body: kopf.Body) -> str | None:
+    """The LLMDeployment that controls this child, if any."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == names.KIND and ref.get("apiVersion", "").startswith(names.GROUP + "/") \
+                and ref.get("controller"):
+            return ref.get("name")
+    return None
+
+
+@kopf.on.event(*CHILD_RESOURCES[0], labels=OURS)
+@kopf.on.event(*CHILD_RESOURCES[1], labels=OURS)
+@kopf.on.event(*CHILD_RESOURCES[2], labels=OURS)
+def child_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -> None:
+    """A child changed (its status, or someone edited or deleted it): put the spec back if needed.
+    Also how the Deployment's rollout reaches the LLMDeployment's status."""
+    parent = _parent(body)
+    if parent is None:
         return
+    why = f"{body.get('kind', 'child')} {body.get('metadata', {}).get('name')} {(type or 'listed').lower()}"
     try:
-        if type == "DELETED":
-            owner = kube.get_llmdeployment(namespace, parent)
-            if owner is not None and not owner["metadata"].get("deletionTimestamp"):
-                log.info("%s/%s: the Deployment was deleted from outside; restoring it", namespace, parent)
-                reconcile(kube, owner, default_image(), _warn(owner))
-            return
-        refresh_status(kube, namespace, parent)
+        repair(kube, namespace, parent, default_image(), _announcer, why)
     except ApiError as e:
-        log.warning("%s/%s: could not update the status from the Deployment: %s", namespace, parent, e)
+        log.warning("%s/%s: could not re-apply after %s, the next change or resync retries: %s",
+                    namespace, parent, why, e)
 
 
-@kopf.index("", "v1", "pods", labels=OURS)
+@kopf.index(*PODS, labels=OURS)
 def pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta,
                           status: kopf.Status, **_: Any) -> dict:
     """(namespace, LLMDeployment) → its pods' IPs and readiness, kept current by the watch."""
@@ -87,27 +126,61 @@ def pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: 
     return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=ready)}
 
 
-def _autoscaling_on(spec: kopf.Spec, **_: Any) -> bool:
-    return bool((spec.get("autoscaling") or {}).get("enabled"))
-
-
-@kopf.timer(*LLMD, interval=TICK_SECONDS, when=_autoscaling_on)
-def autoscale(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo,
-              pods_by_llmdeployment: kopf.Index, **_: Any) -> None:
+@kopf.index(*LLMD)
+def llmdeployments(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, **_: Any) -> dict:
+    """(namespace, name) → what the housekeeping loop needs: whom to tell, and how often to poll."""
     try:
-        parsed = parse_spec(spec)
+        scaling = parse_spec(spec).autoscaling
+        poll_seconds = scaling.poll_interval_seconds if scaling.enabled else None
     except SpecError:
-        return  # reconcile reports it; scaling waits for a valid spec
-    now = time.monotonic()
-    if now - memo.get("last_poll", float("-inf")) < parsed.autoscaling.poll_interval_seconds:
-        return
-    memo["last_poll"] = now
+        poll_seconds = None  # reconcile reports it; scaling waits for a valid spec
+    return {(namespace, name): {"target": _event_target(body), "spec": copy.deepcopy(dict(spec)),
+                                "poll_seconds": poll_seconds}}
+
+
+def _autoscale(pods_index: kopf.Index, key: Key, entry: dict, history: Any) -> Any:
+    namespace, name = key
+    parsed = parse_spec(entry["spec"])
+    target = entry["target"]
+
+    def announce(reason: str, message: str) -> None:
+        kopf.event(target, type="Normal", reason=reason, message=message)
+
+    def warn(reason: str, message: str) -> None:
+        kopf.event(target, type="Warning", reason=reason, message=message[:1024])
+
     try:
-        decision = poll(kube, namespace, name, parsed.autoscaling, parsed.port,
-                        pods_by_llmdeployment.get((namespace, name), []), memo.get("history"), time.time(),
-                        # kopf.event, not kopf.info: posting.level (WARNING) filters kopf.info out.
-                        lambda reason, message: kopf.event(body, type="Normal", reason=reason, message=message))
+        return poll(kube, namespace, name, parsed.autoscaling, parsed.port, list(pods_index.get(key, [])),
+                    history, time.time(), announce, warn).history
     except ApiError as e:
-        log.warning("%s/%s: autoscaler poll failed, next poll retries: %s", namespace, name, e)
-        return
-    memo["history"] = decision.history
+        log.warning("%s/%s: autoscaler poll failed, the next poll retries: %s", namespace, name, e)
+        return history
+
+
+def _resync(key: Key) -> None:
+    namespace, name = key
+    try:
+        repair(kube, namespace, name, default_image(), _announcer, "periodic resync")
+    except ApiError as e:
+        log.warning("%s/%s: resync failed, the next one retries: %s", namespace, name, e)
+
+
+def _entries(index: kopf.Index) -> list[tuple[Key, dict]]:
+    return [(key, entry) for key, store in index.items() for entry in store]
+
+
+@kopf.on.startup()
+async def start_housekeeping(memo: kopf.Memo, llmdeployments: kopf.Index, pods_by_llmdeployment: kopf.Index,
+                             **_: Any) -> None:
+    keeper = Housekeeping(poll=lambda key, entry, history: _autoscale(pods_by_llmdeployment, key, entry, history),
+                          resync=_resync, resync_seconds=float(memo.get("resync_seconds") or RESYNC_SECONDS),
+                          tick_seconds=TICK_SECONDS)
+    memo["housekeeping"] = asyncio.create_task(keeper.run(lambda: _entries(llmdeployments)), name="housekeeping")
+
+
+@kopf.on.cleanup()
+async def stop_housekeeping(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("housekeeping")
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,5 +1,7 @@
 """Names shared by the CRD, the objects the operator makes, and the chart."""
 
+import re
+
 GROUP = "quire.dev"
 VERSION = "v1alpha1"
 PLURAL = "llmdeployments"
@@ -17,7 +19,15 @@ HASH_ANNOTATION = "quire.dev/desired-hash"
 # kopf keeps its bookkeeping in annotations under this prefix (status fields it would use are
 # pruned by the structural schema).
 KOPF_PREFIX = "quire.dev"
-FINALIZER = "quire.dev/autoscaler"
+# No longer added (deletion must work with the operator stopped); kept so that kopf removes it
+# from objects an older operator version left it on.
+LEGACY_FINALIZER = "quire.dev/autoscaler"
+
+# Every child is named after its LLMDeployment, and that name is also a label value, so the
+# name must be a DNS-1035 label: the strictest of the rules (a Service's name) and 63 characters
+# (a label value's limit). The CRD carries the same rule.
+MAX_NAME_LENGTH = 63
+DNS1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 CONTAINER_NAME = "quire"
 PORT_NAME = "http"
@@ -42,3 +52,14 @@ def child_labels(name: str) -> dict[str, str]:
 def selector_string(name: str) -> str:
     """The label selector in the string form the /scale subresource reports."""
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def name_problem(name: str) -> str | None:
+    """Why the children of an LLMDeployment with this name could not be created, or None."""
+    if len(name) > MAX_NAME_LENGTH:
+        return (f"{name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} fit the Service's name "
+                "and the pods' label values")
+    if not re.match(DNS1035_PATTERN, name):
+        return (f"{name!r} is not a valid Service name (DNS-1035: lower-case letters, digits and '-', "
+                "starting with a letter and ending with a letter or digit)")
+    return None

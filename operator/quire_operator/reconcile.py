@@ -1,21 +1,33 @@
 """Make an LLMDeployment's children match its spec, and say so in its status.
 
 Pure functions (spec.py, children.py) compute what should exist; this module reads what does,
-writes only the difference, and reports. Safe to run any number of times.
+writes only the difference, and reports. Safe to run any number of times, from any trigger: a
+spec change, a change to a child (drift), or the periodic resync.
+
+What cannot succeed is not retried: a spec the operator refuses, or a child the API server
+refuses with a 4xx that is not about timing (409, 429), becomes Degraded=True with the reason,
+one Warning Event, and no further writes until the spec changes.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import defaultdict
 from typing import Any, Callable, Mapping
 
 from . import names, status
 from .children import desired_deployment, desired_pdb, desired_service, endpoint, owner_of, with_hash
-from .kube import Kube
-from .spec import LLMSpec, SpecError, parse_spec
+from .drift import drift_of
+from .kube import ApiError, Kube
+from .spec import LLMSpec, SpecError, check_name, parse_spec
+from .status import Blocked
 from .status_writer import update_status
 
 log = logging.getLogger(__name__)
+
+# announce(type, reason, message): an Event on the LLMDeployment ("Normal" or "Warning").
+Announce = Callable[[str, str, str], None]
 
 # kind → (group, version, plural)
 KINDS = {
@@ -23,80 +35,170 @@ KINDS = {
     "Service": ("", "v1", "services"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
 }
-_KEEP = object()  # "leave the reported spec error as it is"
+# 4xx answers that say "not now" rather than "never": a race with another writer, or throttling.
+TRANSIENT_CLIENT_ERRORS = (404, 408, 409, 429)
+_KEEP = object()  # "leave the reported blocking problem as it is"
+
+# One reconcile at a time per LLMDeployment: its handler, its children's watchers and the resync
+# run in different worker threads.
+_guard = threading.Lock()
+_locks: dict[tuple[str, str], threading.RLock] = defaultdict(threading.RLock)
+
+
+def _lock_for(namespace: str, name: str) -> threading.RLock:
+    with _guard:
+        return _locks[namespace, name]
+
+
+class ChildRejected(Exception):
+    """The API server refused a child for good (a 4xx other than TRANSIENT_CLIENT_ERRORS)."""
+
+    def __init__(self, kind: str, name: str, error: ApiError) -> None:
+        super().__init__(f"the API server rejected the {kind} {name!r}: {error}")
+        self.error = error
+
+
+def is_permanent(error: ApiError) -> bool:
+    return 400 <= error.status < 500 and error.status not in TRANSIENT_CLIENT_ERRORS
 
 
 def apply(kube: Kube, namespace: str, desired: dict) -> tuple[str, dict]:
-    """Create or patch one child; returns (what was done, the live object)."""
+    """Create or patch one child; returns (what was done, the live object).
+
+    What was done: "created", "updated" (the spec asked for something new), "restored" (someone
+    changed what the operator had written) or "unchanged"."""
     desired = with_hash(desired)
     kind, name = desired["kind"], desired["metadata"]["name"]
     group, version, plural = KINDS[kind]
-    live = kube.get(group, version, plural, namespace, name)
-    if live is None:
-        return "created", kube.create(group, version, plural, namespace, desired)
-    want_hash = desired["metadata"]["annotations"][names.HASH_ANNOTATION]
-    have_hash = (live.get("metadata", {}).get("annotations") or {}).get(names.HASH_ANNOTATION)
-    want_replicas = desired.get("spec", {}).get("replicas")
-    if have_hash == want_hash and live.get("spec", {}).get("replicas") == want_replicas:
-        return "unchanged", live
-    return "patched", kube.patch(group, version, plural, namespace, name, desired)
+    try:
+        live = kube.get(group, version, plural, namespace, name)
+        if live is None:
+            return "created", kube.create(group, version, plural, namespace, desired)
+        drift = drift_of(live, desired)
+        if drift is None:
+            return "unchanged", live
+        ours = (live.get("metadata", {}).get("annotations") or {}).get(names.HASH_ANNOTATION)
+        action = "restored" if ours == desired["metadata"]["annotations"][names.HASH_ANNOTATION] else "updated"
+        log.debug("%s/%s: the %s differs in %s", namespace, name, kind, drift)
+        return action, kube.patch(group, version, plural, namespace, name, desired)
+    except ApiError as e:
+        if is_permanent(e):
+            raise ChildRejected(kind, name, e) from e
+        raise
 
 
-def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str,
-              warn: Callable[[str, str], None]) -> None:
-    """Apply one generation of the spec; an invalid spec is reported and changes nothing."""
+def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce: Announce) -> None:
+    """Apply the spec; a spec that cannot apply is reported and changes nothing."""
     meta = body["metadata"]
     namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
-    try:
-        spec = parse_spec(body.get("spec"))
-    except SpecError as e:
-        log.warning("%s/%s: invalid spec, children left as they are: %s", namespace, name, e)
-        warn("InvalidSpec", str(e))
-        refresh_status(kube, namespace, name, spec_error=str(e))
-        return
+    with _lock_for(namespace, name):
+        try:
+            check_name(name)
+            spec = parse_spec(body.get("spec"))
+        except SpecError as e:
+            _block(kube, body, Blocked(status.INVALID_SPEC, str(e)), announce)
+            return
+        try:
+            deployment = _apply_children(kube, namespace, owner_of(body), spec, default_image, announce)
+        except ChildRejected as e:
+            _block(kube, body, Blocked(status.REJECTED, str(e)), announce)
+            return
+        log.debug("%s/%s: Deployment at generation %s", namespace, name,
+                  deployment.get("metadata", {}).get("generation"))
+        refresh_status(kube, namespace, name, blocked=None, spec=spec, generation=generation, announce=announce)
 
-    owner = owner_of(body)
-    deployment = _apply_logged(kube, namespace, desired_deployment(owner, spec, default_image), spec)
-    _apply_logged(kube, namespace, desired_service(owner, spec), spec)
+
+def repair(kube: Kube, namespace: str, name: str, default_image: str, announce_for: Callable[[dict], Announce],
+           why: str) -> None:
+    """Re-apply the current spec after a child changed or on the periodic resync.
+
+    Reads the LLMDeployment afresh: replicas are whatever the autoscaler (or `kubectl scale`, or
+    HPA, through /scale) set last, never an older copy. An invalid spec is left as reported."""
+    with _lock_for(namespace, name):
+        owner = kube.get_llmdeployment(namespace, name)
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return  # going away: garbage collection removes the children
+        blocked = status.blocked_of(owner.get("status"))
+        if blocked is not None and blocked.reason == status.INVALID_SPEC:
+            refresh_status(kube, namespace, name)  # only the rollout figures may have changed
+            return
+        log.debug("%s/%s: re-applying the spec (%s)", namespace, name, why)
+        reconcile(kube, owner, default_image, announce_for(owner))
+
+
+def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, default_image: str,
+                    announce: Announce) -> dict:
+    name = owner["metadata"]["name"]
+    deployment = _apply_announced(kube, namespace, desired_deployment(owner, spec, default_image), announce)
+    _apply_announced(kube, namespace, desired_service(owner, spec), announce)
     pdb = desired_pdb(owner, spec)
     if pdb is not None:
-        _apply_logged(kube, namespace, pdb, spec)
+        _apply_announced(kube, namespace, pdb, announce)
     elif kube.get("policy", "v1", "poddisruptionbudgets", namespace, name) is not None:
         kube.delete("policy", "v1", "poddisruptionbudgets", namespace, name)
         log.info("%s/%s: deleted the PodDisruptionBudget: spec.podDisruptionBudget is off", namespace, name)
-    log.debug("%s/%s: Deployment at generation %s", namespace, name,
-              deployment.get("metadata", {}).get("generation"))
-    refresh_status(kube, namespace, name, spec_error=None, spec=spec, generation=generation)
+        announce("Normal", "Deleted", "PodDisruptionBudget deleted: spec.podDisruptionBudget is off")
+    return deployment
 
 
-def _apply_logged(kube: Kube, namespace: str, desired: dict, spec: LLMSpec) -> dict:
+_SAID = {
+    "created": ("Created", "created"),
+    "updated": ("Updated", "updated to the new spec"),
+    "restored": ("DriftCorrected", "changed from outside the operator; restored to the spec"),
+}
+
+
+def _apply_announced(kube: Kube, namespace: str, desired: dict, announce: Announce) -> dict:
     action, live = apply(kube, namespace, desired)
     if action != "unchanged":
-        why = "it did not exist" if action == "created" else "the spec changed"
-        log.info("%s/%s: %s the %s (replicas=%s) because %s", namespace, desired["metadata"]["name"], action,
-                 desired["kind"], desired.get("spec", {}).get("replicas", "-"), why)
+        reason, said = _SAID[action]
+        kind, name = desired["kind"], desired["metadata"]["name"]
+        replicas = desired.get("spec", {}).get("replicas")
+        detail = f" (replicas={replicas})" if replicas is not None else ""
+        log.info("%s/%s: %s %s%s", namespace, name, kind, said, detail)
+        announce("Normal", reason, f"{kind} {name} {said}{detail}")
     return live
 
 
-def refresh_status(kube: Kube, namespace: str, name: str, *, spec_error: Any = _KEEP,
-                   spec: LLMSpec | None = None, generation: int | None = None) -> bool:
-    """Recompute the status from the live Deployment. With a generation, mark it as applied."""
+def _block(kube: Kube, body: Mapping[str, Any], blocked: Blocked, announce: Announce) -> None:
+    """Report why this spec is not applied: once per new problem, not on every retry."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    if status.blocked_of(body.get("status")) != blocked:
+        log.warning("%s/%s: %s; children left as they are: %s", namespace, name, blocked.reason, blocked.message)
+        announce("Warning", blocked.reason, blocked.message)
+    refresh_status(kube, namespace, name, blocked=blocked, announce=announce)
+
+
+def refresh_status(kube: Kube, namespace: str, name: str, *, blocked: Any = _KEEP,
+                   spec: LLMSpec | None = None, generation: int | None = None,
+                   announce: Announce | None = None) -> bool:
+    """Recompute the status from the live Deployment. With a generation, mark it as applied.
+    With `announce`, a condition that changes its status is announced as an Event."""
+    changed: list[dict] = []
 
     def change(obj: dict) -> dict:
         old = obj.get("status") or {}
-        error = status.spec_error_of(old) if spec_error is _KEEP else spec_error
+        problem = status.blocked_of(old) if blocked is _KEEP else blocked
         # Read the Deployment afresh under the status lock: a watch event may be older than it.
         live = kube.get("apps", "v1", "deployments", namespace, name)
+        conditions = status.merge_conditions(old.get("conditions"), status.conditions(live, problem), status.now_iso())
+        changed[:] = status.flipped(old.get("conditions"), conditions)
         fields: dict[str, Any] = {
-            "conditions": status.merge_conditions(old.get("conditions"), status.conditions(live, error),
-                                                  status.now_iso()),
+            "conditions": conditions,
             **status.replica_counts(live),
             "selector": names.selector_string(name),
         }
         if spec is not None:
             fields["endpoint"] = endpoint(obj, spec)
-        if generation is not None and error is None:
+        if generation is not None and problem is None:
             fields["observedGeneration"] = generation
         return fields
 
-    return update_status(kube, namespace, name, change)
+    wrote = update_status(kube, namespace, name, change)
+    if wrote and announce is not None:
+        for c in changed:
+            if c["type"] != status.DEGRADED or c["reason"] not in status.BLOCKING_REASONS:  # _block said it
+                announce("Normal" if status.is_good(c) else "Warning", c["reason"],
+                         f"{c['type']} is {c['status']}: {c['message']}")
+    return wrote

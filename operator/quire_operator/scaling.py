@@ -41,13 +41,13 @@ def policy_of(spec: AutoscalingSpec) -> Policy:
 def sample_pods(pods: Iterable[PodRef], port: int) -> list[PodSample]:
     pods = list(pods)
     scraped = scrape_all([p.ip for p in pods if p.ready and p.ip], port)
-    return [PodSample(ready=p.ready and bool(p.ip), metrics=scraped.get(p.ip) if p.ready and p.ip else None)
-            for p in pods]
+    return [PodSample(ready=p.ready and bool(p.ip), metrics=scraped.get(p.ip) if p.ready and p.ip else None,
+                      name=p.name) for p in pods]
 
 
 def poll(kube: Kube, namespace: str, name: str, spec: AutoscalingSpec, port: int, pods: Iterable[PodRef],
          history: Sequence[Recommendation] | None, now: float,
-         announce: Callable[[str, str], None]) -> Decision:
+         announce: Callable[[str, str], None], announce_warning: Callable[[str, str], None]) -> Decision:
     """Returns the decision; its history is what the next poll needs."""
     # The replica count from /scale, not from the watched body, which may lag our own last change.
     current = kube.get_scale(namespace, name).get("spec", {}).get("replicas", 0)
@@ -59,13 +59,21 @@ def poll(kube: Kube, namespace: str, name: str, spec: AutoscalingSpec, port: int
         announce(decision.reason, f"{decision.message} (signal: {decision.signal or 'replica limits'})")
     else:
         log.debug("%s/%s: no scaling (%s): %s", namespace, name, decision.reason, decision.message)
-    _record(kube, namespace, name, decision, current)
+    if _record(kube, namespace, name, decision, current) and decision.dropped:
+        # Only when the pods start sending unusable samples, not on every poll while they do.
+        log.warning("%s/%s: ignoring unusable metric samples: %s", namespace, name, ", ".join(decision.dropped))
+        announce_warning("UnusableMetrics", f"ignored {len(decision.dropped)} unusable metric sample(s), "
+                                            f"scaling on the others: {', '.join(decision.dropped)}")
     return decision
 
 
-def _record(kube: Kube, namespace: str, name: str, decision: Decision, current: int) -> None:
+def _record(kube: Kube, namespace: str, name: str, decision: Decision, current: int) -> bool:
+    """Writes the decision to status; returns whether unusable samples are newly being dropped."""
+    newly_dropping = [False]
+
     def change(obj: dict) -> dict:
         old = (obj.get("status") or {}).get("autoscaler") or {}
+        newly_dropping[0] = bool(decision.dropped) and not old.get("droppedSamples")
         fields = {
             "desiredReplicas": decision.replicas,
             "reason": decision.reason,
@@ -73,6 +81,8 @@ def _record(kube: Kube, namespace: str, name: str, decision: Decision, current: 
             "signal": decision.signal,
             "observedQueueDepth": _rounded(decision.observed.get(autoscaler.QUEUE_DEPTH)),
             "observedKVCacheUtilization": _rounded(decision.observed.get(autoscaler.KV_CACHE)),
+            # NaN, ±Inf or negative samples left out of this decision (and the pods they came from).
+            "droppedSamples": len(decision.dropped),
         }
         if decision.changes(current):
             fields["lastScaleTime"] = status.now_iso()
@@ -81,6 +91,7 @@ def _record(kube: Kube, namespace: str, name: str, decision: Decision, current: 
         return {"autoscaler": fields}
 
     update_status(kube, namespace, name, change)
+    return newly_dropping[0]
 
 
 def _rounded(value: float | None) -> float | None:

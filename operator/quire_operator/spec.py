@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from . import names, quantity
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -94,6 +96,13 @@ class LLMSpec:
     pdb_enabled: bool = False
     pdb_max_unavailable: int = 1
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+
+
+def check_name(name: str) -> None:
+    """The LLMDeployment's own name, which every child takes (names.name_problem says why)."""
+    problem = names.name_problem(name)
+    if problem:
+        raise SpecError("metadata.name", problem)
 
 
 def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
@@ -282,8 +291,10 @@ class _Reader:
         value = self._get(key)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip():
-            raise SpecError(f"{self.path}.{key}", f"must be a quantity such as 4, '500m' or '16Gi', not {value!r}")
+        if not quantity.is_quantity(value):
+            raise SpecError(f"{self.path}.{key}", f"{value!r} is not a Kubernetes quantity: expected a "
+                                                  "non-negative number with an optional suffix, such as "
+                                                  "4, '500m', '16Gi' or '512M'")
         return str(value)
 
     def strings(self, key: str) -> list[str]:

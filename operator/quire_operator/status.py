@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+# Why a generation is not applied: the operator refused the spec, or the API server refused a
+# child made from it (a 4xx that retrying cannot fix). Either holds until the spec changes.
 INVALID_SPEC = "InvalidSpec"
+REJECTED = "Rejected"
+BLOCKING_REASONS = (INVALID_SPEC, REJECTED)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    reason: str  # one of BLOCKING_REASONS
+    message: str
 
 
 def now_iso() -> str:
@@ -17,17 +28,20 @@ def _condition(kind: str, ok: bool, reason: str, message: str) -> dict:
     return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def conditions(deployment: Mapping[str, Any] | None, spec_error: str | None) -> list[dict]:
+def conditions(deployment: Mapping[str, Any] | None, blocked: Blocked | None) -> list[dict]:
     """Ready, Progressing and Degraded, without transition times (merge_conditions adds them)."""
     if deployment is None:
-        ready = _condition(READY, False, "NoDeployment", "the Deployment does not exist")
-        progressing = _condition(PROGRESSING, spec_error is None, "Creating" if spec_error is None else "Blocked",
-                                 "creating the Deployment" if spec_error is None else "waiting for a valid spec")
+        if blocked is None:
+            ready = _condition(READY, False, "NoDeployment", "the Deployment does not exist")
+        else:  # nothing serves, and this is why
+            ready = _condition(READY, False, blocked.reason, blocked.message)
+        progressing = _condition(PROGRESSING, blocked is None, "Creating" if blocked is None else "Blocked",
+                                 "creating the Deployment" if blocked is None else "waiting for a spec that applies")
         stalled = None
     else:
         ready, progressing, stalled = _rollout(deployment)
-    if spec_error is not None:
-        degraded = _condition(DEGRADED, True, INVALID_SPEC, spec_error)
+    if blocked is not None:
+        degraded = _condition(DEGRADED, True, blocked.reason, blocked.message)
     elif stalled is not None:
         degraded = _condition(DEGRADED, True, "ProgressDeadlineExceeded", f"pods did not become ready in time: {stalled}")
     else:
@@ -63,11 +77,11 @@ def _rollout(deployment: Mapping[str, Any]) -> tuple[dict, dict, str | None]:
     return ready_c, progressing, stalled
 
 
-def spec_error_of(status: Mapping[str, Any] | None) -> str | None:
-    """The invalid-spec message currently reported, if any: it holds until the spec is fixed."""
+def blocked_of(status: Mapping[str, Any] | None) -> Blocked | None:
+    """Why the current spec is not applied, as reported; it holds until the spec changes."""
     for c in (status or {}).get("conditions") or []:
-        if c.get("type") == DEGRADED and c.get("status") == "True" and c.get("reason") == INVALID_SPEC:
-            return c.get("message", "")
+        if c.get("type") == DEGRADED and c.get("status") == "True" and c.get("reason") in BLOCKING_REASONS:
+            return Blocked(c["reason"], c.get("message", ""))
     return None
 
 
@@ -85,3 +99,20 @@ def merge_conditions(old: list[dict] | None, new: list[dict], now: str) -> list[
 def replica_counts(deployment: Mapping[str, Any] | None) -> dict:
     st = (deployment or {}).get("status") or {}
     return {"replicas": st.get("replicas") or 0, "readyReplicas": st.get("readyReplicas") or 0}
+
+
+def is_good(condition: Mapping[str, Any]) -> bool:
+    """Ready=True, Progressing (either way) and Degraded=False are good news."""
+    if condition["type"] == DEGRADED:
+        return condition["status"] != "True"
+    if condition["type"] == READY:
+        return condition["status"] == "True"
+    return True
+
+
+def flipped(old: list[dict] | None, new: list[dict]) -> list[dict]:
+    """The conditions whose status changed (Progressing's reason counts too: a rollout ended)."""
+    before = {c.get("type"): c for c in old or []}
+    return [c for c in new if c["type"] in before and (
+        before[c["type"]].get("status") != c["status"]
+        or (c["type"] == PROGRESSING and before[c["type"]].get("reason") != c["reason"]))]

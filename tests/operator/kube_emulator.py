@@ -13,7 +13,9 @@ serves every request for a registered resource itself, the way the API server do
 - watches that honour resourceVersion (a replay from the event log), label and field
   selectors and timeoutSeconds; lists with label selectors;
 - deletion with finalizers (deletionTimestamp first) and garbage collection of dependents
-  through ownerReferences.
+  through ownerReferences;
+- validation rules a test adds (`add_validation`), standing in for the API server's own
+  validation of built-in kinds: a create or update that breaks one answers 422 Invalid.
 
 It has no controllers: a Deployment gets no status and no pods unless the test makes them.
 It validates no schemas. `RunningEmulator` runs it in a thread of its own with its own loop,
@@ -139,6 +141,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _log: list = attrs.field(factory=list, init=False)  # (rv, resource, event type, object)
     _tick: Any = attrs.field(default=None, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    _validations: list = attrs.field(factory=list, init=False)  # (plural, check(obj) → message or None)
 
     # --- registration ---
 
@@ -154,6 +157,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.resources[res] = kmock.ResourceInfo(
             kind=rtype.kind, singular=rtype.kind.lower(), namespaced=rtype.namespaced, shortnames=set(shortnames),
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"}, subresources=subresources)
+
+    def add_validation(self, plural: str, check: Callable[[dict], str | None]) -> None:
+        """check(object as it would be stored) → why it is invalid, or None."""
+        self._validations.append((plural, check))
+
+    def _validate(self, res: Any, obj: dict) -> None:
+        for plural, check in self._validations:
+            if res.plural == plural and (message := check(obj)):
+                raise ApiError(422, "Invalid", f'{self._type_of(res).kind} "{obj["metadata"].get("name")}" '
+                                               f"is invalid: {message}")
 
     def register_crd(self, crd: dict) -> None:
         spec = crd["spec"]
@@ -178,6 +191,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             scale_paths=(".spec.replicas", ".status.replicas", "")))
         self.register("policy", "v1", "poddisruptionbudgets", ResourceType(
             "PodDisruptionBudget", status_subresource=True))
+        self.register("coordination.k8s.io", "v1", "leases", ResourceType("Lease"))
         self.register("apiextensions.k8s.io", "v1", "customresourcedefinitions",
                       ResourceType("CustomResourceDefinition", namespaced=False, status_subresource=True))
 
@@ -339,6 +353,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             meta.pop(key_, None)
         if rtype.status_subresource:
             obj.pop("status", None)  # the API server ignores status on create
+        self._validate(res, obj)
         if key in self.objects:
             self.objects[key].create(obj)
         else:
@@ -399,6 +414,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"]
         if new == old:
             return self._scale_of(old, rtype) if sub == "scale" else old  # a no-op writes nothing
+        self._validate(request.resource, new)
 
         spec_of = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
         if spec_of(new) != spec_of(old):

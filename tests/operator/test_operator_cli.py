@@ -1,9 +1,18 @@
-"""`quire-operator` runs kopf with the watch scope and liveness endpoint it is given."""
+"""`quire-operator` runs kopf with the watch scope and liveness endpoint it is given, as the leader."""
 
 import kopf
 import pytest
 
+from quire_operator import __main__ as cli
 from quire_operator.__main__ import main
+
+
+@pytest.fixture
+def kopf_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
+    return calls
 
 
 @pytest.mark.parametrize("argv, clusterwide, namespaces, liveness", [
@@ -13,14 +22,60 @@ from quire_operator.__main__ import main
      False, ["llm-a", "llm-b"], "http://0.0.0.0:9090/healthz"),
     (["--liveness", ""], True, [], None),
 ])
-def test_arguments_reach_kopf(monkeypatch, argv, clusterwide, namespaces, liveness):
-    calls = []
-    monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
-    assert main(argv) == 0
-    (kwargs,) = calls
-    assert kwargs == {"standalone": True, "clusterwide": clusterwide, "namespaces": namespaces,
-                      "liveness_endpoint": liveness}
+def test_arguments_reach_kopf(kopf_calls, argv, clusterwide, namespaces, liveness):
+    assert main(["--no-leader-election", *argv]) == 0
+    (kwargs,) = kopf_calls
+    assert {k: kwargs[k] for k in ("standalone", "clusterwide", "namespaces", "liveness_endpoint")} == {
+        "standalone": True, "clusterwide": clusterwide, "namespaces": namespaces, "liveness_endpoint": liveness}
+    assert kwargs["memo"]["resync_seconds"] is None
+
+
+def test_resync_period_reaches_the_handlers(kopf_calls):
+    assert main(["--no-leader-election", "--resync-seconds", "30"]) == 0
+    assert kopf_calls[0]["memo"]["resync_seconds"] == 30
+
+
+def test_kopf_runs_only_once_elected_and_releases_the_lease_after(kopf_calls, monkeypatch):
+    order = []
+
+    class Elector:
+        def release(self):
+            order.append("release")
+
+    class Renewer:
+        def join(self, timeout):
+            order.append("joined")
+
+    monkeypatch.setattr(cli, "_elect", lambda args, stop, lost: (order.append("elected"), (Elector(), Renewer()))[1])
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: order.append("kopf"))
+    assert main([]) == 0
+    assert order == ["elected", "kopf", "joined", "release"]
+
+
+def test_stopped_while_waiting_to_lead_never_runs_kopf(kopf_calls, monkeypatch):
+    monkeypatch.setattr(cli, "_elect", lambda args, stop, lost: None)
+    assert main([]) == 0
+    assert kopf_calls == []
+
+
+def test_lost_leadership_exits_non_zero_and_keeps_the_lease_untouched(kopf_calls, monkeypatch):
+    released = []
+
+    class Elector:
+        def release(self):
+            released.append(True)
+
+    class Renewer:
+        def join(self, timeout):
+            pass
+
+    def elect(args, stop, lost):
+        lost.set()  # as the renewing thread does when it cannot renew in time
+        return Elector(), Renewer()
+
+    monkeypatch.setattr(cli, "_elect", elect)
+    assert main([]) == 1
+    assert released == []
 
 
 def test_all_namespaces_and_namespace_exclude_each_other():

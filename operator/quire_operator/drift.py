@@ -1,0 +1,43 @@
+"""Has someone changed a child since the operator wrote it? A pure comparison of live and desired.
+
+The live object holds everything the operator wrote plus what the API server and other
+controllers added (defaults, clusterIP, revision annotations). So the question is whether the
+live object still *contains* the desired one: every field the operator sets has the value it
+set. Fields the operator never sets are left to whoever sets them (a mutating webhook, say).
+Lists must match element for element (a removed probe, an added container), and quantities
+compare by value, because the API server rewrites "0.5" as "500m" and 1 as "1".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from . import names
+from .quantity import same_quantity
+
+
+def covers(live: Any, desired: Any) -> bool:
+    """Whether merge-patching `live` with `desired` would change nothing that matters."""
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(key in live and covers(live[key], value)
+                                                 for key, value in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(live, list) and len(live) == len(desired)
+                and all(covers(have, want) for have, want in zip(live, desired)))
+    return live == desired or (isinstance(live, (str, int)) and isinstance(desired, (str, int))
+                               and same_quantity(live, desired))
+
+
+def drift_of(live: Mapping[str, Any], desired: Mapping[str, Any]) -> str | None:
+    """None if the live child is as desired; otherwise which of its parts differ, for the log."""
+    if covers(live, desired):
+        return None
+    parts = []
+    for section in ("metadata", "spec"):
+        have, want = live.get(section) or {}, desired.get(section) or {}
+        for key, value in want.items():
+            if key == "annotations" and names.HASH_ANNOTATION in value:
+                value = {k: v for k, v in value.items() if k != names.HASH_ANNOTATION}
+            if not covers(have.get(key), value):
+                parts.append(f"{section}.{key}")
+    return ", ".join(parts) or "its content"

@@ -1,0 +1,87 @@
+"""The operator's own clock: autoscaler polls and the periodic resync of every LLMDeployment.
+
+One loop for all objects rather than kopf timers: a kopf timer (or daemon) puts a finalizer on
+every object it runs for, and a finalizer blocks deleting the object whenever the operator is
+down. This loop needs none. kopf's index of LLMDeployments says what exists; each object is
+polled at its own pollIntervalSeconds and re-applied every `resync_seconds` (a safety net under
+the watches on the children, which repair drift as it happens).
+
+The work itself is blocking API calls and scrapes: it runs in worker threads, at most one job
+per object at a time, so a slow pod delays only its own LLMDeployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Mapping
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class _Clock:
+    next_resync: float
+    next_poll: float = 0.0
+    history: Any = None  # the autoscaler's recommendations, kept between polls
+    busy: bool = False
+
+
+@dataclass
+class Housekeeping:
+    # poll(key, entry, history) → the history for the next poll; called when entry["poll"] is due
+    poll: Callable[[Key, Mapping[str, Any], Any], Any]
+    # resync(key): re-apply the spec
+    resync: Callable[[Key], None]
+    resync_seconds: float
+    tick_seconds: float = 1.0
+    _clocks: dict[Hashable, _Clock] = field(default_factory=dict)
+
+    async def run(self, entries: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]]) -> None:
+        """Forever: every tick, start the jobs that are due. `entries` lists (key, entry) where an
+        entry has "poll_seconds" (None: autoscaling is off)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self.start_due_jobs(loop, list(entries()), time.monotonic())
+            await asyncio.sleep(self.tick_seconds)
+
+    def start_due_jobs(self, loop: asyncio.AbstractEventLoop, entries: list[tuple[Key, Mapping[str, Any]]],
+                       now: float) -> None:
+        present = {key for key, _ in entries}
+        for gone in set(self._clocks) - present:  # deleted: forget its history
+            del self._clocks[gone]
+        for key, entry in entries:
+            # The first resync of an object comes one period after the operator first saw it.
+            clock = self._clocks.setdefault(key, _Clock(next_resync=now + self.resync_seconds))
+            if clock.busy:
+                continue
+            poll_seconds = entry.get("poll_seconds")
+            if poll_seconds is not None and now >= clock.next_poll:
+                clock.next_poll = now + poll_seconds
+                self._start(loop, key, clock, lambda c=clock, k=key, e=entry: self._poll(k, e, c))
+            elif now >= clock.next_resync:
+                clock.next_resync = now + self.resync_seconds
+                self._start(loop, key, clock, lambda k=key: self.resync(k))
+
+    def _poll(self, key: Key, entry: Mapping[str, Any], clock: _Clock) -> None:
+        clock.history = self.poll(key, entry, clock.history)
+
+    def _start(self, loop: asyncio.AbstractEventLoop, key: Key, clock: _Clock, job: Callable[[], None]) -> None:
+        clock.busy = True
+
+        def run() -> None:
+            try:
+                job()
+            except Exception:  # one object's failure is logged, never the loop's end
+                log.exception("%s/%s: housekeeping failed; the next tick tries again", *key)
+            finally:
+                clock.busy = False
+
+        # A copy of this context per job: kopf's settings travel in a context variable, and
+        # kopf.event() needs them in the worker thread.
+        loop.run_in_executor(None, contextvars.copy_context().run, run)
