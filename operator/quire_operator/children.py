@@ -86,9 +86,9 @@ def endpoint(owner: Mapping[str, Any], spec: LLMSpec) -> str:
 
 
 def desired_hash(obj: Mapping[str, Any]) -> str:
-    """A digest of everything the operator sets except the replica count (compared on its own)."""
+    """A digest of everything the operator sets. Equal on the live child: what differs there was
+    changed by someone else (drift), not asked for by the spec."""
     content = copy.deepcopy(dict(obj))
-    content.get("spec", {}).pop("replicas", None)
     content.get("metadata", {}).get("annotations", {}).pop(names.HASH_ANNOTATION, None)
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -10,6 +10,7 @@ No handler here needs a finalizer, so deleting an LLMDeployment never waits for 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import logging
 import time
@@ -127,8 +128,12 @@ def pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: 
 
 
 @kopf.index(*LLMD)
-def llmdeployments(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, **_: Any) -> dict:
+def llmdeployments(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> dict:
     """(namespace, name) → what the housekeeping loop needs: whom to tell, and how often to poll."""
+    # kopf.event() finds kopf's Event queue through context variables that only an object's
+    # handlers have; the housekeeping loop runs its jobs in a copy of this context.
+    if "context" not in memo.setdefault("handler_context", {}):
+        memo["handler_context"]["context"] = contextvars.copy_context()
     try:
         scaling = parse_spec(spec).autoscaling
         poll_seconds = scaling.poll_interval_seconds if scaling.enabled else None
@@ -172,9 +177,10 @@ def _entries(index: kopf.Index) -> list[tuple[Key, dict]]:
 @kopf.on.startup()
 async def start_housekeeping(memo: kopf.Memo, llmdeployments: kopf.Index, pods_by_llmdeployment: kopf.Index,
                              **_: Any) -> None:
+    holder = memo["handler_context"] = {}  # filled by the first index call (shared: memos are shallow copies)
     keeper = Housekeeping(poll=lambda key, entry, history: _autoscale(pods_by_llmdeployment, key, entry, history),
                           resync=_resync, resync_seconds=float(memo.get("resync_seconds") or RESYNC_SECONDS),
-                          tick_seconds=TICK_SECONDS)
+                          tick_seconds=TICK_SECONDS, context=lambda: holder.get("context"))
     memo["housekeeping"] = asyncio.create_task(keeper.run(lambda: _entries(llmdeployments)), name="housekeeping")
 
 

@@ -40,6 +40,8 @@ class Housekeeping:
     resync: Callable[[Key], None]
     resync_seconds: float
     tick_seconds: float = 1.0
+    # The context jobs run in (kopf.event() needs one of an object handler's); None: this one.
+    context: Callable[[], contextvars.Context | None] = lambda: None
     _clocks: dict[Hashable, _Clock] = field(default_factory=dict)
 
     async def run(self, entries: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]]) -> None:
@@ -82,6 +84,6 @@ class Housekeeping:
             finally:
                 clock.busy = False
 
-        # A copy of this context per job: kopf's settings travel in a context variable, and
-        # kopf.event() needs them in the worker thread.
-        loop.run_in_executor(None, contextvars.copy_context().run, run)
+        # A fresh copy per job: one context cannot be entered by two threads at once.
+        base = self.context() or contextvars.copy_context()
+        loop.run_in_executor(None, base.copy().run, run)

@@ -97,6 +97,6 @@ def test_scales_up_under_load_and_down_after_the_window(cluster):
                                               e.objects[LLMD_API + "/" + names.PLURAL, "default", "chat"].history if v])
     assert max(history) == 2 and max(controller.replica_history) == 2
     assert controller.replica_history == [1, 2, 1]
-    reasons = [(e["reason"], e["message"]) for e in events if e["type"] == "Normal"]
+    reasons = [(e["reason"], e["message"]) for e in events if e["reason"] in ("ScaledUp", "ScaledDown")]
     assert [r for r, _ in reasons] == ["ScaledUp", "ScaledDown"]
     assert "signal: queueDepth" in reasons[0][1] and "queue depth" in reasons[0][1]
