@@ -25,6 +25,9 @@ VALUE_SETS = {
         "serviceAccount": {"name": "llm-operator", "annotations": {"team": "ml"}},
     },
     "no-rbac-no-serviceaccount": {"rbac": {"create": False}, "serviceAccount": {"create": False}},
+    "one-replica-without-leader-election": {"replicaCount": 1, "leaderElection": {"enabled": False}},
+    "three-replicas-fast-failover": {"replicaCount": 3, "resyncSeconds": 60, "leaderElection": {
+        "enabled": True, "leaseDurationSeconds": 6, "renewDeadlineSeconds": 4, "retryPeriodSeconds": 1}},
 }
 KUBERNETES_VERSIONS = ["1.29.0", "1.33.0"]
 
@@ -64,16 +67,36 @@ def test_app_version_is_the_project_version():
     assert {"name": "QUIRE_DEFAULT_IMAGE", "value": f"ghcr.io/quire-dev/quire:{project['version']}"} in container["env"]
 
 
-def test_one_operator_replica_and_its_liveness_probe_asks_kopf():
+def test_two_operator_replicas_elect_a_leader_and_the_liveness_probe_asks_kopf():
     deployment, container = operator_container(render())
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
+    # Replicas may overlap: only the Lease holder acts.
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert [a for a in container["args"] if a.startswith("--lea") or a.startswith("--renew")
+            or a.startswith("--retry")] == [
+        "--leader-election", "--lease-name=quire", f"--lease-namespace={NAMESPACE}", "--lease-duration=15",
+        "--renew-deadline=10", "--retry-period=2"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
     probe = container["livenessProbe"]["httpGet"]
     port = next(p for p in container["ports"] if p["name"] == probe["port"])
     assert (probe["path"], port["containerPort"]) == ("/healthz", 8080)
     security = deployment["spec"]["template"]["spec"]["securityContext"]
     assert security["runAsNonRoot"] is True
+
+
+def test_without_leader_election_one_replica_is_recreated():
+    deployment, container = operator_container(render(VALUE_SETS["one-replica-without-leader-election"]))
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--no-leader-election" in container["args"]
+
+
+def test_resync_and_lease_timings_follow_the_values():
+    deployment, container = operator_container(render(VALUE_SETS["three-replicas-fast-failover"]))
+    assert deployment["spec"]["replicas"] == 3
+    assert {"--resync-seconds=60", "--lease-duration=6", "--renew-deadline=4", "--retry-period=1"} <= set(container["args"])
 
 
 def test_watch_scope_follows_the_values():
@@ -111,7 +134,9 @@ def test_service_monitor_selects_the_runtime_services():
 
 
 @pytest.mark.parametrize("values, key", [
-    ({"replicaCount": 2}, "replicaCount"),
+    ({"replicaCount": 2, "leaderElection": {"enabled": False}}, "replicaCount"),  # both would act
+    ({"replicaCount": -1}, "replicaCount"),
+    ({"leaderElection": {"enabled": True, "leaseDurationSeconds": 0}}, "leaseDurationSeconds"),
     ({"watch": {"clusterWide": "yes"}}, "clusterWide"),
     ({"watch": {"clusterWide": False, "namespaces": ["Bad_Name"]}}, "namespaces"),
     ({"serviceMonitor": {"enabled": True, "interval": "soon"}}, "interval"),

@@ -359,6 +359,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         else:
             self.objects[key] = obj
         self._emit(res, "ADDED", obj)
+        self._collect_if_orphaned(res, namespace, name, obj)
         return obj
 
     def _patched(self, target: dict, request: kmock.Request) -> dict:
@@ -459,6 +460,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
             refs = stored.raw.get("metadata", {}).get("ownerReferences") or []
             if any(ref.get("uid") == owner_uid for ref in refs):
                 self._delete(res, namespace, name)
+
+    def _collect_if_orphaned(self, res: Any, namespace: str | None, name: str, obj: dict) -> None:
+        """An object created for an owner that is gone is collected too, as the garbage
+        collector does (a controller may create a child just as its owner is deleted)."""
+        refs = obj.get("metadata", {}).get("ownerReferences") or []
+        if not refs:
+            return
+        live_uids = {stored.raw["metadata"].get("uid") for stored in self.objects.values() if not stored.deleted}
+        if not any(ref.get("uid") in live_uids for ref in refs):
+            self._delete(res, namespace, name)
 
     # --- for tests, on the emulator's own loop ---
 
