@@ -4,21 +4,21 @@ and rejects broken resources."""
 import copy
 import pathlib
 
+import crd_rules
 import jsonschema
 import pytest
 import yaml
 from chart_render import CHART, CRD_FILE
 
-from quire_operator.spec import parse_spec
+from quire_operator import names, quantity
+from quire_operator.spec import SpecError, check_name, parse_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / CRD_FILE).read_text())
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
-def schema_of(crd):
-    (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
-    return version["schema"]["openAPIV3Schema"]
+schema_of = crd_rules.schema_of
 
 
 def validator():
@@ -75,6 +75,14 @@ def test_examples_are_valid(path):
         parse_spec(resource["spec"])  # and the operator accepts them too
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_autoscaled_examples_leave_replicas_to_the_autoscaler(path):
+    # A manifest re-applied by a GitOps tool must not reset what the autoscaler chose.
+    for resource in [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "LLMDeployment"]:
+        if resource["spec"].get("autoscaling", {}).get("enabled"):
+            assert "replicas" not in resource["spec"]
+
+
 def test_examples_cover_what_they_promise():
     smol = yaml.safe_load((ROOT / "examples" / "smollm2-cpu.yaml").read_text())
     assert "source" not in smol["spec"]["model"]  # the runtime's default model
@@ -113,3 +121,94 @@ def test_broken_resources_are_rejected(spec):
     validator().validate(GOOD)
     with pytest.raises(jsonschema.ValidationError):
         validator().validate(resource)
+
+
+# --- validation the API server does with the CRD alone (issue 13): patterns, enums, CEL rules ---
+
+INVALID = sorted((pathlib.Path(__file__).parent / "invalid_llmdeployments").glob("*.yaml"))
+# What each manifest breaks, as the API server would say it.
+REFUSED_BECAUSE = {
+    "autoscaling-without-max.yaml": "maxReplicas is required",
+    "block-size-24.yaml": "is not one of",
+    "cpu-negative.yaml": "must not be negative",
+    "cpu-two.yaml": "does not match",
+    "kv-cache-dtype-int4.yaml": "is not one of",
+    "memory-16GB.yaml": "does not match",
+    "min-over-max.yaml": "minReplicas must not be greater than maxReplicas",
+    "name-too-long.yaml": "is too long",
+    "name-with-a-dot.yaml": "does not match",
+}
+
+
+def test_every_invalid_manifest_says_what_it_breaks():
+    assert [p.name for p in INVALID] == sorted(REFUSED_BECAUSE)
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
+def test_invalid_manifests_are_refused_by_the_crd_and_by_the_operator(path):
+    resource = yaml.safe_load(path.read_text())
+    found = crd_rules.violations(resource, CRD)
+    assert found and REFUSED_BECAUSE[path.name] in found[0], found
+    # The operator refuses them too, before any write: an older CRD may lack a rule.
+    with pytest.raises(SpecError):
+        check_name(resource["metadata"]["name"])
+        parse_spec(resource["spec"])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_pass_every_rule(path):
+    for resource in [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "LLMDeployment"]:
+        assert crd_rules.violations(resource, CRD) == []
+
+
+def test_every_cel_rule_parses_and_has_a_message():
+    found = list(crd_rules.rules(schema_of(CRD)))
+    assert {path for path, _, _ in found} == {".spec.resources.cpu", ".spec.resources.memory", ".spec.autoscaling"}
+    for path, rule, _ in found:
+        crd_rules.compile_rule(rule["rule"])  # raises on a syntax error
+        assert rule["message"], path
+
+
+def _autoscaling_rules_allow(autoscaling):
+    node = schema_of(CRD)["properties"]["spec"]["properties"]["autoscaling"]
+    return crd_rules.cel_violations(crd_rules.apply_defaults(dict(autoscaling), node), node) == []
+
+
+@pytest.mark.parametrize("autoscaling, allowed", [
+    ({}, True),
+    ({"enabled": False}, True),
+    ({"enabled": True, "maxReplicas": 3}, True),
+    ({"enabled": True, "minReplicas": 3, "maxReplicas": 3}, True),
+    ({"enabled": True, "minReplicas": 4, "maxReplicas": 3}, False),
+    ({"enabled": True}, False),
+    ({"enabled": False, "minReplicas": 5, "maxReplicas": 2}, False),  # wrong even while off
+    ({"enabled": True, "minReplicas": 5}, False),  # default-less maxReplicas: required
+])
+def test_autoscaling_rules_mean_what_they_say(autoscaling, allowed):
+    assert _autoscaling_rules_allow(autoscaling) is allowed
+    # The operator agrees with the CRD.
+    try:
+        parse_spec({"autoscaling": autoscaling})
+        operator_allows = True
+    except SpecError:
+        operator_allows = False
+    assert operator_allows is allowed
+
+
+@pytest.mark.parametrize("value, allowed", [
+    (4, True), (0, True), ("4", True), ("500m", True), ("16Gi", True), ("0.5", True), ("1e3", True), ("2E", True),
+    ("16GB", False), ("two", False), ("-1", False), (-1, False), ("", False), ("1 Gi", False), ("Gi", False),
+])
+def test_quantities_follow_the_kubernetes_grammar(value, allowed):
+    resource = copy.deepcopy(GOOD)
+    resource["spec"]["resources"] = {"cpu": value, "memory": value}
+    assert (crd_rules.violations(resource, CRD) == []) is allowed
+    assert quantity.is_quantity(value) is allowed
+
+
+def test_crd_patterns_are_the_operators():
+    spec = schema_of(CRD)["properties"]["spec"]["properties"]
+    for field in ("cpu", "memory"):
+        assert spec["resources"]["properties"][field]["pattern"] == quantity.PATTERN
+    name = schema_of(CRD)["properties"]["metadata"]["properties"]["name"]
+    assert (name["pattern"], name["maxLength"]) == (names.DNS1035_PATTERN, names.MAX_NAME_LENGTH)
