@@ -34,12 +34,17 @@ def desired_deployment(owner: Mapping[str, Any], spec: LLMSpec, default_image: s
     name = owner["metadata"]["name"]
     # A rollout may wait for a model to load; the Deployment must not call that a failure.
     deadline = spec.runtime.startup_timeout_seconds + 300
+    replicas = spec.replicas
+    if spec.autoscaling.enabled and spec.autoscaling.max_replicas is not None:
+        # spec.replicas is then only where the autoscaler starts; it corrects the count through
+        # /scale at its first poll, but the first pods already respect the bounds.
+        replicas = max(spec.autoscaling.min_replicas, min(spec.autoscaling.max_replicas, replicas))
     return _adopted({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "labels": names.child_labels(name)},
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": replicas,
             "selector": {"matchLabels": names.selector_labels(name)},
             # Never drop below the serving capacity during a rollout; add one pod at a time.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
