@@ -80,7 +80,24 @@ class FakeEngine:
         return "\n".join(lines) + "\n"
 
 
-def _handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
+class FixedMetrics:
+    """A pod whose gauges say what the test wants, however wrong (NaN, +Inf, negative)."""
+
+    def __init__(self, waiting: float, kv_usage: float) -> None:
+        self.waiting, self.kv_usage = waiting, kv_usage
+
+    def metrics(self) -> str:
+        def number(value: float) -> str:  # the Prometheus text format's spellings
+            return "NaN" if value != value else "+Inf" if value == float("inf") else \
+                "-Inf" if value == float("-inf") else repr(float(value))
+
+        lines = []
+        for name, value in (("quire:num_requests_waiting", self.waiting), ("quire:kv_cache_usage_perc", self.kv_usage)):
+            lines += [f"# TYPE {name} gauge", f'{name}{{model_name="{MODEL_NAME}"}} {number(value)}']
+        return "\n".join(lines) + "\n"
+
+
+def _handler(engine: "FakeEngine | FixedMetrics") -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:  # quiet: the test's output stays readable
             pass
@@ -114,10 +131,10 @@ def _handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
 
 
 class RuntimePod:
-    def __init__(self, ip: str, port: int) -> None:
+    def __init__(self, ip: str, port: int, engine: "FakeEngine | FixedMetrics | None" = None) -> None:
         self.ip, self.port = ip, port
         self.url = f"http://{ip}:{port}"
-        self.engine = FakeEngine()
+        self.engine = engine or FakeEngine()
         self._server = ThreadingHTTPServer((ip, port), _handler(self.engine))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"pod-{ip}", daemon=True)
@@ -170,6 +187,16 @@ def _real_server(ip: str, port: int, ready_timeout: float = 300) -> Iterator[sub
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextmanager
+def fixed_metrics_pod(ip: str, port: int, waiting: float, kv_usage: float) -> Iterator[RuntimePod]:
+    """A stand-in pod that always exports these two gauges (for scraping, not for serving)."""
+    pod = RuntimePod(ip, port, FixedMetrics(waiting, kv_usage))
+    try:
+        yield pod
+    finally:
+        pod.stop()
 
 
 def free_port(*ips: str) -> int:

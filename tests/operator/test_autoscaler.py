@@ -110,3 +110,36 @@ def test_history_is_pruned_and_unknown_history_holds_off_a_scale_down():
     old = [Recommendation(t, 9) for t in range(0, 100)]
     d = decide(4, pods(4, 4, 4, 4), p, old, now=1000)
     assert all(r.time >= 940 for r in d.history)
+
+
+# --- unusable samples (issue 13, item 3): dropped, counted, never fatal ---
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -3.0])
+@pytest.mark.parametrize("metric", [WAITING, KV])
+def test_one_pod_with_an_unusable_sample_does_not_stop_the_decision(bad, metric):
+    healthy = PodSample(ready=True, metrics={WAITING: 16.0, KV: 0.1}, name="chat-0")
+    broken = PodSample(ready=True, metrics={WAITING: 16.0, KV: 0.1, metric: bad}, name="chat-1")
+    d = decide(2, [healthy, broken], policy(), [], now=0)
+    assert d.dropped == (f"chat-1 {metric}={bad}",)
+    assert "ignored 1 unusable sample(s)" in d.message
+    # The healthy signal still scales up: queue 16 per pod against 4 (the bad pod counts as
+    # missing for the dropped signal, conservatively).
+    assert d.reason == "ScaledUp" and d.replicas > 2
+    assert all(math.isfinite(v) for v in d.observed.values())
+
+
+def test_only_unusable_samples_means_no_decision_not_an_error():
+    bad = [PodSample(ready=True, metrics={WAITING: math.nan, KV: math.inf}, name=f"chat-{i}") for i in range(2)]
+    d = decide(2, bad, policy(), [], now=0)
+    assert (d.replicas, d.reason) == (2, "NoMetrics")
+    assert len(d.dropped) == 4
+
+
+def test_metrics_the_autoscaler_does_not_use_are_not_judged():
+    pod = PodSample(ready=True, metrics={WAITING: 4.0, KV: 0.5, "quire:num_preemptions_total": math.nan})
+    assert decide(1, [pod], policy(), [], now=0).dropped == ()
