@@ -141,7 +141,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _log: list = attrs.field(factory=list, init=False)  # (rv, resource, event type, object)
     _tick: Any = attrs.field(default=None, init=False)
     _closing: bool = attrs.field(default=False, init=False)
-    _validations: list = attrs.field(factory=list, init=False)  # (plural, check(obj) → message or None)
+    _validations: list = attrs.field(factory=list, init=False)  # (plural, check(obj) → message or None, code)
 
     # --- registration ---
 
@@ -158,13 +158,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
             kind=rtype.kind, singular=rtype.kind.lower(), namespaced=rtype.namespaced, shortnames=set(shortnames),
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"}, subresources=subresources)
 
-    def add_validation(self, plural: str, check: Callable[[dict], str | None]) -> None:
-        """check(object as it would be stored) → why it is invalid, or None."""
-        self._validations.append((plural, check))
+    def add_validation(self, plural: str, check: Callable[[dict], str | None], code: int = 422) -> None:
+        """check(object as it would be stored) → why it is invalid, or None. Another `code`
+        (500, say) makes it an outage of the API server for such objects instead."""
+        self._validations.append((plural, check, code))
+
+    def clear_validations(self) -> None:
+        self._validations.clear()
 
     def _validate(self, res: Any, obj: dict) -> None:
-        for plural, check in self._validations:
+        for plural, check, code in self._validations:
             if res.plural == plural and (message := check(obj)):
+                if code != 422:
+                    raise ApiError(code, "InternalError", message)
                 raise ApiError(422, "Invalid", f'{self._type_of(res).kind} "{obj["metadata"].get("name")}" '
                                                f"is invalid: {message}")
 
