@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -62,24 +63,34 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("quire_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     from . import handlers  # noqa: F401  (registers the handlers with kopf)
 
+    # kopf's stop flag is a future of its own loop: a threading.Event would be awaited in a
+    # worker thread that a SIGTERM leaves blocked, and the loop would never finish closing.
+    loop = asyncio.new_event_loop()
+    kopf_stop = loop.create_future()
     stop, lost = threading.Event(), threading.Event()
+
+    def stop_kopf() -> None:
+        loop.call_soon_threadsafe(lambda: kopf_stop.done() or kopf_stop.set_result(None))
+
     elector = renewer = None
     if args.leader_election:
-        elected = _elect(args, stop, lost)
+        elected = _elect(args, stop, lost, stop_kopf)
         if elected is None:
             return 0
         elector, renewer = elected
     try:
         kopf.run(
+            loop=loop,
             standalone=True,  # no kopf peering: the Lease decides who acts
             clusterwide=not args.namespace,
             namespaces=args.namespace,
             liveness_endpoint=args.liveness or None,
-            stop_flag=stop,
+            stop_flag=kopf_stop,
             memo=kopf.Memo(resync_seconds=args.resync_seconds),
         )
     finally:
-        stop.set()  # also ends the renewing thread
+        loop.close()
+        stop.set()  # ends the renewing thread
         if renewer is not None:
             renewer.join(30)
         if elector is not None and not lost.is_set():
@@ -88,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if lost.is_set() else 0
 
 
-def _elect(args: argparse.Namespace, stop: threading.Event, lost: threading.Event):
+def _elect(args: argparse.Namespace, stop: threading.Event, lost: threading.Event, stop_kopf):
     """Wait to lead, then keep renewing in a thread; None if stopped while waiting."""
     import kubernetes
 
@@ -108,7 +119,7 @@ def _elect(args: argparse.Namespace, stop: threading.Event, lost: threading.Even
 
     def on_lost() -> None:
         lost.set()
-        stop.set()  # kopf stops gracefully; main() then exits 1
+        stop_kopf()  # kopf stops gracefully; main() then exits 1
 
     renewer = threading.Thread(target=elector.keep, args=(stop, on_lost), name="lease-renewer", daemon=True)
     renewer.start()

@@ -46,14 +46,14 @@ def test_kopf_runs_only_once_elected_and_releases_the_lease_after(kopf_calls, mo
         def join(self, timeout):
             order.append("joined")
 
-    monkeypatch.setattr(cli, "_elect", lambda args, stop, lost: (order.append("elected"), (Elector(), Renewer()))[1])
+    monkeypatch.setattr(cli, "_elect", lambda args, stop, lost, stop_kopf: (order.append("elected"), (Elector(), Renewer()))[1])
     monkeypatch.setattr(kopf, "run", lambda **kwargs: order.append("kopf"))
     assert main([]) == 0
     assert order == ["elected", "kopf", "joined", "release"]
 
 
 def test_stopped_while_waiting_to_lead_never_runs_kopf(kopf_calls, monkeypatch):
-    monkeypatch.setattr(cli, "_elect", lambda args, stop, lost: None)
+    monkeypatch.setattr(cli, "_elect", lambda args, stop, lost, stop_kopf: None)
     assert main([]) == 0
     assert kopf_calls == []
 
@@ -69,7 +69,7 @@ def test_lost_leadership_exits_non_zero_and_keeps_the_lease_untouched(kopf_calls
         def join(self, timeout):
             pass
 
-    def elect(args, stop, lost):
+    def elect(args, stop, lost, stop_kopf):
         lost.set()  # as the renewing thread does when it cannot renew in time
         return Elector(), Renewer()
 
