@@ -62,16 +62,21 @@ class Housekeeping:
             clock = self._clocks.setdefault(key, _Clock(next_resync=now + self.resync_seconds))
             if clock.busy:
                 continue
+            resync = now >= clock.next_resync
             poll_seconds = entry.get("poll_seconds")
-            if poll_seconds is not None and now >= clock.next_poll:
-                clock.next_poll = now + poll_seconds
-                self._start(loop, key, clock, lambda c=clock, k=key, e=entry: self._poll(k, e, c))
-            elif now >= clock.next_resync:
+            poll = poll_seconds is not None and now >= clock.next_poll
+            if resync:
                 clock.next_resync = now + self.resync_seconds
-                self._start(loop, key, clock, lambda k=key: self.resync(k))
+            if poll:
+                clock.next_poll = now + poll_seconds
+            if resync or poll:
+                self._start(loop, key, clock, lambda k=key, e=entry, c=clock, r=resync, p=poll: self._job(k, e, c, r, p))
 
-    def _poll(self, key: Key, entry: Mapping[str, Any], clock: _Clock) -> None:
-        clock.history = self.poll(key, entry, clock.history)
+    def _job(self, key: Key, entry: Mapping[str, Any], clock: _Clock, resync: bool, poll: bool) -> None:
+        if resync:
+            self.resync(key)
+        if poll:
+            clock.history = self.poll(key, entry, clock.history)
 
     def _start(self, loop: asyncio.AbstractEventLoop, key: Key, clock: _Clock, job: Callable[[], None]) -> None:
         clock.busy = True

@@ -1,0 +1,56 @@
+"""What counts as drift: fields the operator set and someone changed, not what the API server
+or other controllers added (issue 13, item 2)."""
+
+import copy
+
+import pytest
+
+from quire_operator import names
+from quire_operator.children import desired_deployment, owner_of, with_hash
+from quire_operator.drift import covers, drift_of
+from quire_operator.spec import parse_spec
+
+OWNER = owner_of({"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
+                  "metadata": {"name": "chat", "namespace": "default", "uid": "u1"}})
+DESIRED = with_hash(desired_deployment(OWNER, parse_spec({"resources": {"cpu": "0.5", "gpus": 1, "memory": "1Gi"}}),
+                                       "img:1"))
+
+
+def live_as_the_server_keeps_it():
+    """What the API server stores: defaults added, quantities in canonical form."""
+    live = copy.deepcopy(DESIRED)
+    live["metadata"].update(uid="d1", resourceVersion="7", generation=1)
+    live["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "1"
+    pod = live["spec"]["template"]["spec"]
+    pod.update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="default-scheduler")
+    container = pod["containers"][0]
+    container.update(terminationMessagePath="/dev/termination-log", imagePullPolicy="IfNotPresent")
+    container["readinessProbe"]["successThreshold"] = 1
+    container["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"},
+                              "limits": {"memory": "1Gi", "nvidia.com/gpu": "1"}}
+    live["status"] = {"replicas": 1}
+    return live
+
+
+def test_what_the_server_adds_is_not_drift():
+    assert drift_of(live_as_the_server_keeps_it(), DESIRED) is None
+
+
+@pytest.mark.parametrize("change, part", [
+    (lambda d: d["spec"]["template"]["spec"]["containers"][0].update(image="other:2"), "spec.template"),
+    (lambda d: d["spec"]["template"]["spec"]["containers"][0].pop("livenessProbe"), "spec.template"),
+    (lambda d: d["spec"].update(replicas=4), "spec.replicas"),
+    (lambda d: d["spec"]["template"]["spec"]["containers"].append({"name": "sidecar"}), "spec.template"),
+    (lambda d: d["metadata"]["labels"].pop(names.SELECTOR_LABEL), "metadata.labels"),
+    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"].update(cpu="2"),
+     "spec.template"),
+])
+def test_a_change_to_what_the_operator_set_is_drift(change, part):
+    live = live_as_the_server_keeps_it()
+    change(live)
+    assert drift_of(live, DESIRED) == part
+
+
+def test_quantities_compare_by_value():
+    assert covers({"cpu": "500m"}, {"cpu": "0.5"}) and covers({"gpu": "1"}, {"gpu": 1})
+    assert not covers({"cpu": "400m"}, {"cpu": "0.5"})

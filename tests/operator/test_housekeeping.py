@@ -1,0 +1,85 @@
+"""The housekeeping loop's schedule on its own: polls at each object's interval, resyncs every
+period, one job per object at a time, a deleted object forgotten (issue 13, items 2 and 5)."""
+
+from quire_operator.housekeeping import Housekeeping
+
+
+class Inline:
+    """A loop stand-in whose executor runs each job at once, or holds it (to test 'busy')."""
+
+    def __init__(self, hold=False):
+        self.hold, self.held = hold, []
+
+    def run_in_executor(self, executor, fn, *args):
+        if self.hold:
+            self.held.append((fn, args))
+        else:
+            fn(*args)
+
+
+def keeper(calls, resync_seconds=300.0):
+    def poll(key, entry, history):
+        calls.append(("poll", key, history))
+        return (history or 0) + 1
+
+    return Housekeeping(poll=poll, resync=lambda key: calls.append(("resync", key)),
+                        resync_seconds=resync_seconds)
+
+
+A, B = ("default", "a"), ("default", "b")
+
+
+def test_each_object_polls_at_its_own_interval_and_keeps_its_history():
+    calls = []
+    k = keeper(calls)
+    loop = Inline()
+    entries = [(A, {"poll_seconds": 1}), (B, {"poll_seconds": 5})]
+    for now in (0, 0.5, 1.0, 2.0, 5.0):
+        k.start_due_jobs(loop, entries, now)
+    assert [c for c in calls if c[1] == A] == [("poll", A, None), ("poll", A, 1), ("poll", A, 2), ("poll", A, 3)]
+    assert [c for c in calls if c[1] == B] == [("poll", B, None), ("poll", B, 1)]
+
+
+def test_resync_comes_every_period_with_or_without_autoscaling():
+    calls = []
+    k = keeper(calls, resync_seconds=10)
+    loop = Inline()
+    for now in (0, 5, 10, 15, 20):
+        k.start_due_jobs(loop, [(A, {"poll_seconds": None})], now)
+    assert calls == [("resync", A), ("resync", A)]  # at 10 and 20: one period after first seen
+    calls.clear()
+    for now in (0, 1, 2, 3):  # polled every tick, and resynced all the same
+        k.start_due_jobs(loop, [(B, {"poll_seconds": 1})], now)
+    assert calls[:2] == [("poll", B, None), ("poll", B, 1)]
+    k.start_due_jobs(loop, [(B, {"poll_seconds": 1})], 10)
+    assert calls[-2:] == [("resync", B), ("poll", B, 4)]
+
+
+def test_one_job_at_a_time_per_object():
+    calls = []
+    k = keeper(calls)
+    loop = Inline(hold=True)
+    k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 0)
+    k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 5)  # the first poll is still running
+    assert len(loop.held) == 1
+    fn, args = loop.held.pop()
+    fn(*args)
+    k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 6)
+    assert len(loop.held) == 1
+
+
+def test_a_failing_job_is_logged_not_fatal():
+    k = Housekeeping(poll=lambda key, entry, history: 1 / 0, resync=lambda key: None, resync_seconds=300)
+    loop = Inline()
+    k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 0)
+    k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 1)  # tried again: not stuck as busy
+
+
+def test_a_deleted_object_is_forgotten():
+    calls = []
+    k = keeper(calls)
+    loop = Inline()
+    k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 0)
+    k.start_due_jobs(loop, [], 1)
+    k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 2)  # recreated: a fresh history
+    assert calls == [("poll", A, None), ("poll", A, None)]
