@@ -105,8 +105,8 @@ def child_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -
     """A child changed (its status, or someone edited or deleted it): put the spec back if needed.
     Also how the Deployment's rollout reaches the LLMDeployment's status."""
     parent = _parent(body)
-    if parent is None:
-        return
+    if parent is None or type is None:
+        return  # type None: the initial listing at startup, when on.resume re-applies every spec anyway
     why = f"{body.get('kind', 'child')} {body.get('metadata', {}).get('name')} {(type or 'listed').lower()}"
     try:
         repair(kube, namespace, parent, default_image(), _announcer, why)
@@ -165,7 +165,7 @@ def _autoscale(pods_index: kopf.Index, key: Key, entry: dict, history: Any) -> A
 def _resync(key: Key) -> None:
     namespace, name = key
     try:
-        repair(kube, namespace, name, default_image(), _announcer, "periodic resync")
+        repair(kube, namespace, name, default_image(), _announcer, "periodic resync", retry_rejected=True)
     except ApiError as e:
         log.warning("%s/%s: resync failed, the next one retries: %s", namespace, name, e)
 

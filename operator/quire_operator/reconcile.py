@@ -109,17 +109,19 @@ def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce:
 
 
 def repair(kube: Kube, namespace: str, name: str, default_image: str, announce_for: Callable[[dict], Announce],
-           why: str) -> None:
+           why: str, *, retry_rejected: bool = False) -> None:
     """Re-apply the current spec after a child changed or on the periodic resync.
 
     Reads the LLMDeployment afresh: replicas are whatever the autoscaler (or `kubectl scale`, or
-    HPA, through /scale) set last, never an older copy. An invalid spec is left as reported."""
+    HPA, through /scale) set last, never an older copy. A spec reported as invalid is left
+    alone; one the API server rejected is tried again only with `retry_rejected` (the periodic
+    resync: the cause may lie outside the spec, such as an admission policy)."""
     with _lock_for(namespace, name):
         owner = kube.get_llmdeployment(namespace, name)
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return  # going away: garbage collection removes the children
         blocked = status.blocked_of(owner.get("status"))
-        if blocked is not None and blocked.reason == status.INVALID_SPEC:
+        if blocked is not None and (blocked.reason == status.INVALID_SPEC or not retry_rejected):
             refresh_status(kube, namespace, name)  # only the rollout figures may have changed
             return
         log.debug("%s/%s: re-applying the spec (%s)", namespace, name, why)
