@@ -81,3 +81,24 @@ def test_lost_leadership_exits_non_zero_and_keeps_the_lease_untouched(kopf_calls
 def test_all_namespaces_and_namespace_exclude_each_other():
     with pytest.raises(SystemExit):
         main(["-A", "-n", "x"])
+
+
+def test_a_standby_answers_the_liveness_probe_until_kopf_takes_over():
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from quire_operator.standby_probe import standby_probe
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/healthz"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with standby_probe(url):
+        with opener.open(url, timeout=5) as response:
+            assert response.status == 200
+        with pytest.raises(urllib.error.HTTPError):
+            opener.open(f"http://127.0.0.1:{port}/other", timeout=5)
+    with pytest.raises(urllib.error.URLError):  # the port is free again for kopf's own endpoint
+        opener.open(url, timeout=5)
