@@ -22,7 +22,7 @@ from quire_operator import names
 LEASE = "quire-operator"
 LEASE_PATH = f"/apis/coordination.k8s.io/v1/namespaces/default/leases/{LEASE}"
 # Short enough for a test, long enough for a loaded CI machine to renew in time.
-TIMINGS = ["--lease-duration", "6", "--renew-deadline", "4", "--retry-period", "1"]
+TIMINGS = ["--lease-duration", "10", "--renew-deadline", "8", "--retry-period", "1"]
 
 
 @contextlib.contextmanager
