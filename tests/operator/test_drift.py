@@ -5,7 +5,6 @@ Replicas follow the LLMDeployment (the autoscaler's, when it is on), never a han
 import copy
 
 import kmock
-import pytest
 from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 from quire_operator import handlers, names
