@@ -111,8 +111,14 @@ def is_good(condition: Mapping[str, Any]) -> bool:
 
 
 def flipped(old: list[dict] | None, new: list[dict]) -> list[dict]:
-    """The conditions whose status changed (Progressing's reason counts too: a rollout ended)."""
+    """The conditions whose status changed (Progressing's reason counts too: a rollout ended).
+    With no earlier conditions, only Ready=True is news (pods may be ready at the first write)."""
     before = {c.get("type"): c for c in old or []}
-    return [c for c in new if c["type"] in before and (
-        before[c["type"]].get("status") != c["status"]
-        or (c["type"] == PROGRESSING and before[c["type"]].get("reason") != c["reason"]))]
+
+    def changed(c: dict) -> bool:
+        if c["type"] not in before:
+            return c["type"] == READY and c["status"] == "True"
+        was = before[c["type"]]
+        return was.get("status") != c["status"] or (c["type"] == PROGRESSING and was.get("reason") != c["reason"])
+
+    return [c for c in new if changed(c)]

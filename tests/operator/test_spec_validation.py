@@ -116,3 +116,16 @@ def test_status_patches_that_change_nothing_are_recognised():
     assert not contains(status, {"replicas": 3})
     assert not contains(status, {"conditions": [{"type": "Ready", "status": "False"}]})
     assert not contains(status, {"endpoint": "http://x"})
+
+
+def test_condition_changes_worth_an_event():
+    from quire_operator.status import flipped
+
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "1/1"}
+    not_ready = {**ready, "status": "False", "reason": "ReplicasNotReady"}
+    rolling = {"type": "Progressing", "status": "True", "reason": "RollingOut", "message": ""}
+    done = {**rolling, "status": "False", "reason": "RolloutComplete"}
+    assert flipped(None, [not_ready, rolling]) == []  # the first status: nothing has changed yet
+    assert flipped(None, [ready, done]) == [ready]  # ...unless the pods are ready already
+    assert flipped([not_ready, rolling], [ready, done]) == [ready, done]
+    assert flipped([ready, done], [ready, done]) == []
