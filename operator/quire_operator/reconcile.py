@@ -137,7 +137,12 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
     if pdb is not None:
         _apply_announced(kube, namespace, pdb, announce)
     elif kube.get("policy", "v1", "poddisruptionbudgets", namespace, name) is not None:
-        kube.delete("policy", "v1", "poddisruptionbudgets", namespace, name)
+        try:
+            kube.delete("policy", "v1", "poddisruptionbudgets", namespace, name)
+        except ApiError as e:
+            if is_permanent(e):
+                raise ChildRejected("PodDisruptionBudget", name, e) from e
+            raise
         log.info("%s/%s: deleted the PodDisruptionBudget: spec.podDisruptionBudget is off", namespace, name)
         announce("Normal", "Deleted", "PodDisruptionBudget deleted: spec.podDisruptionBudget is off")
     return deployment
