@@ -129,3 +129,19 @@ def test_condition_changes_worth_an_event():
     assert flipped(None, [ready, done]) == [ready]  # ...unless the pods are ready already
     assert flipped([not_ready, rolling], [ready, done]) == [ready, done]
     assert flipped([ready, done], [ready, done]) == []
+
+
+def test_with_autoscaling_replicas_is_only_where_the_deployment_starts_within_the_bounds():
+    from quire_operator.children import desired_deployment
+
+    owner = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
+             "metadata": {"name": "chat", "namespace": "default", "uid": "u"}}
+
+    def replicas(spec):
+        return desired_deployment(owner, parse_spec(spec), "img")["spec"]["replicas"]
+
+    # A manifest without replicas gets the CRD's default of 1; the pods start at minReplicas.
+    assert replicas({"replicas": 1, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}}) == 2
+    assert replicas({"replicas": 9, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}}) == 4
+    assert replicas({"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4}}) == 3
+    assert replicas({"replicas": 9}) == 9  # without autoscaling, replicas is the user's
