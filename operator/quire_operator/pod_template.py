@@ -11,6 +11,11 @@ from .spec import LLMSpec, RuntimeSpec
 STARTUP_PERIOD_SECONDS = 10
 # Time between SIGTERM's drain deadline and SIGKILL: the server needs a moment to exit.
 GRACE_MARGIN_SECONDS = 15
+# /dev/shm for tensor-parallel workers (NCCL's shared-memory transport, torch's shared tensors):
+# 1Gi per worker, at most 8Gi. A ceiling, not a reservation: the volume takes memory only as it
+# fills, and what it holds counts against the pod's memory limit (spec.resources.memory).
+SHM_GI_PER_WORKER = 1
+SHM_GI_MAX = 8
 
 
 def model_argument(spec: LLMSpec) -> str | None:
@@ -32,6 +37,8 @@ def server_args(spec: LLMSpec) -> list[str]:
         args += ["--served-model-name", spec.model.served_name]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
+    if spec.parallelism.tensor > 1:  # 1 is the runtime's default: single-worker pods keep their args
+        args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
     args += _runtime_flags(spec.runtime)
     args += list(spec.runtime.extra_args)
     return args
@@ -82,9 +89,24 @@ def _resources(spec: LLMSpec) -> dict:
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
 
 
+def shm_size_limit(spec: LLMSpec) -> str | None:
+    """The /dev/shm sizeLimit: spec.parallelism.shmSize, else 1Gi per tensor-parallel worker.
+
+    None for a single worker without shmSize: that pod's volume stays as it was before
+    parallelism existed, so an operator upgrade rolls no running pods."""
+    if spec.parallelism.shm_size is not None:
+        return spec.parallelism.shm_size
+    if spec.parallelism.tensor == 1:
+        return None
+    return f"{min(spec.parallelism.tensor * SHM_GI_PER_WORKER, SHM_GI_MAX)}Gi"
+
+
 def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
     # torch's shared-memory tensors outgrow the container runtime's 64 MiB /dev/shm.
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    shm = {"medium": "Memory"}
+    if (limit := shm_size_limit(spec)) is not None:
+        shm["sizeLimit"] = limit
+    volumes = [{"name": "dshm", "emptyDir": shm}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.model.pvc_claim:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True}})

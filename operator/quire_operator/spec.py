@@ -17,8 +17,10 @@ from . import names, quantity
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# Flags the operator sets itself: the probes, the Service and the drain depend on them.
-MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key")
+# Flags the operator sets itself: the probes, the Service, the drain and the GPU request depend on them.
+MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size")
+# spec.parallelism.tensor: worker processes per pod, one per GPU; the bound of resources.gpus.
+MAX_TENSOR_PARALLEL = 16
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -45,6 +47,12 @@ class ResourcesSpec:
     gpus: int = 0
     cpu: str | None = None
     memory: str | None = None
+
+
+@dataclass(frozen=True)
+class ParallelismSpec:
+    tensor: int = 1
+    shm_size: str | None = None  # the /dev/shm sizeLimit; None: pod_template's default
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class LLMSpec:
     replicas: int = 1
     port: int = 8000
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     env: tuple[dict, ...] = ()
     node_selector: dict = field(default_factory=dict)
@@ -111,6 +120,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
     model = spec.section("model")
     resources = spec.section("resources")
     runtime = spec.section("runtime")
+    parallelism = _parse_parallelism(spec)
     pdb = spec.section("podDisruptionBudget")
     scaling = spec.section("autoscaling")
 
@@ -121,10 +131,11 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         replicas=spec.integer("replicas", 1, minimum=0),
         port=spec.integer("port", 8000, minimum=1, maximum=65535),
         resources=ResourcesSpec(
-            gpus=resources.integer("gpus", 0, minimum=0, maximum=16),
+            gpus=_gpus(resources, parallelism, checked=spec.has("parallelism")),
             cpu=resources.quantity("cpu"),
             memory=resources.quantity("memory"),
         ),
+        parallelism=parallelism,
         runtime=_parse_runtime(runtime),
         env=tuple(spec.objects("env", required_key="name")),
         node_selector=spec.string_map("nodeSelector"),
@@ -168,6 +179,36 @@ def _check_source(model: ModelSpec, path: str) -> None:
     if not _HF_ID.match(source):
         raise SpecError(path, f"{source!r} names nothing: expected a Hugging Face id (org/name), an absolute "
                               "path inside the image, or a path inside model.pvc")
+
+
+def _parse_parallelism(spec: "_Reader") -> ParallelismSpec:
+    parallelism = spec.section("parallelism")
+    shm_size = parallelism.quantity("shmSize")
+    if shm_size is not None and quantity.value_of(shm_size) <= 0:
+        raise SpecError(parallelism.path + ".shmSize", f"{shm_size!r} must be greater than 0")
+    return ParallelismSpec(
+        tensor=parallelism.integer("tensor", 1, minimum=1, maximum=MAX_TENSOR_PARALLEL),
+        shm_size=shm_size,
+    )
+
+
+def _gpus(resources: "_Reader", parallelism: ParallelismSpec, *, checked: bool) -> int:
+    """GPUs per pod: one per tensor-parallel worker.
+
+    Unset: `tensor` GPUs when tensor > 1, else none, as before parallelism existed.
+    0 with tensor > 1: CPU workers over gloo, for tests and small models. Any other count must
+    equal tensor, but only once the spec has a parallelism section: a spec written before the
+    section existed keeps its meaning and its pods (and is not turned Degraded by an upgrade).
+    """
+    tensor = parallelism.tensor
+    gpus = resources.integer("gpus", None, minimum=0, maximum=MAX_TENSOR_PARALLEL)
+    if gpus is None:
+        return tensor if tensor > 1 else 0
+    if checked and gpus not in (0, tensor):
+        raise SpecError(resources.path + ".gpus",
+                        f"{gpus} does not match spec.parallelism.tensor {tensor} (one worker per GPU): "
+                        f"leave gpus out, set it to {tensor}, or to 0 for CPU workers")
+    return gpus
 
 
 def _parse_runtime(runtime: "_Reader") -> RuntimeSpec:

@@ -11,7 +11,7 @@ import yaml
 from chart_render import CHART, CRD_FILE
 
 from quire_operator import names, quantity
-from quire_operator.spec import SpecError, check_name, parse_spec
+from quire_operator.spec import MAX_TENSOR_PARALLEL, SpecError, check_name, parse_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / CRD_FILE).read_text())
@@ -94,6 +94,9 @@ def test_examples_cover_what_they_promise():
     assert llama["spec"]["model"]["cache"]["claimName"] == pvc["metadata"]["name"]
     assert llama["spec"]["resources"]["gpus"] == 1
     assert {"targetQueueDepth", "targetKVCacheUtilization"} <= set(llama["spec"]["autoscaling"])
+    qwen = yaml.safe_load((ROOT / "examples" / "qwen-tensor-parallel.yaml").read_text())
+    assert qwen["spec"]["parallelism"]["tensor"] == 2 and "gpus" not in qwen["spec"]["resources"]
+    assert parse_spec(qwen["spec"]).resources.gpus == 2  # gpus follows tensor
 
 
 GOOD = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment", "metadata": {"name": "x"},
@@ -113,6 +116,9 @@ GOOD = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment", "metadata":
     {"autoscaling": {"minReplicas": 0}},
     {"imagePullPolicy": "Sometimes"},
     {"env": [{"value": "no name"}]},
+    {"parallelism": {"tensor": 0}},
+    {"parallelism": {"tensor": 17}},
+    {"parallelism": {"shmSize": "2GB"}},
 ])
 def test_broken_resources_are_rejected(spec):
     resource = copy.deepcopy(GOOD)
@@ -132,11 +138,14 @@ REFUSED_BECAUSE = {
     "block-size-24.yaml": "is not one of",
     "cpu-negative.yaml": "must not be negative",
     "cpu-two.yaml": "does not match",
+    "gpus-not-tensor.yaml": "resources.gpus must be unset, 0 (CPU workers) or equal to parallelism.tensor",
     "kv-cache-dtype-int4.yaml": "is not one of",
     "memory-16GB.yaml": "does not match",
     "min-over-max.yaml": "minReplicas must not be greater than maxReplicas",
     "name-too-long.yaml": "is too long",
     "name-with-a-dot.yaml": "does not match",
+    "shm-size-zero.yaml": "must be greater than 0",
+    "tensor-32.yaml": "is greater than the maximum",
 }
 
 
@@ -163,7 +172,8 @@ def test_examples_pass_every_rule(path):
 
 def test_every_cel_rule_parses_and_has_a_message():
     found = list(crd_rules.rules(schema_of(CRD)))
-    assert {path for path, _, _ in found} == {".spec.resources.cpu", ".spec.resources.memory", ".spec.autoscaling"}
+    assert {path for path, _, _ in found} == {".spec", ".spec.resources.cpu", ".spec.resources.memory",
+                                              ".spec.parallelism.shmSize", ".spec.autoscaling"}
     for path, rule, _ in found:
         crd_rules.compile_rule(rule["rule"])  # raises on a syntax error
         assert rule["message"], path
@@ -195,6 +205,30 @@ def test_autoscaling_rules_mean_what_they_say(autoscaling, allowed):
     assert operator_allows is allowed
 
 
+@pytest.mark.parametrize("spec, allowed", [
+    ({}, True),
+    ({"resources": {"gpus": 4}}, True),  # no parallelism section: as before it existed
+    ({"parallelism": {"tensor": 2}}, True),  # the operator asks for 2 GPUs
+    ({"parallelism": {"tensor": 2}, "resources": {"cpu": "4"}}, True),  # gpus has no default: still unset
+    ({"parallelism": {"tensor": 2}, "resources": {"gpus": 2}}, True),
+    ({"parallelism": {"tensor": 2}, "resources": {"gpus": 0}}, True),  # CPU workers over gloo
+    ({"parallelism": {"tensor": 2}, "resources": {"gpus": 1}}, False),
+    ({"parallelism": {"tensor": 1}, "resources": {"gpus": 2}}, False),
+    ({"parallelism": {"shmSize": "1Gi"}, "resources": {"gpus": 2}}, False),  # tensor defaults to 1
+])
+def test_gpu_rule_means_what_it_says(spec, allowed):
+    resource = copy.deepcopy(GOOD)
+    resource["spec"].update(copy.deepcopy(spec))
+    assert (crd_rules.violations(resource, CRD) == []) is allowed
+    # The operator agrees with the CRD.
+    try:
+        parse_spec(spec)
+        operator_allows = True
+    except SpecError:
+        operator_allows = False
+    assert operator_allows is allowed
+
+
 @pytest.mark.parametrize("value, allowed", [
     (4, True), (0, True), ("4", True), ("500m", True), ("16Gi", True), ("0.5", True), ("1e3", True), ("2E", True),
     ("16GB", False), ("two", False), ("-1", False), (-1, False), ("", False), ("1 Gi", False), ("Gi", False),
@@ -210,5 +244,8 @@ def test_crd_patterns_are_the_operators():
     spec = schema_of(CRD)["properties"]["spec"]["properties"]
     for field in ("cpu", "memory"):
         assert spec["resources"]["properties"][field]["pattern"] == quantity.PATTERN
+    assert spec["parallelism"]["properties"]["shmSize"]["pattern"] == quantity.PATTERN
+    tensor = spec["parallelism"]["properties"]["tensor"]
+    assert (tensor["minimum"], tensor["maximum"]) == (1, MAX_TENSOR_PARALLEL)
     name = schema_of(CRD)["properties"]["metadata"]["properties"]["name"]
     assert (name["pattern"], name["maxLength"]) == (names.DNS1035_PATTERN, names.MAX_NAME_LENGTH)

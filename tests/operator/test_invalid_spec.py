@@ -13,6 +13,8 @@ INVALID = {
                  "spec.runtime.kvCacheDtype: 'int3' is not one of auto, fp8_e4m3, fp8_e5m2"),
     "source": ({"model": {"source": "weights.gguf"}}, "spec.model.source: 'weights.gguf' names no file"),
     "block-size": ({"runtime": {"blockSize": 24}}, "spec.runtime.blockSize: 24 is not a power of two"),
+    "gpus-vs-tensor": ({"parallelism": {"tensor": 2}, "resources": {"gpus": 1}},
+                       "spec.resources.gpus: 1 does not match spec.parallelism.tensor 2"),
 }
 
 

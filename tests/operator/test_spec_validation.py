@@ -26,7 +26,8 @@ def apply_defaults(obj, schema):
 
 def test_operator_defaults_equal_the_crd_defaults():
     # Every optional section present but empty, so that every CRD default applies.
-    sections = {"model": {}, "resources": {}, "runtime": {}, "podDisruptionBudget": {}, "autoscaling": {}}
+    sections = {"model": {}, "resources": {}, "parallelism": {}, "runtime": {}, "podDisruptionBudget": {},
+                "autoscaling": {}}
     assert parse_spec(apply_defaults(sections, SPEC_SCHEMA)) == parse_spec({})
     scaling = apply_defaults({"enabled": True, "maxReplicas": 3}, SPEC_SCHEMA["properties"]["autoscaling"])
     assert parse_spec({"autoscaling": scaling}) == parse_spec({"autoscaling": {"enabled": True, "maxReplicas": 3}})
@@ -48,6 +49,9 @@ def test_operator_defaults_equal_the_crd_defaults():
     ({"runtime": {"extraArgs": ["--port", "9"]}}, "spec.runtime.extraArgs"),
     ({"runtime": {"extraArgs": "--log-requests"}}, "spec.runtime.extraArgs"),
     ({"resources": {"gpus": 1.5}}, "spec.resources.gpus"),
+    ({"resources": {"gpus": 1}, "parallelism": {"tensor": 2}}, "spec.resources.gpus"),
+    ({"parallelism": {"tensor": 17}}, "spec.parallelism.tensor"),
+    ({"runtime": {"extraArgs": ["--tensor-parallel-size", "2"]}}, "spec.runtime.extraArgs"),
     ({"resources": {"memory": True}}, "spec.resources.memory"),
     ({"env": [{"value": "x"}]}, "spec.env"),
     ({"autoscaling": {"enabled": True}}, "spec.autoscaling.maxReplicas"),
