@@ -195,6 +195,7 @@ def _smollm_config() -> ServerProcess:
 # requests that cannot finish on their own in any test's time, on any machine.
 FAULT_LAUNCHER = [sys.executable, str(HERE / "fault_launcher.py")]
 HOSTILE_LIMITS = ["--allow-request-chat-template", "--chat-template-timeout", "2",
+                  "--request-body-timeout", "2",
                   "--timeout-header", "2", "--timeout-keep-alive", "2",
                   "--max-request-body-bytes", "1M", "--max-header-bytes", "8192"]
 

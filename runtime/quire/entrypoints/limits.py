@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from quire.entrypoints.engine_args import byte_size
 from quire.entrypoints.errors import OpenAIError, bad_request
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -48,7 +49,8 @@ class ServerLimits:
 
 
 HELP = {
-    "max_request_body_bytes": "bigger request bodies get 413 before they are read",
+    "max_request_body_bytes": "bigger request bodies get 413 before they are read "
+                              "(K/M/G suffixes)",
     "request_body_timeout": "seconds a client may take to send a request body (else 408)",
     "timeout_header": "seconds a connection may take to send a request's headers before it "
                       "is closed (slowloris)",
@@ -82,7 +84,8 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
                                help=HELP[f.name])
         else:
             kind = float if "float" in str(f.type) else int
-            group.add_argument(flag, type=_positive(kind), default=f.default,
+            parse = _positive(byte_size if f.name.endswith("_bytes") else kind)
+            group.add_argument(flag, type=parse, default=f.default,
                                help=HELP[f.name] + f" (default: {f.default})")
 
 
@@ -95,7 +98,7 @@ def _positive(kind):
     def parse(text: str):
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
         if not value > 0:  # also refuses nan
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from quire.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineNotReady,
                                        ModelInfo, RequestStream)
-from quire.entrypoints.errors import OpenAIError, engine_error
+from quire.entrypoints.errors import OpenAIError, bad_request, engine_error
 from quire.entrypoints.limits import (ServerLimits, check_chat_template, check_messages,
                                       check_prompt_chars, check_prompt_tokens)
 from quire.entrypoints.tokenizer_pool import TokenizerPool
@@ -58,6 +58,10 @@ class Serving:
             ids = await self.pool.encode(prompt, add_special_tokens)
         else:
             ids = prompt
+            if ids and not 0 <= min(ids) <= max(ids) < info.vocab_size:
+                bad = next(t for t in ids if not 0 <= t < info.vocab_size)
+                raise bad_request(f"{param} token ids must be integers in "
+                                  f"[0, {info.vocab_size}), got {bad}", param)
         check_prompt_tokens(param, len(ids), info.max_model_len)
         return ids
 

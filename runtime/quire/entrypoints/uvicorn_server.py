@@ -5,6 +5,7 @@ meet before any request reaches the app."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 
@@ -24,20 +25,45 @@ def uvicorn_config(app, host: str, port: int, log_level: str, access_log: bool,
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT, lifespan="on", log_config=None,
-        http=header_timeout_protocol(limits.timeout_header),
+        http=guarded_h11_protocol(limits.timeout_header, limits.max_header_bytes),
         timeout_keep_alive=limits.timeout_keep_alive,
         h11_max_incomplete_event_size=limits.max_header_bytes,
         limit_concurrency=limits.limit_concurrency)
 
 
-def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+def guarded_h11_protocol(seconds: float, max_header_bytes: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing connections that do not finish a request's headers
-    within `seconds` of opening (or of the previous response). uvicorn itself only times out
-    idle keep-alive connections, and a client that trickles one header byte at a time resets
-    even that (slowloris)."""
+    within `seconds` of opening (or of the previous response), and answering 431 to a request
+    line plus headers longer than `max_header_bytes`. uvicorn itself only times out idle
+    keep-alive connections (a client that trickles one header byte at a time resets even
+    that: slowloris), and h11's size limit only applies to headers that arrive in pieces."""
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+    class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _head = b""  # what has come of the headers being waited for
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is not None:  # waiting for a request's headers
+                self._head += data
+                end = self._head.find(b"\r\n\r\n")
+                if end > max_header_bytes or (end < 0 and len(self._head) > max_header_bytes):
+                    self._refuse_headers()
+                    return
+                if end >= 0:
+                    self._head = b""
+            super().data_received(data)
+
+        def _refuse_headers(self) -> None:
+            self._disarm()
+            body = json.dumps({"error": {
+                "message": f"the request line and headers are longer than {max_header_bytes} "
+                           f"bytes (--max-header-bytes)", "type": "invalid_request_error",
+                "param": None, "code": "headers_too_large"}}).encode()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: application/json\r\nconnection: close\r\n"
+                + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            self.transport.close()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -61,6 +87,7 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
 
         def _arm(self) -> None:
             self._disarm()
+            self._head = b""
             self._header_timer = self.loop.call_later(seconds, self._headers_too_slow)
 
         def _disarm(self) -> None:
@@ -75,7 +102,7 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
                              "in %gs (--timeout-header)", seconds)
                 self.transport.close()
 
-    return HeaderTimeoutH11Protocol
+    return GuardedH11Protocol
 
 
 class QuireServer(uvicorn.Server):
