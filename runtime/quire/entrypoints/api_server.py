@@ -56,8 +56,7 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
             with contextlib.suppress(asyncio.CancelledError):
                 await trimmer
         await engine.shutdown()
-        if serving.pool is not None:
-            serving.pool.shutdown()
+        serving.shutdown()
 
     app = FastAPI(title="Quire", version=quire.__version__, lifespan=lifespan)
     app.state.engine = engine

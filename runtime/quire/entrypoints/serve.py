@@ -52,9 +52,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "log")
     p.add_argument("--metrics-compat", default="none",
                    help="'vllm': also export the metrics under vLLM's names (default: none)")
-    p.add_argument("--malloc-arena-max", type=_positive, default=DEFAULT_MALLOC_ARENAS,
+    p.add_argument("--malloc-arena-max", type=int, default=DEFAULT_MALLOC_ARENAS,
                    help="glibc malloc arenas at most (MALLOC_ARENA_MAX): fewer arenas keep "
-                        "the resident set from growing with the thread count")
+                        "the resident set from growing with the thread count; 0 leaves "
+                        "glibc's default (8 per core)")
+    p.add_argument("--trim-idle-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="return free heap pages to the kernel (malloc_trim) when the server "
+                        "goes idle after serving")
     add_limit_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -90,7 +94,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from quire.entrypoints.uvicorn_server import QuireServer, uvicorn_config
     from quire.metrics import ServerMetrics
 
-    memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
+    if ns.malloc_arena_max > 0:
+        memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
     args = engine_args_from(ns, ns.model)
     limits = limits_from(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
@@ -98,7 +103,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = AsyncLLMEngine(args, served_model_name=ns.served_model_name,
                             max_queue_len=ns.max_queue_len, stats=metrics)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
-                    limits=limits)
+                    limits=limits, trim_memory=ns.trim_idle_memory)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits)
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, http://%s:%d (API key %s)",

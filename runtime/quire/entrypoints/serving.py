@@ -31,7 +31,20 @@ class Serving:
     limits: ServerLimits
     metrics: object | None = None          # ServerMetrics, or None
     log_requests: bool = False
-    pool: TokenizerPool | None = None      # made once the model (and tokenizer) is loaded
+    _pool: TokenizerPool | None = None
+
+    @property
+    def pool(self) -> TokenizerPool:
+        """The tokenizer threads; made on first use (after check_model: the tokenizer exists
+        once the model has loaded)."""
+        if self._pool is None:
+            self._pool = TokenizerPool(self.engine.tokenizer, self.limits.tokenizer_pool_size,
+                                       self.limits.tokenizer_pool_queue)
+        return self._pool
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
     # --- the model -----------------------------------------------------------------------
     def check_model(self, name: str | None) -> ModelInfo:
@@ -41,9 +54,6 @@ class Serving:
         info = self.engine.model_info
         if info is None or not self.engine.loaded.is_set():
             raise engine_error(EngineNotReady("the model is still loading"))
-        if self.pool is None:
-            self.pool = TokenizerPool(self.engine.tokenizer, self.limits.tokenizer_pool_size,
-                                      self.limits.tokenizer_pool_queue)
         if name is not None and name != info.served_name:
             raise OpenAIError(404, f"the model '{name}' does not exist; this server serves "
                                    f"'{info.served_name}' (see GET /v1/models)",
