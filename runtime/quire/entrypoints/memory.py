@@ -2,9 +2,9 @@
 
 After a burst of requests, freed memory stays in malloc's arenas: glibc gives a thread its own
 arena when threads contend (up to 8 per core), and an arena returns memory to the kernel only
-from its top. A server's RSS then grows with every burst that allocates in a new place and
-does not come back, although nothing is leaked (soak figures in benchmarks/soak.py). Two
-bounds:
+from its top. A server's RSS then grows with bursts and does not come back, although nothing
+is leaked: every per-request structure is empty after the requests end and the Python heap is
+flat (figures in benchmarks/README.md, "Memory under load"). Two bounds:
 
 - fewer arenas (`--malloc-arena-max`, glibc's MALLOC_ARENA_MAX), set before the server starts
   its threads;
