@@ -15,7 +15,6 @@ allocator caching does not). Exits 1 if it is not. Not a test: a benchmark that 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import signal
 import socket

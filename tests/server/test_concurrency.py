@@ -7,7 +7,6 @@ import asyncio
 import json
 import random
 import threading
-import time
 
 import httpx
 import pytest

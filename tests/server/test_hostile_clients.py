@@ -41,12 +41,17 @@ class HealthProbe(threading.Thread):
     def __init__(self, srv) -> None:
         super().__init__(daemon=True)
         self.srv, self.stop, self.latencies = srv, threading.Event(), []
+        self.failures: list[str] = []
 
     def run(self) -> None:
         while not self.stop.is_set():
             t0 = time.perf_counter()
-            r = requests.get(self.srv.url + "/health", timeout=30)
-            assert r.status_code == 200
+            try:
+                r = requests.get(self.srv.url + "/health", timeout=30)
+                if r.status_code != 200:
+                    self.failures.append(f"{r.status_code} {r.text[:100]}")
+            except requests.RequestException as e:
+                self.failures.append(repr(e))
             self.latencies.append(time.perf_counter() - t0)
             self.stop.wait(0.02)
 
@@ -100,14 +105,22 @@ class Watched:
         return self
 
     def health_latencies(self) -> list[float]:
-        """Stop probing; the latencies seen while the hostile request was in flight."""
-        self.probe.stop.set()
-        self.probe.join(30)
+        """Stop probing; the latencies seen while the hostile request was in flight (the
+        median must be under HEALTH_BOUND: one slow answer on a loaded machine is noise, a
+        blocked event loop delays them all)."""
+        if not self.probe.stop.is_set():
+            self.probe.stop.set()
+            self.probe.join(30)
+            assert self.probe.failures == [], self.probe.failures
+            if self.probe.latencies:
+                median = statistics.median(self.probe.latencies)
+                assert median < HEALTH_BOUND, self.probe.latencies
         return self.probe.latencies
 
     def __exit__(self, *exc) -> None:
-        if self.probe.is_alive():
+        if self.probe_health and exc[0] is None:
             self.health_latencies()
+        self.probe.stop.set()
         if exc[0] is None:
             assert self.other.wait_for_more_than(self.events_before), "the other stream stalled"
         self.other.resp.close()
@@ -159,8 +172,7 @@ def test_pathological_chat_template_is_stopped_and_health_stays_fast(srv):
         latencies = w.health_latencies()
         assert "time budget" in _error(r, 400, "chat_template")
         assert took >= 1.9  # it really ran for its budget, with the probes going
-        assert len(latencies) >= 5
-        assert statistics.median(latencies) < HEALTH_BOUND, latencies
+        assert len(latencies) >= 5  # probed all along (median checked in health_latencies)
 
 
 def test_request_chat_template_renders_when_allowed(srv):
@@ -244,8 +256,7 @@ def test_slowloris_headers_are_cut_off(srv):
                 closed = True
         s.close()
         assert closed
-        latencies = w.health_latencies()
-        assert statistics.median(latencies) < HEALTH_BOUND, latencies
+        assert w.health_latencies()
 
 
 def test_idle_keep_alive_connections_are_closed(srv):
