@@ -65,7 +65,9 @@ class MetricsWatcher(threading.Thread):
 
 
 def test_64_concurrent_streams_match_sequential_greedy(srv):
-    prompts = [_words(i) for i in range(NUM_CLIENTS)]
+    # slow on the server (>= 50 ms a step on any machine), so the 50 ms scrapes cannot miss
+    # the queue however fast the machine; the reference sees the same prompts
+    prompts = [SLOW + _words(i) for i in range(NUM_CLIENTS)]
     llm = LLM(tiny_model(), dtype="float32", kv_cache_memory=16 << 20, num_threads=1)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     expected = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].text for p in prompts]
