@@ -77,3 +77,21 @@ def test_serve_without_its_dependencies_says_what_is_missing(monkeypatch, capsys
     with pytest.raises(SystemExit):  # and the subcommand is still listed
         main(["--help"])
     assert "serve" in capsys.readouterr().out
+
+
+def test_connection_limit_flags_reach_uvicorn():
+    from quire.entrypoints.cli import build_parser
+    from quire.entrypoints.limits import limits_from
+    from quire.entrypoints.uvicorn_server import uvicorn_config
+
+    ns = build_parser().parse_args([
+        "serve", "--limit-concurrency", "7", "--timeout-keep-alive", "3",
+        "--max-header-bytes", "4K", "--timeout-header", "4", "--max-request-body-bytes", "2M"])
+    limits = limits_from(ns)
+    assert limits.max_request_body_bytes == 2 << 20 and limits.timeout_header == 4
+    config = uvicorn_config(object(), "127.0.0.1", 0, "info", False, limits)
+    assert config.limit_concurrency == 7
+    assert config.timeout_keep_alive == 3
+    assert config.h11_max_incomplete_event_size == 4096
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-stop-strings", "0"])  # must be > 0
