@@ -66,14 +66,14 @@ class Serving:
         if isinstance(prompt, str):
             check_prompt_chars(param, len(prompt), self.limits.prompt_chars(info.max_model_len))
             ids = await self.pool.encode(prompt, add_special_tokens)
-        else:
-            ids = prompt
-            if ids and not 0 <= min(ids) <= max(ids) < info.vocab_size:
-                bad = next(t for t in ids if not 0 <= t < info.vocab_size)
-                raise bad_request(f"{param} token ids must be integers in "
-                                  f"[0, {info.vocab_size}), got {bad}", param)
-        check_prompt_tokens(param, len(ids), info.max_model_len)
-        return ids
+            check_prompt_tokens(param, len(ids), info.max_model_len)
+            return ids
+        check_prompt_tokens(param, len(prompt), info.max_model_len)
+        if prompt and not 0 <= min(prompt) <= max(prompt) < info.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < info.vocab_size)
+            raise bad_request(f"{param} token ids must be integers in [0, {info.vocab_size}), "
+                              f"got {bad}", param)
+        return prompt
 
     async def chat_prompt_ids(self, messages, add_generation_prompt: bool, info: ModelInfo,
                               chat_template: str | None = None,

@@ -45,7 +45,12 @@ class TokenizerPool:
                                   "retry later")
             self._in_flight += 1
         # the count drops when the job ends in its thread, not when a cancelled caller leaves
-        future = self._executor.submit(self._job, fn, args)
+        try:
+            future = self._executor.submit(self._job, fn, args)
+        except RuntimeError:  # shut down
+            with self._lock:
+                self._in_flight -= 1
+            raise server_busy("the server is shutting down") from None
         return await asyncio.wrap_future(future)
 
     def _job(self, fn, args):
