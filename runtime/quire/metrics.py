@@ -96,6 +96,10 @@ class ServerMetrics:
         self._families: dict[str, list] = {}
         self._children: dict[str, list] = {}
         self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        # the server's own figure (not the engine's): clients that went away mid-request
+        self.client_disconnects = Counter(
+            "quire:client_disconnects", "Requests whose client went away before the answer "
+            "ended (their engine requests were aborted).", registry=self.registry)
         for spec in SPECS:
             names = (spec.name,) + (spec.vllm if compat == "vllm" else ())
             kwargs = {"buckets": spec.buckets} if spec.kind is Histogram else {}
@@ -146,6 +150,9 @@ class ServerMetrics:
         for c in output.outputs:
             for child in self._reason(c.finish_reason or "abort"):
                 child.inc()
+
+    def record_disconnect(self) -> None:
+        self.client_disconnects.inc()
 
     def _set(self, key: str, value: float) -> None:
         for child in self._children[key]:

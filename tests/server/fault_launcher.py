@@ -1,25 +1,40 @@
-"""`quire` with a sabotaged engine, for the tests of failures inside the engine.
+"""`quire` with a sabotaged engine, for the tests of failures inside the engine and of
+requests that must not finish on their own.
 
-A request whose prompt is "__poison__" gets detokenizers that raise (a failure of that request
-alone); adding one whose prompt is "__die__" arms the engine: its next step raises, as a bug in
-the scheduler would, and the loop dies. Everything else is the real `quire serve`.
+The server hands the engine token ids, so prompts are recognized by their decoded text:
+- "__poison__" (anywhere in it): the request gets detokenizers that raise (a failure of that request alone);
+- "__die__": arms the engine: its next step raises, as a bug in the scheduler would;
+- a prompt holding "__slow__": while such a request is running, every step sleeps
+  SLOW_STEP seconds, so it cannot finish sooner than max_tokens x SLOW_STEP, however fast the
+  machine is (the tests' "long" requests).
+A prompt that reaches the engine as a string is logged as an ERROR: the server must tokenize
+in its own pool, never on the engine thread. Everything else is the real `quire serve`.
 """
 
+import logging
 import sys
+import time
 
 from quire.engine.engine import LLMEngine
 from quire.entrypoints.cli import main
 
+SLOW_STEP = 0.05  # seconds
+logger = logging.getLogger("fault_launcher")
 _add, _step = LLMEngine.add_request, LLMEngine.step
 
 
 def add_request(self, request_id, prompt, *args, **kwargs):
+    if isinstance(prompt, str):
+        logger.error("a string prompt reached the engine thread (request %s)", request_id)
     result = _add(self, request_id, prompt, *args, **kwargs)
-    if prompt == "__die__":
+    text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+    if "__die__" in text:
         self.armed_to_die = True
-    if prompt == "__poison__":
+    if "__poison__" in text:
         for detok in self.output_processor.group_of(request_id).detoks:
             detok.update = _surprise
+    if "__slow__" in text:
+        self.__dict__.setdefault("slow_requests", set()).add(request_id)
     return result
 
 
@@ -30,6 +45,11 @@ def _surprise(token_id):
 def step(self):
     if getattr(self, "armed_to_die", False):
         raise RuntimeError("injected fault: the engine loop dies")
+    slow = getattr(self, "slow_requests", None)
+    if slow:
+        slow.intersection_update(self.output_processor.groups)  # forget finished ones
+        if any(r.group_id in slow for r in self.scheduler.running):
+            time.sleep(SLOW_STEP)
     return _step(self)
 
 

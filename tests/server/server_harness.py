@@ -154,6 +154,15 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def log_lines(self) -> list[str]:
+        with open(self.log_path) as f:
+            return f.read().splitlines()
+
+    def error_lines(self, since: int = 0) -> list[str]:
+        """Lines from line `since` on that log at ERROR or show a traceback."""
+        return [line for line in self.log_lines()[since:]
+                if " ERROR " in line or "Traceback" in line or "never retrieved" in line]
+
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
 
@@ -182,21 +191,33 @@ def _smollm_config() -> ServerProcess:
         "--num-threads", "1"])
 
 
+# Every tiny-model server runs under fault_launcher.py: prompts starting with "__slow__" make
+# requests that cannot finish on their own in any test's time, on any machine.
+FAULT_LAUNCHER = [sys.executable, str(HERE / "fault_launcher.py")]
+HOSTILE_LIMITS = ["--allow-request-chat-template", "--chat-template-timeout", "2",
+                  "--request-body-timeout", "2",
+                  "--timeout-header", "2", "--timeout-keep-alive", "2",
+                  "--max-request-body-bytes", "1M", "--max-header-bytes", "8192"]
+
+
 def _tiny_configs() -> dict[str, ServerProcess]:
     tiny = tiny_model()
     fp32_small = ["--dtype", "float32", "--kv-cache-memory", "16M", "--num-threads", "1"]
     return {
         # Tiny model, no prefix caching (blocks must all come back), 8 sequences at once so
-        # 64 clients queue; the API key comes from the environment.
+        # 64 clients queue; the API key comes from the environment; request chat templates
+        # allowed and short connection timeouts, for the hostile-client tests.
         "tiny": ServerProcess("tiny", [tiny, *fp32_small, "--no-enable-prefix-caching",
-                                       "--max-num-seqs", "8", "--log-requests"],
-                              env={"QUIRE_API_KEY": API_KEY}, api_key=API_KEY),
+                                       "--max-num-seqs", "8", "--log-requests",
+                                       *HOSTILE_LIMITS],
+                              env={"QUIRE_API_KEY": API_KEY}, api_key=API_KEY,
+                              launcher=FAULT_LAUNCHER),
         # One sequence at a time and a queue of one: for --max-queue-len and the SIGTERM drain.
         "queue": ServerProcess("queue", [tiny, *fp32_small, "--max-num-seqs", "1",
-                                         "--max-queue-len", "1", "--shutdown-timeout", "3"]),
+                                         "--max-queue-len", "1", "--shutdown-timeout", "3"],
+                               launcher=FAULT_LAUNCHER),
         # An engine whose step raises once a request with the prompt "__die__" is added.
-        "fault": ServerProcess("fault", [tiny, *fp32_small],
-                               launcher=[sys.executable, str(HERE / "fault_launcher.py")]),
+        "fault": ServerProcess("fault", [tiny, *fp32_small], launcher=FAULT_LAUNCHER),
     }
 
 
@@ -223,6 +244,19 @@ def server(name: str) -> ServerProcess:
     for s in _servers.values():  # (a failure here fails every test that asks, not only one)
         s.wait_ready(max(1.0, deadline - time.monotonic()))
     return _servers[name]
+
+
+def wait_idle(srv: ServerProcess, timeout: float = 30.0) -> dict:
+    """/metrics once nothing runs, waits or holds a KV block (or after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = metrics_of(srv)
+        idle = (metric(samples, "quire:num_requests_running") == 0
+                and metric(samples, "quire:num_requests_waiting") == 0
+                and metric(samples, "quire:kv_cache_blocks_used") == 0)
+        if idle or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
 
 
 def metrics_of(srv: ServerProcess) -> dict[tuple[str, frozenset], float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,9 +25,13 @@ class ScriptedEngine:
 
     model_name = "scripted"
     tokenizer = None
+    max_model_len = 64
+    capacity_tokens = 640
+    model_config = SimpleNamespace(vocab_size=100)
 
     def __init__(self, max_running: int = 8) -> None:
         self.max_running = max_running
+        self.args = SimpleNamespace(max_num_seqs=max_running)
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.steps = 0
@@ -94,6 +99,13 @@ def run(coro_fn, engine: ScriptedEngine, **kwargs):
     return asyncio.run(main())
 
 
+async def _until(condition, timeout: float = 30.0) -> None:
+    """Poll until `condition()` holds (the timeout only bounds a hang, it is no speed test)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def _text(stream) -> str:
     return "".join([out.outputs[0].text async for out in stream])
 
@@ -119,19 +131,13 @@ def test_abort_reaches_the_engine_and_ends_the_stream():
         await stream.__anext__()
         stream.abort()
         stream.abort()  # twice is harmless
-        for _ in range(100):
-            if not engine.requests:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: not engine.requests)
         assert engine.aborted == ["a"] and not engine.requests
         # cancelled while being added: aborted too
         task = asyncio.ensure_future(ae.add_request("b", "b", SamplingParams(max_tokens=1000)))
         await asyncio.sleep(0)
         task.cancel()
-        for _ in range(100):
-            if not engine.requests and "b" in engine.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: not engine.requests and "b" in engine.aborted)
         assert "b" in engine.aborted and not engine.requests
     run(body, engine)
 

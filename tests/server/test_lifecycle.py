@@ -12,6 +12,9 @@ import requests
 from server_harness import server
 
 LONG = 1000
+# Requests that cannot finish on their own within any test (fault_launcher.py makes every step
+# sleep while one runs: 1000 tokens take at least 50 s, however fast the machine).
+SLOW = "__slow__ "
 
 
 class Stream:
@@ -62,10 +65,10 @@ def test_ready_is_503_while_loading_then_200():
 
 def test_queue_limit_answers_503_with_retry_after():
     srv = server("queue")  # --max-num-seqs 1 --max-queue-len 1
-    running = Stream(srv, "a b c", LONG)
+    running = Stream(srv, SLOW + "a b c", LONG)
     assert running.status_code == 200
     assert running.next_event()  # it is running
-    waiting = Stream(srv, "d e f", LONG)  # admitted (headers sent): it is in the queue
+    waiting = Stream(srv, SLOW + "d e f", LONG)  # admitted (headers sent): it is in the queue
     assert waiting.status_code == 200
     r = requests.post(srv.url + "/v1/completions", json={"prompt": "g", "max_tokens": 2})
     assert r.status_code == 503
@@ -73,7 +76,7 @@ def test_queue_limit_answers_503_with_retry_after():
     assert r.json()["error"]["code"] == "queue_full"
     running.close()
     waiting.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # (bounds a hang; no speed is assumed)
     while True:  # the queue drains once those two are aborted
         r = requests.post(srv.url + "/v1/completions", json={"prompt": "g", "max_tokens": 2})
         if r.status_code == 200 or time.monotonic() > deadline:
@@ -83,20 +86,24 @@ def test_queue_limit_answers_503_with_retry_after():
 
 
 def test_sigterm_drains_running_requests_and_exits_0():
-    srv = server("queue")  # --shutdown-timeout 3
+    # --shutdown-timeout 3: `short` (20 tokens, already streaming) has ample time; `long` is
+    # slow by construction (>= 50 s) so it can only end by the drain's abort.
+    srv = server("queue")
     short = Stream(srv, "h i j", 20)
     assert short.next_event()
-    long = Stream(srv, "k l m", LONG)  # waits behind `short`, then cannot finish in 3 s
+    long = Stream(srv, SLOW + "k l m", LONG)  # waits behind `short`; cannot finish in 3 s
     assert short.status_code == long.status_code == 200
     readers = [threading.Thread(target=s.read_all) for s in (short, long)]
     for t in readers:
         t.start()
     t0 = time.monotonic()
     srv.signal(signal.SIGTERM)
-    time.sleep(0.3)
     # draining: not ready, and new requests are refused (or the port is already closed)
     try:
-        assert requests.get(srv.url + "/ready", timeout=5).status_code == 503
+        deadline = time.monotonic() + 20  # until the signal has been handled
+        while requests.get(srv.url + "/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/ready still 200 after SIGTERM"
+            time.sleep(0.05)
         r = requests.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                           timeout=5)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
@@ -129,19 +136,19 @@ def test_a_request_failing_in_the_engine_fails_alone():
 
 def test_engine_loop_death_fails_every_client_and_exits_nonzero():
     srv = server("fault")  # its engine raises in step() once "__die__" is added
-    victim = Stream(srv, "n o p", LONG)
+    victim = Stream(srv, SLOW + "n o p", LONG)
     assert victim.status_code == 200
     assert victim.next_event()
     reader = threading.Thread(target=victim.read_all)
     reader.start()
     r = requests.post(srv.url + "/v1/completions", json={"prompt": "__die__", "max_tokens": 5},
                       timeout=30)
-    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     health = requests.get(srv.url + "/health", timeout=5)
     assert health.status_code == 503 and "injected fault" in health.json()["error"]
     r = requests.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 5},
                       timeout=5)
-    assert r.status_code == 503
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     reader.join(10)
     errors = [e for e in victim.events if isinstance(e, dict) and "error" in e]
     assert errors and "injected fault" in errors[0]["error"]["message"]

@@ -54,6 +54,17 @@ class RequestFailed(RuntimeError):
     """This request failed on its own (RequestOutput.error); others go on."""
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server needs to know about the loaded model, without reaching into it."""
+    name: str                 # the model's own name
+    served_name: str          # the name clients use
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    capacity_tokens: int      # tokens the KV cache holds
+
+
 class StatsSink(Protocol):
     def bind(self, model_name: str) -> None: ...
     def record(self, snapshot: EngineSnapshot, events: StepEvents) -> None: ...
@@ -123,13 +134,15 @@ class AsyncLLMEngine:
         self.on_fatal = on_fatal
 
         self.engine = None          # the LLMEngine, once loaded
-        self.tokenizer = None       # a copy for the server's own (event-loop thread) use
+        self.model_info: ModelInfo | None = None  # once loaded
+        self.tokenizer = None       # a copy for the server's own tokenizing threads
         self.ready = False          # loaded, looping, admitting
         self.accepting = True       # False once draining starts
         self.fatal_error: str | None = None
         self.last_snapshot: EngineSnapshot | None = None
         self.loaded: asyncio.Event | None = None  # set once the load ended (either way)
         self.busy = False           # the worker thread is running engine code
+        self.num_requests_added = 0  # lifetime count, so watchers can tell activity happened
 
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "quire-engine")
         self._streams: dict[str, RequestStream] = {}
@@ -144,12 +157,17 @@ class AsyncLLMEngine:
     def served_model_name(self) -> str | None:
         if self._served_model_name:
             return self._served_model_name
-        return self.engine.model_name if self.engine is not None else None
+        return self.model_info.name if self.model_info is not None else None
 
     @property
     def alive(self) -> bool:
         """False once the loop (or the load) has failed."""
         return self.fatal_error is None
+
+    @property
+    def idle(self) -> bool:
+        """No request is queued, running or being added."""
+        return not (self._streams or self._adds)
 
     def queue_len(self) -> int:
         waiting = self.last_snapshot.num_waiting if self.last_snapshot else 0
@@ -174,6 +192,11 @@ class AsyncLLMEngine:
             self.engine = await loop.run_in_executor(self._executor, self._in_worker,
                                                      self._factory)
             self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+            e = self.engine
+            self.model_info = ModelInfo(
+                name=e.model_name, served_name=self._served_model_name or e.model_name,
+                max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
+                max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens)
         except asyncio.CancelledError:  # shut down while loading
             self.loaded.set()
             raise
@@ -314,6 +337,7 @@ class AsyncLLMEngine:
         future = asyncio.get_running_loop().create_future()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
+        self.num_requests_added += 1
         self._adds.append(_PendingAdd(request_id, prompt, params, arrival_time, future))
         self._wake.set()
         try:

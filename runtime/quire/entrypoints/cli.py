@@ -1,56 +1,17 @@
 """`quire generate` (a quick try) and `quire serve` (the OpenAI-compatible server).
 
-Engine flags are derived from EngineArgs' fields, so every knob is a flag with the same name
-(`max_num_seqs` -> `--max-num-seqs`) and the same validation.
+Engine flags come from engine_args.py (one flag per EngineArgs field); the serve subcommand's
+own flags from serve.py, which imports the server's dependencies only when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
-import typing
 
-from quire.config import EngineArgs
-
-
-def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
-    hints = typing.get_type_hints(EngineArgs)
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        extra = {"help": f.metadata.get("help", ""), "default": f.default}
-        if "choices" in f.metadata:
-            extra["choices"] = f.metadata["choices"]
-        if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **extra)
-        else:
-            group.add_argument(flag, type=_byte_size if "memory" in f.name and base is int
-                               else base, **extra)
-
-
-def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(ns, f.name)}
-    values["model"] = model
-    return EngineArgs(**values)
-
-
-def _byte_size(text: str) -> int:
-    """Bytes, with an optional K/M/G (powers of 1024) suffix: 512M, 4G."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 4G or 512M)") from None
+from quire.entrypoints.engine_args import add_engine_flags, engine_args_from, model_help
+from quire.entrypoints.serve import MissingDependency, add_serve_parser
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -77,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete a few prompts and print them")
     gen.add_argument("prompts", nargs="*", help="prompts (default: three examples)")
-    gen.add_argument("--model", default=None, help=EngineArgs.__dataclass_fields__["model"]
-                     .metadata["help"])
+    gen.add_argument("--model", default=None, help=model_help())
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -87,12 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
-    try:
-        from quire.entrypoints.serve import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -102,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)
-    except ValueError as e:  # bad input: say what, not a traceback
+    except (ValueError, MissingDependency) as e:  # bad input or setup: say what, no traceback
         print(f"quire: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,47 +1,26 @@
 """Request and response bodies of the HTTP API (OpenAI's shapes plus Quire's extras), and
 the errors the server answers with.
 
-Requests are parsed strictly from the raw JSON (no "5" for 5, no 1.5 for an integer), and every
-problem becomes an OpenAIError: HTTP 400 naming the parameter, in OpenAI's error shape.
-Ranges are checked once, by SamplingParams and the engine, whose ValueErrors name the field.
+Requests are parsed strictly from the raw JSON (no "5" for 5, no 1.5 for an integer, no
+Infinity or NaN), and every problem becomes an OpenAIError: HTTP 400 naming the parameter, in
+OpenAI's error shape. Ranges are checked once, by SamplingParams and the engine, whose
+ValueErrors name the field; the server's own bounds (list lengths, sizes) are in limits.py.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from quire.sampling_params import RequestOutputKind, SamplingParams
-
-MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
-
-
-class OpenAIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
-
-
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", param, "invalid_value")
+from quire.entrypoints.errors import OpenAIError, bad_request, param_of
+from quire.sampling_params import MAX_LOGPROBS, MAX_SEED, RequestOutputKind, SamplingParams
 
 
 # --- parsing --------------------------------------------------------------------------------
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 def parse_request(cls: type[_Request], raw: bytes) -> Any:
@@ -79,26 +58,17 @@ def _is_union_tag(part: str) -> bool:
     return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
 
 
-_FIRST_WORD = re.compile(r"^'?([a-z_]+)'?\b")
-
-
-def param_of(message: str, known: set[str]) -> str | None:
-    """The parameter a library ValueError names ("temperature must be >= 0, ...")."""
-    m = _FIRST_WORD.match(message)
-    return m.group(1) if m and m.group(1) in known else None
-
-
 # --- sampling parameters shared by /v1/completions, /v1/chat/completions and /generate -----
 class SamplingFields(_Request):
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, description="a finite number >= 0")
+    top_p: float | None = Field(None, description="a finite number in (0, 1]")
     top_k: int | None = Field(None, description="-1 or 0 (all tokens) or a positive integer")
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    min_p: float | None = Field(None, description="a finite number in [0, 1]")
+    repetition_penalty: float | None = Field(None, description="a finite number > 0")
+    presence_penalty: float | None = Field(None, description="a finite number in [-2, 2]")
+    frequency_penalty: float | None = Field(None, description="a finite number in [-2, 2]")
+    seed: int | None = Field(None, description=f"an integer in [0, {MAX_SEED}]")
     stop: str | list[str] | None = Field(None, description="a string or a list of strings")
     stop_token_ids: list[int] | None = Field(None, description="a list of token ids")
     include_stop_str_in_output: bool = False
@@ -142,7 +112,7 @@ class CompletionRequest(SamplingFields):
         description="a string, a list of strings, a list of token ids or a list of lists of "
                     "token ids")
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, description="an integer in [0, 20] or null")
+    logprobs: int | None = Field(None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -179,6 +149,13 @@ class ChatMessage(_Request):
             msg["name"] = self.name
         return msg
 
+    def num_chars(self) -> int:
+        if isinstance(self.content, list):
+            n = sum(len(p.text or "") for p in self.content)
+        else:
+            n = len(self.content or "")
+        return n + len(self.name or "")
+
 
 class ChatCompletionRequest(SamplingFields):
     model: str | None = None
@@ -187,7 +164,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, description="an integer in [0, 20] or null")
+    top_logprobs: int | None = Field(None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
     stream: bool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
@@ -200,7 +177,7 @@ class ChatCompletionRequest(SamplingFields):
 
 # --- /generate (vLLM's simple API) ----------------------------------------------------------
 class GenerateRequest(SamplingFields):
-    model_config = ConfigDict(extra="forbid", strict=True)  # every other field is a mistake
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # no extras
     model: str | None = None
     prompt: str | list[int] = Field(description="a string or a list of token ids")
     stream: bool = False
@@ -294,13 +271,69 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-def sse(payload: BaseModel | dict) -> str:
+# --- stream chunks -------------------------------------------------------------------------
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_missing(self, handler):  # a delta holds only what it carries
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorChunk(BaseModel):
+    """An error in the middle of a stream (the status line has long been sent)."""
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, e: OpenAIError) -> "ErrorChunk":
+        return cls(error=ErrorInfo(**e.body()["error"]))
+
+
+def sse(chunk: BaseModel) -> str:
     """One server-sent event."""
-    if isinstance(payload, BaseModel):
-        data = payload.model_dump_json(exclude_unset=False)
-    else:
-        data = json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    return f"data: {chunk.model_dump_json()}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

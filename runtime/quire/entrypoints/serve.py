@@ -4,34 +4,37 @@ The port opens at once and the model loads in the background (/ready says when i
 SIGTERM (or Ctrl-C) drains: no new requests, admitted ones get --shutdown-timeout seconds to
 finish, the rest are aborted, and the process exits 0. A second signal exits at once. If the
 model fails to load or the engine loop dies, the process exits 1.
+
+This module imports nothing beyond the standard library and the engine flags until the command
+runs, so `quire --help` always lists `serve`; a missing server dependency is reported then.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib
 import logging
 import os
-import signal
 import sys
 
-import uvicorn
-
-from quire.config import EngineArgs
-from quire.entrypoints.cli import add_engine_flags, engine_args_from
-from quire.metrics import COMPAT_CHOICES
+from quire.entrypoints.engine_args import add_engine_flags, engine_args_from, model_help
+from quire.entrypoints.limits import add_limit_flags, limits_from
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "QUIRE_API_KEY"
-FATAL_EXIT_DELAY = 1.0  # seconds /health answers 503 (and clients get their errors) before exit
+SERVER_PACKAGES = ("fastapi", "uvicorn", "h11", "prometheus_client", "jinja2")
+DEFAULT_MALLOC_ARENAS = 2
+
+
+class MissingDependency(RuntimeError):
+    """A package `quire serve` needs is not installed."""
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                               description=__doc__.splitlines()[0])
-    p.add_argument("model", nargs="?", default=None,
-                   help=EngineArgs.__dataclass_fields__["model"].metadata["help"])
+    p.add_argument("model", nargs="?", default=None, help=model_help())
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the model's own name)")
     p.add_argument("--host", default="0.0.0.0")
@@ -45,9 +48,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--log-requests", action="store_true",
-                   help="log every request (prompt, parameters, tokens) and the access log")
-    p.add_argument("--metrics-compat", choices=COMPAT_CHOICES, default="none",
-                   help="also export the metrics under vLLM's names")
+                   help="log every request (prompt size, parameters, tokens) and the access "
+                        "log")
+    p.add_argument("--metrics-compat", default="none",
+                   help="'vllm': also export the metrics under vLLM's names (default: none)")
+    p.add_argument("--malloc-arena-max", type=int, default=DEFAULT_MALLOC_ARENAS,
+                   help="glibc malloc arenas at most (MALLOC_ARENA_MAX): fewer arenas keep "
+                        "the resident set from growing with the thread count; 0 leaves "
+                        "glibc's default (8 per core)")
+    p.add_argument("--trim-idle-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="return free heap pages to the kernel (malloc_trim) when the server "
+                        "goes idle after serving")
+    add_limit_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -63,67 +75,36 @@ def _positive(text: str) -> int:
     return value
 
 
-class QuireServer(uvicorn.Server):
-    """uvicorn, with a drain on SIGTERM/SIGINT instead of an immediate stop, and an exit
-    code: 0 after a drain, 1 if the engine failed."""
-
-    def __init__(self, config: uvicorn.Config, engine, shutdown_timeout: float) -> None:
-        super().__init__(config)
-        self.engine = engine
-        self.shutdown_timeout = shutdown_timeout
-        self.exit_code = 0
-        self._draining = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        engine.on_fatal = self._on_fatal
-
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame) -> None:  # runs in the signal handler
-        if self._draining or self.should_exit:
-            logger.warning("second %s: exiting now", signal.Signals(sig).name)
-            self.should_exit = self.force_exit = True
-            return
-        self._draining = True
-        logger.info("%s: draining (up to %.0fs)", signal.Signals(sig).name,
-                    self.shutdown_timeout)
-        if self._loop is None:
-            self.should_exit = True
-        else:
-            self._loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        asyncio.ensure_future(self._drain())
-
-    async def _drain(self) -> None:
+def require_server_packages() -> None:
+    for name in SERVER_PACKAGES:
         try:
-            await self.engine.drain(self.shutdown_timeout)
-        finally:
-            self.should_exit = True
-
-    def _on_fatal(self, error: BaseException) -> None:
-        self.exit_code = 1
-        if self._loop is None:
-            self.should_exit = True
-        else:
-            self._loop.call_later(FATAL_EXIT_DELAY, setattr, self, "should_exit", True)
+            importlib.import_module(name)
+        except ImportError as e:
+            raise MissingDependency(
+                f"quire serve needs the Python package '{name}', which is not installed "
+                f"({e}); install it with `pip install {name.replace('_', '-')}` or reinstall "
+                f"quire with its dependencies") from None
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    require_server_packages()
     from quire.engine.async_engine import AsyncLLMEngine
+    from quire.entrypoints import memory
     from quire.entrypoints.api_server import build_app
+    from quire.entrypoints.uvicorn_server import QuireServer, uvicorn_config
     from quire.metrics import ServerMetrics
 
+    if ns.malloc_arena_max > 0:
+        memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
     args = engine_args_from(ns, ns.model)
+    limits = limits_from(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     metrics = ServerMetrics(ns.metrics_compat)
     engine = AsyncLLMEngine(args, served_model_name=ns.served_model_name,
                             max_queue_len=ns.max_queue_len, stats=metrics)
-    app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
-                            access_log=ns.log_requests, timeout_graceful_shutdown=5,
-                            lifespan="on", log_config=None)
+    app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
+                    limits=limits, trim_memory=ns.trim_idle_memory)
+    config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits)
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, http://%s:%d (API key %s)",
                 args.model or "(default)", ns.host, ns.port, "on" if api_key else "off")

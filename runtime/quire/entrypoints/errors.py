@@ -1,0 +1,88 @@
+"""The errors the server answers with, in OpenAI's shape, and the one mapping from engine
+exceptions to HTTP answers (so "the engine is dead" is 503 wherever it is noticed)."""
+
+from __future__ import annotations
+
+import re
+
+from quire.engine.async_engine import (EngineDeadError, EngineNotReady, EngineOverloaded,
+                                       EngineShuttingDown, RequestFailed)
+
+RETRY_AFTER_QUEUE_FULL = "1"     # seconds: the queue moves every step
+RETRY_AFTER_LOADING = "5"        # seconds: a model load takes a while
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+    def response(self):
+        from fastapi.responses import JSONResponse  # only the server needs fastapi
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, "invalid_value")
+
+
+def server_busy(message: str) -> OpenAIError:
+    return OpenAIError(503, message, "server_error", None, "server_busy",
+                       {"Retry-After": RETRY_AFTER_QUEUE_FULL})
+
+
+_FIRST_WORD = re.compile(r"^'?([a-z_]+)'?\b")
+
+
+def param_of(message: str, known: set[str]) -> str | None:
+    """The parameter a library ValueError names ("temperature must be >= 0, ...")."""
+    m = _FIRST_WORD.match(message)
+    return m.group(1) if m and m.group(1) in known else None
+
+
+ENGINE_PARAMS = {"prompt", "max_tokens", "request_id", "n"}
+
+
+def engine_error(e: BaseException, renames: dict[str, str] | None = None) -> OpenAIError:
+    """The HTTP answer to an exception from AsyncLLMEngine.add_request or a stream."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, ValueError):
+        return renamed(bad_request(str(e), param_of(str(e), ENGINE_PARAMS)), renames)
+    if isinstance(e, EngineOverloaded):
+        return OpenAIError(503, str(e), "server_error", None, "queue_full",
+                           {"Retry-After": RETRY_AFTER_QUEUE_FULL})
+    if isinstance(e, EngineNotReady):
+        return OpenAIError(503, str(e), "server_error", None, "model_loading",
+                           {"Retry-After": RETRY_AFTER_LOADING})
+    if isinstance(e, EngineShuttingDown):
+        return OpenAIError(503, str(e), "server_error", None, "shutting_down")
+    if isinstance(e, EngineDeadError):
+        return engine_dead(str(e))
+    if isinstance(e, RequestFailed):
+        return OpenAIError(500, f"the request failed in the engine: {e}", "server_error",
+                           None, "request_failed")
+    raise e
+
+
+def engine_dead(reason: str) -> OpenAIError:
+    """The one answer once the engine loop has died: the pod is going away, retry elsewhere."""
+    return OpenAIError(503, f"the engine has failed: {reason}", "server_error", None,
+                       "engine_dead")
+
+
+def renamed(e: OpenAIError, renames: dict[str, str] | None) -> OpenAIError:
+    """Name the parameter as this endpoint's request calls it (chat: prompt -> messages)."""
+    if renames and e.param in renames:
+        e.param = renames[e.param]
+        e.message = f"{e.param}: {e.message}"
+    return e

@@ -1,0 +1,63 @@
+"""Engine logprobs in OpenAI's two shapes (completions' parallel lists, chat's token list)."""
+
+from __future__ import annotations
+
+import math
+
+from quire.entrypoints.openai_protocol import (ChatLogprobs, CompletionLogprobs, TokenLogprob,
+                                               TopLogprob)
+from quire.outputs import CompletionOutput, Logprob
+
+# JSON has no -inf: a token the model rules out entirely is reported at this floor, as vLLM
+# and OpenAI do.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(lp: float) -> float:
+    return max(lp, MIN_LOGPROB) if not math.isnan(lp) else MIN_LOGPROB
+
+
+def _token_str(token_id: int, entry: dict[int, Logprob]) -> str:
+    lp = entry.get(token_id)
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else ""
+
+
+def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].rank)
+
+
+def completion_logprobs(c: CompletionOutput, k: int | None,
+                        offset: int) -> CompletionLogprobs | None:
+    """`offset`: characters of this choice's text sent before this output."""
+    if k is None or c.logprobs is None:
+        return None
+    result = CompletionLogprobs()
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        tok = _token_str(tid, entry)
+        chosen = entry.get(tid)  # the engine always includes the sampled token
+        result.tokens.append(tok)
+        result.token_logprobs.append(json_logprob(chosen.logprob) if chosen else None)
+        top = {}
+        for t, lp in _ranked(entry):
+            if lp.rank <= k or t == tid:
+                top.setdefault(lp.decoded_token or "", json_logprob(lp.logprob))
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(tok)
+    return result
+
+
+def chat_logprobs(c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
+    if k is None or c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        tok = _token_str(tid, entry)
+        chosen = entry.get(tid)
+        top = [TopLogprob(token=lp.decoded_token or "", logprob=json_logprob(lp.logprob),
+                          bytes=list((lp.decoded_token or "").encode()))
+               for _, lp in _ranked(entry) if lp.rank <= k]
+        logprob = json_logprob(chosen.logprob) if chosen else MIN_LOGPROB
+        content.append(TokenLogprob(token=tok, logprob=logprob, bytes=list(tok.encode()),
+                                    top_logprobs=top[:k]))
+    return ChatLogprobs(content=content)

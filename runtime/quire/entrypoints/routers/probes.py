@@ -1,0 +1,47 @@
+"""/health, /ready, /metrics, /version: open without the API key, and never wait on the
+engine or the tokenizer pool (a kubelet probe must get its answer at once)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+import quire
+from quire.metrics import CONTENT_TYPE
+
+router = APIRouter()
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
+
+
+@router.get("/health")
+async def health(request: Request):
+    engine = request.app.state.engine
+    if not engine.alive:
+        return JSONResponse({"status": "unhealthy", "error": engine.fatal_error}, 503)
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    engine = request.app.state.engine
+    if engine.ready:
+        return {"status": "ready", "model": engine.served_model_name}
+    if not engine.alive:
+        reason = engine.fatal_error
+    elif not engine.accepting:
+        reason = "shutting down"
+    else:
+        reason = "loading the model"
+    return JSONResponse({"status": "not ready", "reason": reason}, 503)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request):
+    metrics = request.app.state.metrics
+    body = metrics.render() if metrics is not None else b""
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+@router.get("/version")
+async def version():
+    return {"version": quire.__version__}

@@ -1,0 +1,45 @@
+"""/tokenize and /detokenize, in the tokenizer pool like every other tokenizer call."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from quire.entrypoints.errors import bad_request
+from quire.entrypoints.limits import check_prompt_chars
+from quire.entrypoints.openai_protocol import DetokenizeRequest, TokenizeRequest
+from quire.entrypoints.routers.common import read_body, serving_of
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    serving = serving_of(request)
+    req = await read_body(request, TokenizeRequest)
+    info = serving.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    if req.messages is not None:
+        tokens = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
+                                               check_length=False)
+    else:
+        check_prompt_chars("prompt", len(req.prompt),
+                           serving.limits.prompt_chars(info.max_model_len))
+        tokens = await serving.pool.encode(req.prompt, req.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    serving = serving_of(request)
+    req = await read_body(request, DetokenizeRequest)
+    info = serving.check_model(req.model)
+    limit = serving.limits.prompt_chars(info.max_model_len)
+    if len(req.tokens) > limit:
+        raise bad_request(f"tokens may hold at most {limit} ids (--max-prompt-chars), got "
+                          f"{len(req.tokens)}", "tokens")
+    if req.tokens and not 0 <= min(req.tokens) <= max(req.tokens) < info.vocab_size:
+        bad = next(t for t in req.tokens if not 0 <= t < info.vocab_size)
+        raise bad_request(f"tokens must be token ids in [0, {info.vocab_size}), got {bad}",
+                          "tokens")
+    return {"prompt": await serving.pool.decode(req.tokens)}

@@ -1,0 +1,155 @@
+"""What every endpoint shares: the engine, the tokenizer pool, the limits and the metrics,
+and the steps of serving one request (check the model, tokenize within the limits, submit
+the engine requests, wait for the answer unless the client goes away)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from quire.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineNotReady,
+                                       ModelInfo, RequestStream)
+from quire.entrypoints.errors import OpenAIError, bad_request, engine_error
+from quire.entrypoints.limits import (ServerLimits, check_chat_template, check_messages,
+                                      check_prompt_chars, check_prompt_tokens)
+from quire.entrypoints.tokenizer_pool import TokenizerPool
+from quire.outputs import RequestOutput
+from quire.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready (not an error: nobody reads it)."""
+
+
+@dataclass
+class Serving:
+    engine: AsyncLLMEngine
+    limits: ServerLimits
+    metrics: object | None = None          # ServerMetrics, or None
+    log_requests: bool = False
+    _pool: TokenizerPool | None = None
+
+    @property
+    def pool(self) -> TokenizerPool:
+        """The tokenizer threads; made on first use (after check_model: the tokenizer exists
+        once the model has loaded)."""
+        if self._pool is None:
+            self._pool = TokenizerPool(self.engine.tokenizer, self.limits.tokenizer_pool_size,
+                                       self.limits.tokenizer_pool_queue)
+        return self._pool
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    # --- the model -----------------------------------------------------------------------
+    def check_model(self, name: str | None) -> ModelInfo:
+        """The loaded model's info; 503 while loading or dead, 404 for another model."""
+        if self.engine.fatal_error is not None:
+            raise engine_error(EngineDeadError(self.engine.fatal_error))
+        info = self.engine.model_info
+        if info is None or not self.engine.loaded.is_set():
+            raise engine_error(EngineNotReady("the model is still loading"))
+        if name is not None and name != info.served_name:
+            raise OpenAIError(404, f"the model '{name}' does not exist; this server serves "
+                                   f"'{info.served_name}' (see GET /v1/models)",
+                              "invalid_request_error", "model", "model_not_found")
+        return info
+
+    # --- prompts, by size first: characters, then tokens ---------------------------------
+    async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
+                         param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            check_prompt_chars(param, len(prompt), self.limits.prompt_chars(info.max_model_len))
+            ids = await self.pool.encode(prompt, add_special_tokens)
+            check_prompt_tokens(param, len(ids), info.max_model_len)
+            return ids
+        check_prompt_tokens(param, len(prompt), info.max_model_len)
+        if prompt and not 0 <= min(prompt) <= max(prompt) < info.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < info.vocab_size)
+            raise bad_request(f"{param} token ids must be integers in [0, {info.vocab_size}), "
+                              f"got {bad}", param)
+        return prompt
+
+    async def chat_prompt_ids(self, messages, add_generation_prompt: bool, info: ModelInfo,
+                              chat_template: str | None = None,
+                              check_length: bool = True) -> list[int]:
+        check_messages(messages, self.limits, info.max_model_len)
+        check_chat_template(chat_template, self.limits)
+        conversation = [m.as_template_message() for m in messages]
+        ids = await self.pool.chat(conversation, add_generation_prompt, chat_template,
+                                   self.limits.chat_template_timeout,
+                                   self.limits.prompt_chars(info.max_model_len))
+        if check_length:
+            check_prompt_tokens("messages", len(ids), info.max_model_len)
+        return ids
+
+    # --- engine requests -----------------------------------------------------------------
+    async def submit(self, request_id: str, prompts: Sequence[list[int]],
+                     params: SamplingParams,
+                     renames: dict[str, str] | None = None) -> list[RequestStream]:
+        """One engine request per prompt (token ids), all or none: if one is refused, the
+        others are aborted."""
+        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
+               for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
+            return_exceptions=True)  # added in the same step; every outcome retrieved
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if not isinstance(r, RequestStream)]
+        if errors:
+            for s in streams:
+                s.abort()
+            if not isinstance(errors[0], Exception):  # cancelled
+                raise errors[0]
+            raise engine_error(errors[0], renames) from None
+        if self.log_requests:
+            for rid, prompt in zip(ids, prompts):
+                logger.info("request %s: %d prompt tokens, params=%s", rid, len(prompt),
+                            params)
+        return streams
+
+    async def finals(self, streams: list[RequestStream], disconnected) -> list[RequestOutput]:
+        """The final output of each stream. If the client goes away first, every request is
+        aborted and ClientDisconnected raised; engine failures become OpenAIErrors."""
+        work = asyncio.ensure_future(_last_outputs(streams))
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                try:
+                    return work.result()
+                except Exception as e:  # noqa: BLE001 - RequestFailed, EngineDeadError
+                    raise engine_error(e) from None
+            self.client_gone()
+            raise ClientDisconnected
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            # retrieve whatever they ended with, so nothing is left "never retrieved"
+            await asyncio.gather(work, watch, return_exceptions=True)
+            for s in streams:
+                s.abort()
+
+    def client_gone(self) -> None:
+        logger.debug("client disconnected; its requests are aborted")
+        if self.metrics is not None:
+            self.metrics.record_disconnect()
+
+    def log_done(self, request_id: str, completion_tokens: int) -> None:
+        if self.log_requests:
+            logger.info("request %s finished: %d tokens", request_id, completion_tokens)
+
+
+async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals = []
+    for stream in streams:  # they all run at once in the engine; reading order is free
+        last = None
+        async for out in stream:
+            last = out
+        finals.append(last)
+    return finals

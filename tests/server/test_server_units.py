@@ -1,0 +1,97 @@
+"""Pieces of the server that need no live server: the tokenizer pool's bounded queue, the
+budgets of a request's own chat template, and `quire serve` without its dependencies."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+
+import pytest
+
+from quire.entrypoints import request_chat_template
+from quire.entrypoints.cli import main
+from quire.entrypoints.errors import OpenAIError
+from quire.entrypoints.tokenizer_pool import TokenizerPool
+
+CONVERSATION = [{"role": "user", "content": "hi"}]
+
+
+def test_tokenizer_pool_refuses_work_past_its_queue():
+    release = threading.Event()
+
+    def blocked(tokenizer):
+        release.wait(30)
+        return "done"
+
+    async def main_():
+        pool = TokenizerPool(tokenizer=object(), size=1, queue=1)
+        first = asyncio.ensure_future(pool.run(blocked))
+        second = asyncio.ensure_future(pool.run(blocked))
+        await asyncio.sleep(0)
+        with pytest.raises(OpenAIError) as e:
+            await pool.run(blocked)
+        assert e.value.status == 503 and e.value.code == "server_busy"
+        release.set()
+        assert await first == await second == "done"
+        assert pool.in_flight == 0
+        pool.shutdown()
+    asyncio.run(main_())
+
+
+@pytest.mark.parametrize("template, reason", [
+    ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
+     "time budget"),
+    ("{{ 'x' * 10**9 }}", "size budget"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+     "{% endfor %}", "size budget"),
+    ("{% set ns = namespace(s='xx') %}{% for i in range(60) %}"
+     "{% set ns.s = ns.s|replace('x', ns.s) %}{% endfor %}", "size budget"),
+    ("{{ 'x'.ljust(10**9) }}", "size budget"),
+    ("{{ '%999999999d' % 1 }}", "not allowed"),
+    ("{{ '{:999999999}'.format(1) }}", "not allowed"),
+    ("{{ ''.__class__.__mro__ }}", "unsafe"),
+    ("{% for x in %}", "failed"),
+])
+def test_request_chat_template_budgets(template, reason):
+    with pytest.raises(OpenAIError) as e:
+        request_chat_template.render(template, CONVERSATION, True, {}, timeout=0.5,
+                                     max_chars=100_000)
+    assert e.value.status == 400 and e.value.param == "chat_template"
+    assert reason in e.value.message
+
+
+def test_request_chat_template_renders():
+    text = request_chat_template.render(
+        "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content|upper }}{% endfor %}"
+        "{% if add_generation_prompt %}|{% endif %}", CONVERSATION, True, {"bos_token": "<s>"},
+        timeout=5, max_chars=1000)
+    assert text == "<s>user: HI|"
+
+
+def test_serve_without_its_dependencies_says_what_is_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn -> ImportError
+    assert main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "quire serve needs the Python package 'uvicorn'" in err
+    with pytest.raises(SystemExit):  # and the subcommand is still listed
+        main(["--help"])
+    assert "serve" in capsys.readouterr().out
+
+
+def test_connection_limit_flags_reach_uvicorn():
+    from quire.entrypoints.cli import build_parser
+    from quire.entrypoints.limits import limits_from
+    from quire.entrypoints.uvicorn_server import uvicorn_config
+
+    ns = build_parser().parse_args([
+        "serve", "--limit-concurrency", "7", "--timeout-keep-alive", "3",
+        "--max-header-bytes", "4K", "--timeout-header", "4", "--max-request-body-bytes", "2M"])
+    limits = limits_from(ns)
+    assert limits.max_request_body_bytes == 2 << 20 and limits.timeout_header == 4
+    config = uvicorn_config(object(), "127.0.0.1", 0, "info", False, limits)
+    assert config.limit_concurrency == 7
+    assert config.timeout_keep_alive == 3
+    assert config.h11_max_incomplete_event_size == 4096
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-stop-strings", "0"])  # must be > 0
