@@ -8,7 +8,7 @@ as in transformers' beam search.
 
 The live beams of one search are its *beam group*: they advance in lockstep (the group picks
 every beam's next token once all have reported), so the scheduler runs and preempts them as a
-unit (a gang). Forks and finishes go through the scheduler's public methods.
+unit. Forks and finishes go through the scheduler's public methods.
 """
 
 from __future__ import annotations

@@ -111,6 +111,20 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    # --- state ---------------------------------------------------------------------------
+    def start_running(self, num_computed_tokens: int, forked_from: Request | None = None) -> None:
+        """Admitted with `num_computed_tokens` already in its blocks (prefix hits), or forked
+        (sharing all of the parent's)."""
+        self.num_computed_tokens = num_computed_tokens
+        if forked_from is not None:
+            self.num_cached_tokens = forked_from.num_cached_tokens
+            self.metrics.first_scheduled_time = forked_from.metrics.first_scheduled_time
+        if self.num_cached_tokens < 0:
+            self.num_cached_tokens = num_computed_tokens
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = time.time()
+        self.status = RequestStatus.RUNNING
+
     # --- stopping ------------------------------------------------------------------------
     def check_stop(self) -> RequestStatus | None:
         """Token-level stops (EOS, stop_token_ids, length); stop strings are the detokenizer's.

@@ -2,16 +2,15 @@
 
 One token budget per step covers decodes and prefill chunks alike. Order of service: running
 decodes, then running prefills (chunked), then swapped sequences, then waiting ones (FCFS).
-The unit of scheduling and preemption is a *gang*: the live beams of one beam group (they
-advance in lockstep, so they run together or not at all), or else one sequence. When blocks
-run out, the most recently admitted gang is preempted (a lone sequence by swap when the host
-pool has room, else by recompute) so the older ones always make progress.
+A beam group is scheduled and preempted as a *unit* (its live beams advance in lockstep, so
+they run together or not at all); any other sequence is a unit of its own. When blocks run
+out, the most recently admitted unit is preempted (a lone sequence by swap when the host pool
+has room, else by recompute) so the older ones always make progress.
 
 Public interface (the only way to add, fork or finish sequences):
     add_request(seq)                 queue a new sequence (its pending siblings ride along)
-    schedule() -> SchedulerOutput    one step: the batch, preemptions, swaps, copies; when
-                                     nothing at all can progress, the stuck sequences are
-                                     failed (out.stuck) instead of spinning
+    schedule() -> SchedulerOutput    one step: batch, preemptions, swaps, copies; what can
+                                     never progress is failed (out.stuck), not spun on
     update(out, sampled) -> [seq]    after the forward: counts, tokens, n>1 forks, token stops
     fork(parent, child)              a new running sibling sharing the parent's blocks
     finish(seq, status)              out of every queue, its blocks given back
@@ -28,8 +27,6 @@ from collections import deque
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler_output import SchedulerOutput
-
-__all__ = ["Scheduler", "SchedulerOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +58,7 @@ class Scheduler:
         """`child` (a new sibling with the parent's tokens) shares every block of `parent`
         and runs from the next step, placed right after its parent (same age)."""
         self.kv_manager.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-        child.status = RequestStatus.RUNNING
+        child.start_running(parent.num_computed_tokens, parent)
         self.running.insert(self.running.index(parent) + 1, child)
 
     def finish(self, seq: Request, status: RequestStatus) -> None:
@@ -91,17 +85,18 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
         self._scheduled: set[str] = set()
-        # Each pass walks a snapshot of the running gangs, oldest first. Preemption only ever
-        # removes gangs younger than the one being served (or that one itself), so the walk
-        # never revisits or skips a live gang: preempted ones are skipped by their status.
+        # Each pass walks a snapshot of the running units, oldest first. Preemption only ever
+        # removes units younger than the one being served (or that one itself), so the walk
+        # never revisits or skips a live unit: preempted ones are skipped by their status.
         for decoding in (True, False):
-            gangs = self._running_gangs()
-            for gang in gangs:
+            units = self._running_units()
+            for unit in units:
                 if self._budget <= 0:
                     break
-                if gang[0].status == RequestStatus.RUNNING:
-                    self._serve(gang, gangs, decoding, out)
-        self._swap_in_and_admit(out)
+                if unit[0].status == RequestStatus.RUNNING:
+                    self._serve(unit, units, decoding, out)
+        if not out.preempted:  # a step that had to preempt has no room to bring any back
+            self._swap_in_and_admit(out)
         for seq, n in zip(out.requests, out.num_new_tokens):
             out.block_tables.append(self.kv_manager.block_ids(seq))
             if seq.pending_siblings and seq.num_computed_tokens + n == seq.num_tokens:
@@ -110,25 +105,25 @@ class Scheduler:
             self._fail_stuck(out, [*self.running, *self.swapped, *self.waiting])
         return out
 
-    def _serve(self, gang: list[Request], gangs: list[list[Request]], decoding: bool,
+    def _serve(self, unit: list[Request], units: list[list[Request]], decoding: bool,
                out: SchedulerOutput) -> None:
-        todo = [s for s in gang if s.num_tokens_to_compute > 0]  # 0: a beam awaiting siblings
+        todo = [s for s in unit if s.num_tokens_to_compute > 0]  # 0: a beam awaiting siblings
         is_decode = bool(todo) and all(s.num_tokens_to_compute == 1 for s in todo)
         if not todo or is_decode != decoding:
             return
-        if decoding:  # all of the gang's decodes, or none of them
+        if decoding:  # all of the unit's decodes, or none of them
             if len(todo) > self._budget:
                 return
             while self.kv_manager.num_blocks_to_grow(todo, [1] * len(todo)) \
                     > self.kv_manager.num_free_blocks:
-                victim = self._pick_victim(gang, gangs)
+                victim = self._pick_victim(unit, units)
                 if victim is not None:
                     self._preempt(victim, out)
                     continue
-                if any(g is not gang and g[0].status == RequestStatus.RUNNING for g in gangs):
-                    self._preempt(gang, out)  # none younger: the gang steps aside
+                if any(g is not unit and g[0].status == RequestStatus.RUNNING for g in units):
+                    self._preempt(unit, out)  # none younger: the unit steps aside
                 else:  # it holds the cache alone: stepping aside would only come back here
-                    self._fail_stuck(out, gang)
+                    self._fail_stuck(out, unit)
                 return
             for seq in todo:
                 self._add(seq, 1, self.kv_manager.allocate_slots(seq, 1), out)
@@ -136,7 +131,7 @@ class Scheduler:
         for seq in todo:  # prefills: a chunk each, as budget and blocks allow
             n = min(seq.num_tokens_to_compute, self._budget)
             copies = self.kv_manager.allocate_slots(seq, n)
-            while copies is None and (victim := self._pick_victim(gang, gangs)) is not None:
+            while copies is None and (victim := self._pick_victim(unit, units)) is not None:
                 self._preempt(victim, out)
                 copies = self.kv_manager.allocate_slots(seq, n)
             if copies is None:  # take what fits; the older ones go on
@@ -171,12 +166,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv_manager.record_prefix_lookup(seq.num_tokens, num_computed)
-            seq.num_computed_tokens = num_computed
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = num_computed
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.time()
-            seq.status = RequestStatus.RUNNING
+            seq.start_running(num_computed)
             self.running.append(seq)
             self._add(seq, n, copies, out)
 
@@ -188,58 +178,56 @@ class Scheduler:
         self._scheduled.add(seq.request_id)
         self._budget -= n
 
-    def _running_gangs(self) -> list[list[Request]]:
-        """Running sequences grouped into gangs, ordered by their oldest member."""
-        gangs: dict[int, list[Request]] = {}
+    def _running_units(self) -> list[list[Request]]:
+        """Running sequences grouped into units, ordered by their oldest member."""
+        units: dict[int, list[Request]] = {}
         for seq in self.running:
-            gangs.setdefault(id(seq.beam_group) if seq.beam_group else id(seq), []).append(seq)
-        return list(gangs.values())
+            units.setdefault(id(seq.beam_group or seq), []).append(seq)
+        return list(units.values())
 
-    def _pick_victim(self, gang: list[Request], gangs: list[list[Request]]) -> list | None:
-        """The youngest running gang admitted after `gang` that has nothing in this step."""
-        for victim in reversed(gangs):
-            if victim is gang:
+    def _pick_victim(self, unit: list[Request], units: list[list[Request]]) -> list | None:
+        """The youngest running unit admitted after `unit` that has nothing in this step."""
+        for victim in reversed(units):
+            if victim is unit:
                 return None
             if victim[0].status == RequestStatus.RUNNING and not any(
                     s.request_id in self._scheduled for s in victim):
                 return victim
         return None
 
-    def _preempt(self, gang: list[Request], out: SchedulerOutput) -> None:
+    def _preempt(self, unit: list[Request], out: SchedulerOutput) -> None:
         # A beam group always recomputes: swapping its beams one by one would un-share the
         # blocks they hold together, and it could not come back in the room it left.
-        swap = self.swapper is not None and len(gang) == 1 and gang[0].beam_group is None
-        for seq in reversed(gang):  # reversed, so the gang keeps its order in the queue
+        swap = self.swapper is not None and unit[0].beam_group is None
+        for seq in reversed(unit):  # reversed: the unit keeps its order at the queue's front
             self.running.remove(seq)
             seq.num_preemptions += 1
             out.preempted.append(seq)
-            if swap and self.swapper.try_swap_out(seq, out):
+            kind = "swap" if swap and self.swapper.try_swap_out(seq, out) else "recompute"
+            if kind == "swap":
                 seq.status = RequestStatus.SWAPPED
                 self.swapped.append(seq)
-                self.num_preemptions["swap"] += 1
-                logger.debug("preempted %s by swap", seq.request_id)
-                continue
-            self.kv_manager.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = RequestStatus.WAITING
-            self.waiting.appendleft(seq)
-            self.num_preemptions["recompute"] += 1
-            logger.debug("preempted %s by recompute", seq.request_id)
+            else:
+                self.kv_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = RequestStatus.WAITING
+                self.waiting.appendleft(seq)
+            self.num_preemptions[kind] += 1
+            logger.debug("preempted %s by %s", seq.request_id, kind)
 
     def _fail_stuck(self, out: SchedulerOutput, stuck: list[Request]) -> None:
-        """Liveness guard. Nothing could run, swap or be preempted (or a gang alone in the
+        """Liveness guard. Nothing could run, swap or be preempted (or a unit alone in the
         cache cannot grow), and schedule() depends only on this state, so every later step
         would do the same: fail the stuck sequences with a clear error instead of spinning."""
         kv = self.kv_manager
         out.stuck_reason = (
-            f"no sequence can make progress: {len(self.running)} running, "
-            f"{len(self.swapped)} swapped and {len(self.waiting)} waiting sequences, "
-            f"{kv.num_used_blocks} of {kv.num_blocks} KV blocks ({kv.block_size} tokens each) "
-            "in use, and none can grow or be admitted; the KV cache is too small for this "
+            f"no sequence can make progress: {kv.num_used_blocks} of {kv.num_blocks} KV blocks "
+            f"({kv.block_size} tokens each) are in use by {len(self.running)} running "
+            "sequences and none can grow or be admitted; the KV cache is too small for this "
             "workload (raise kv_cache_memory)")
         logger.error("%s", out.stuck_reason)
         out.stuck.extend(stuck)
-        for seq in list(stuck):
+        for seq in stuck:
             self.finish(seq, RequestStatus.FINISHED_ERROR)
 
     # --- after the forward -----------------------------------------------------------------
