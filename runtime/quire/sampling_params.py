@@ -91,7 +91,7 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)

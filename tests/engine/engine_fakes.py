@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from quire.engine.beam_search import (BeamSearchGroup, BeamSearchParams, advance_beam_groups,
-                                      num_blocks_for_beam_search)
+from quire.engine.beam_search import (
+    BeamSearchGroup,
+    BeamSearchParams,
+    advance_beam_groups,
+    num_blocks_for_beam_search,
+)
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus

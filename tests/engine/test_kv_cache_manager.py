@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine_fakes import make_seq
-
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
+
+from engine_fakes import make_seq
 
 BS = 4
 

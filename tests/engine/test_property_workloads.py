@@ -5,16 +5,16 @@ a clear error, never hangs."""
 
 from __future__ import annotations
 
-from engine_fakes import (FakeEngine, assert_blocks_owned_as_counted, assert_nothing_held,
-                          live_seqs)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quire.engine.beam_search import BeamSearchParams, num_blocks_for_beam_search
 
+from engine_fakes import FakeEngine, assert_blocks_owned_as_counted, assert_nothing_held, live_seqs
+
 # Deterministic and bounded: the same examples on every run and machine (derandomize), no
 # deadline (a slow machine must not fail a test).
-PROPERTY = settings(max_examples=150, deadline=None, derandomize=True,
+PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 configs = st.fixed_dictionaries({

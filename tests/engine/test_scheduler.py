@@ -4,10 +4,11 @@ state, n > 1 forks, beam groups as a unit, and the liveness guard. Fake model, n
 from __future__ import annotations
 
 import pytest
-from engine_fakes import FakeEngine, assert_blocks_owned_as_counted, assert_nothing_held
 
 from quire.engine.beam_search import BeamSearchParams, num_blocks_for_beam_search
 from quire.engine.request import RequestStatus
+
+from engine_fakes import FakeEngine, assert_blocks_owned_as_counted, assert_nothing_held
 
 
 def test_fcfs_admission_and_chunked_prefill_share_one_budget():

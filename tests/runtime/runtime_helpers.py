@@ -11,7 +11,6 @@ import torch
 
 from quire.models.loader import default_model_path
 
-
 MODEL_FAMILIES = ("llama", "mistral", "qwen2")
 TINY_MAX_NEW_TOKENS = 32
 

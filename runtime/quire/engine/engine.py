@@ -13,13 +13,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from quire.config import EngineArgs
-from quire.engine.beam_search import (BeamSearchGroup, BeamSearchParams, advance_beam_groups,
-                                      num_blocks_for_beam_search)
+from quire.engine.beam_search import (
+    BeamSearchGroup,
+    BeamSearchParams,
+    advance_beam_groups,
+    num_blocks_for_beam_search,
+)
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
@@ -29,8 +33,14 @@ from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
 from quire.models.config import ModelConfig
 from quire.models.llama import LlamaForCausalLM
-from quire.models.loader import (default_dtype, iter_weights, load_hf_config, load_tokenizer,
-                                 materialize, resolve_model)
+from quire.models.loader import (
+    default_dtype,
+    iter_weights,
+    load_hf_config,
+    load_tokenizer,
+    materialize,
+    resolve_model,
+)
 from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import attention_backend_class, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
@@ -96,7 +106,7 @@ class LLMEngine:
                     self.attention_backend, time.perf_counter() - t0)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+    def from_kwargs(cls, **kwargs) -> LLMEngine:
         return cls(EngineArgs(**kwargs))
 
     # --- construction helpers ------------------------------------------------------------

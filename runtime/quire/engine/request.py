@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import time
-
 from typing import TYPE_CHECKING
 
 from quire.outputs import RequestMetrics
