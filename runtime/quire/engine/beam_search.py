@@ -13,11 +13,12 @@ unit. Forks and finishes go through the scheduler's public methods.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from quire.engine.request import Request, RequestStatus
 from quire.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from quire.validation import check_int
+from quire.validation import check_int, check_number
 
 MAX_BEAM_WIDTH = 10  # 2 x width candidates per beam come from the top-20 logprobs
 
@@ -32,9 +33,8 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         check_int("beam_width", self.beam_width, lo=1, hi=MAX_BEAM_WIDTH)
         check_int("max_tokens", self.max_tokens, lo=1, what="a positive integer")
-        lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or lp != lp:
-            raise ValueError(f"length_penalty must be a number, got {lp!r}")
+        check_number("length_penalty", self.length_penalty, lo=-math.inf, hi=None,
+                     what="a number")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
