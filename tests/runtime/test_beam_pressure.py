@@ -53,3 +53,16 @@ def test_three_width_4_searches_in_16_blocks(mode, tiny_models):
     assert _beams(llm, prompts, params) == roomy
     assert llm.engine.scheduler.num_preemptions["recompute"] > 0, "no pressure: test is moot"
     assert_no_blocks_in_use(llm)
+
+
+def test_a_search_that_slips_past_admission_fails_instead_of_hanging(tiny_models, monkeypatch):
+    """The liveness guard, end to end: with the width check switched off, the 5-block search
+    that used to hang now raises, names the cause, and gives every block back."""
+    import quire.engine.engine as engine_module
+    monkeypatch.setattr(engine_module, "num_blocks_for_beam_search", lambda *a: 0)
+    prompt = random_prompts(1, lengths=[50], seed=18)[0]
+    llm = _llm(tiny_models["llama"], 5, "recompute")
+    with pytest.raises(RuntimeError, match="no sequence can make progress.*5 KV blocks"):
+        _beams(llm, [prompt], BeamSearchParams(beam_width=2, max_tokens=20))
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.beam_groups
+    assert_no_blocks_in_use(llm)
