@@ -124,6 +124,14 @@ class Request:
             self.metrics.first_scheduled_time = time.time()
         self.status = RequestStatus.RUNNING
 
+    def end(self, status: RequestStatus) -> None:
+        """Finished, with its pending siblings (never forked: they end with it)."""
+        now = time.time()
+        for seq in (self, *self.pending_siblings):
+            seq.status = status
+            seq.metrics.finished_time = now
+        self.pending_siblings = []
+
     # --- stopping ------------------------------------------------------------------------
     def check_stop(self) -> RequestStatus | None:
         """Token-level stops (EOS, stop_token_ids, length); stop strings are the detokenizer's.

@@ -21,7 +21,6 @@ Public interface (the only way to add, fork or finish sequences):
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 from quire.engine.kv_cache_manager import KVCacheManager
@@ -63,22 +62,17 @@ class Scheduler:
 
     def finish(self, seq: Request, status: RequestStatus) -> None:
         """Take a sequence out of whatever queue holds it and give back its blocks."""
-        if seq.finished:
-            return
-        was, seq.status = seq.status, status
-        if was == RequestStatus.RUNNING:
+        if seq.status == RequestStatus.RUNNING:
             self.running.remove(seq)
-        elif was == RequestStatus.WAITING:
+        elif seq.status == RequestStatus.WAITING:
             self.waiting.remove(seq)
-        elif was == RequestStatus.SWAPPED:
+        elif seq.status == RequestStatus.SWAPPED:
             self.swapped.remove(seq)
             self.swapper.free(seq)
+        else:
+            return  # finished already
         self.kv_manager.free(seq)
-        seq.metrics.finished_time = time.time()
-        for sibling in seq.pending_siblings:  # never forked: they end with it
-            sibling.status = status
-            sibling.metrics.finished_time = seq.metrics.finished_time
-        seq.pending_siblings = []
+        seq.end(status)
 
     # --- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
