@@ -5,10 +5,12 @@ a clear error, never hangs."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from quire.engine.beam_search import BeamSearchParams, num_blocks_for_beam_search
+from quire.engine.kv_cache_manager import KVCacheManager
 
 from engine_fakes import FakeEngine, assert_blocks_owned_as_counted, assert_nothing_held, live_seqs
 
@@ -83,3 +85,21 @@ def test_workloads_that_fit_alone_never_fail(cfg, ops):
     never fire: preemption always lets the oldest one go on."""
     engine = play(cfg, ops)
     assert not engine.failed, engine.failed
+
+
+def test_the_property_finds_an_injected_leak(monkeypatch):
+    """The audit can fail: with a free() that keeps each sequence's head block, the same
+    property run reports the broken invariant by name."""
+    def leaky_free(self, seq):
+        blocks = self._tables.pop(seq.request_id, None)
+        self._num_hashed.pop(seq.request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1][:-1])  # the head block is never given back
+    monkeypatch.setattr(KVCacheManager, "free", leaky_free)
+
+    @settings(PROPERTY, phases=[Phase.generate])  # found is enough: no need to shrink it
+    @given(configs, operations)
+    def leaky_run(cfg, ops):
+        play(cfg, ops)
+    with pytest.raises(AssertionError, match="block ownership invariant broken"):
+        leaky_run()
