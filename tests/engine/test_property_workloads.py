@@ -1,23 +1,18 @@
 """Property tests: random add / step / abort / fork workloads (n > 1 forks at prompt end,
 beam groups fork every round) on tiny caches. After every step each block is owned exactly as
 its reference count says; at the end nothing leaks; and every request finishes or fails with
-a clear error, never hangs."""
+a clear error, never hangs. (Hypothesis settings: conftest.py.)"""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from quire.engine.beam_search import BeamSearchParams, num_blocks_for_beam_search
 from quire.engine.kv_cache_manager import KVCacheManager
 
 from engine_fakes import FakeEngine, assert_blocks_owned_as_counted, assert_nothing_held, live_seqs
-
-# Deterministic and bounded: the same examples on every run and machine (derandomize), no
-# deadline (a slow machine must not fail a test).
-PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
 
 configs = st.fixed_dictionaries({
     "num_blocks": st.integers(2, 14),
@@ -72,13 +67,11 @@ def play(cfg: dict, ops: list[tuple]) -> FakeEngine:
     return engine
 
 
-@PROPERTY
 @given(configs, operations)
 def test_random_workloads_keep_ref_counts_and_end(cfg, ops):
     play(cfg, ops)
 
 
-@PROPERTY
 @given(configs, operations.map(lambda ops: [op for op in ops if op[0] != "beam"]))
 def test_workloads_that_fit_alone_never_fail(cfg, ops):
     """Without beam groups every request fits the cache alone, so the liveness guard must
@@ -97,7 +90,7 @@ def test_the_property_finds_an_injected_leak(monkeypatch):
             self.pool.free(blocks[::-1][:-1])  # the head block is never given back
     monkeypatch.setattr(KVCacheManager, "free", leaky_free)
 
-    @settings(PROPERTY, phases=[Phase.generate])  # found is enough: no need to shrink it
+    @settings(phases=[Phase.generate])  # found is enough: no need to shrink it
     @given(configs, operations)
     def leaky_run(cfg, ops):
         play(cfg, ops)
