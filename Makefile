@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean
+.PHONY: serve test lint install clean
 
 install: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/quire serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+# lint first: a style slip fails in a second, not after the whole suite
+test: lint
 	$(PY) -m pytest -q tests
+
+# one ruff config (pyproject.toml [tool.ruff]): lint rules and import order, over the tree
+lint: $(STAMP)
+	$(VENV)/bin/ruff check runtime operator tests benchmarks
 
 clean:
 	rm -rf $(VENV)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from quire.validation import check_int, check_number
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -61,23 +63,24 @@ class EngineArgs:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _int("seed", self.seed, minimum=0)
-        _int("block_size", self.block_size, minimum=1)
+        check_int("seed", self.seed, lo=0)
+        check_int("block_size", self.block_size, lo=1)
         if self.block_size & (self.block_size - 1) or not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
-        _int("max_num_seqs", self.max_num_seqs, minimum=1)
-        _int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
-        _int("swap_space", self.swap_space, minimum=0)
+        check_int("max_num_seqs", self.max_num_seqs, lo=1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
+        check_int("swap_space", self.swap_space, lo=0)
         if self.max_model_len is not None:
-            _int("max_model_len", self.max_model_len, minimum=1)
+            check_int("max_model_len", self.max_model_len, lo=1)
         if self.kv_cache_memory is not None:
-            _int("kv_cache_memory", self.kv_cache_memory, minimum=1)
+            check_int("kv_cache_memory", self.kv_cache_memory, lo=1)
         if self.kv_cache_memory_fraction is not None:
             f = self.kv_cache_memory_fraction
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            check_number("kv_cache_memory_fraction", f, lo=0.0, hi=1.0, what="in (0, 1]")
+            if f == 0:
                 raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
         if self.num_threads is not None:
-            _int("num_threads", self.num_threads, minimum=1)
+            check_int("num_threads", self.num_threads, lo=1)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("swap_space must be > 0 bytes when preemption_mode is 'swap'")
 
@@ -90,7 +93,3 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
-
-def _int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

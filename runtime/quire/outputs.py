@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -10,6 +11,14 @@ class Logprob:
     logprob: float
     rank: int                      # 1 = the most likely token
     decoded_token: str | None = None
+
+
+class TokenLogprobs(NamedTuple):
+    """What the sampler reports for one sampled token (engine-internal)."""
+    logprob: float               # of the sampled token
+    rank: int                    # of the sampled token, 1 = the most likely
+    top_ids: list[int]           # the top-k token ids, most likely first
+    top_logprobs: list[float]    # ... and their logprobs
 
 
 # One dict per generated token: token id -> Logprob (the top-k plus the sampled token).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from quire.validation import check_int, check_number
+
 GREEDY_EPSILON = 1e-5  # temperatures below this decode greedily, as in vLLM
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
@@ -47,36 +49,36 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _int("n", self.n, lo=1)
-        _number("temperature", self.temperature, lo=0.0, hi=None, what=">= 0")
-        _number("top_p", self.top_p, lo=0.0, hi=1.0, what="in (0, 1]")
+        check_int("n", self.n, lo=1)
+        check_number("temperature", self.temperature, lo=0.0, hi=None, what=">= 0")
+        check_number("top_p", self.top_p, lo=0.0, hi=1.0, what="in (0, 1]")
         if self.top_p <= 0.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _int("top_k", self.top_k, lo=0, what="0 or -1 (disabled) or a positive integer")
-        _number("min_p", self.min_p, lo=0.0, hi=1.0, what="in [0, 1]")
-        _number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None, what="> 0")
+        check_int("top_k", self.top_k, lo=0, what="0 or -1 (disabled) or a positive integer")
+        check_number("min_p", self.min_p, lo=0.0, hi=1.0, what="in [0, 1]")
+        check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None, what="> 0")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
-        _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
+        check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
+        check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0, what="in [-2, 2]")
         if self.seed is not None:
-            _int("seed", self.seed, lo=0, hi=MAX_SEED, what=f"an integer in [0, {MAX_SEED}] or None")
+            check_int("seed", self.seed, lo=0, hi=MAX_SEED, what=f"an integer in [0, {MAX_SEED}] or None")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a string or a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            _int("stop_token_ids", t, lo=0, what="a list of non-negative token ids")
+            check_int("stop_token_ids", t, lo=0, what="a list of non-negative token ids")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens, lo=1, what="a positive integer or None")
-        _int("min_tokens", self.min_tokens, lo=0)
+            check_int("max_tokens", self.max_tokens, lo=1, what="a positive integer or None")
+        check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
-            _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
+            check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
                  what=f"an integer in [0, {MAX_LOGPROBS}] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -89,21 +91,8 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
 
-
-def _int(name: str, value: object, lo: int, hi: int | None = None, what: str | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
-    ok = ok and (hi is None or value <= hi)
-    if not ok:
-        raise ValueError(f"{name} must be {what or f'an integer >= {lo}'}, got {value!r}")
-
-
-def _number(name: str, value: object, lo: float, hi: float | None, what: str) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and value == value and value >= lo and (hi is None or value <= hi)  # NaN fails
-    if not ok:
-        raise ValueError(f"{name} must be {what}, got {value!r}")

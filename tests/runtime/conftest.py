@@ -1,5 +1,5 @@
-"""Runtime test fixtures. The helpers they use live in runtime_helpers.py: a unique module
-name, since every test folder has a conftest.py and `from conftest import` is ambiguous."""
+"""Runtime test fixtures. The helpers they use live in runtime_helpers.py, imported by name
+(pyproject's pytest `pythonpath`); nothing imports a conftest module."""
 
 from __future__ import annotations
 
@@ -7,9 +7,19 @@ import os
 
 import pytest
 
-from runtime_helpers import (MODEL_FAMILIES, SMOLLM_PROMPTS, SMOLLM_MAX_NEW_TOKENS,
-                             TINY_MAX_NEW_TOKENS, default_model_path, hf_greedy, hf_model,
-                             random_prompts, save_tiny_model, smollm2_tokenizer, tiny_config)
+from runtime_helpers import (
+    MODEL_FAMILIES,
+    SMOLLM_MAX_NEW_TOKENS,
+    SMOLLM_PROMPTS,
+    TINY_MAX_NEW_TOKENS,
+    default_model_path,
+    hf_greedy,
+    hf_model,
+    random_prompts,
+    save_tiny_model,
+    smollm2_tokenizer,
+    tiny_config,
+)
 
 
 @pytest.fixture(scope="session")

@@ -3,13 +3,13 @@ transformers' greedy reference (the correctness oracle). Fixtures live in confte
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
 import torch
 
 from quire.models.loader import default_model_path
-
 
 MODEL_FAMILIES = ("llama", "mistral", "qwen2")
 TINY_MAX_NEW_TOKENS = 32
@@ -95,3 +95,20 @@ SMOLLM_MAX_NEW_TOKENS = 24
 def assert_no_blocks_in_use(llm) -> None:
     pool = llm.engine.kv_manager.pool
     assert pool.num_used_blocks == 0, f"{pool.num_used_blocks} KV blocks still in use"
+
+
+@contextlib.contextmanager
+def step_limit(engine, max_steps: int):
+    """Fail, instead of hanging, if the engine takes more than max_steps steps (a count, so
+    the limit means the same on any machine)."""
+    step, count = engine.step, [0]
+
+    def limited():
+        count[0] += 1
+        assert count[0] <= max_steps, f"still unfinished after {max_steps} steps: spinning"
+        return step()
+    engine.step = limited
+    try:
+        yield count
+    finally:
+        engine.step = step

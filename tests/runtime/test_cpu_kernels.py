@@ -68,3 +68,18 @@ def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, mon
         cpu_kernels._library.cache_clear()
     assert got == expected
     assert_no_blocks_in_use(fallback)
+
+
+def test_quire_cache_dir_means_the_same_to_the_kernel_and_the_loader(monkeypatch, tmp_path):
+    import os
+
+    from quire.models.loader import cache_root
+    home = os.path.expanduser("~")
+    monkeypatch.delenv("QUIRE_CACHE_DIR", raising=False)
+    assert cpu_kernels._cache_dir().startswith(cache_root()) and cache_root().startswith(home)
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path))
+    assert cpu_kernels._cache_dir().startswith(cache_root()) and cache_root() == str(tmp_path)
+    monkeypatch.setenv("QUIRE_CACHE_DIR", "")  # off: nothing persistent, anywhere
+    assert cache_root() is None
+    uncached = cpu_kernels._cache_dir()
+    assert not uncached.startswith(home) and uncached == cpu_kernels._cache_dir()

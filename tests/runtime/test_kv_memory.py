@@ -94,7 +94,8 @@ def test_n_samples_share_the_prompt_blocks_and_match_single_runs(tiny_models):
     seqs = engine.scheduler.running
     assert len(seqs) == 4
     assert engine.kv_manager.pool.num_used_blocks == 5   # 5 blocks, one physical copy
-    assert all(b.ref_cnt == 4 for b in engine.kv_manager.req_blocks[seqs[0].request_id])
+    pool = engine.kv_manager.pool
+    assert all(pool.blocks[i].ref_cnt == 4 for i in engine.kv_manager.block_ids(seqs[0]))
     engine.step()  # each writes its first token into the shared partial block: copy on write
     assert engine.kv_manager.pool.num_used_blocks == 4 + 4
     outs = _run_steps(engine)

@@ -70,8 +70,9 @@ def test_broken_gguf_file_is_named(tmp_path, monkeypatch):
 
 
 def test_missing_weights_are_named(tmp_path, tiny_models):
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
     folder = tmp_path / "partial"
     shutil.copytree(tiny_models["llama"], folder)
     weights = load_file(str(folder / "model.safetensors"))

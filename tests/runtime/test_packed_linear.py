@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from quire import LLM, SamplingParams
 from quire.models import packed_linear
+
 from runtime_helpers import assert_no_blocks_in_use, random_prompts
 
 

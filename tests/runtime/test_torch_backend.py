@@ -37,7 +37,7 @@ def test_padded_half_precision_prefill_matches_float32_attention(dtype):
     backend.prepare(meta)
     out = backend.forward(q, k, v, k_cache, v_cache, meta)
 
-    for i, n in enumerate(lens):
+    for i in range(len(lens)):
         rows = slice(starts[i], starts[i + 1])
         want = F.scaled_dot_product_attention(
             q[rows].float().transpose(0, 1), k[rows].float().transpose(0, 1),

@@ -252,9 +252,10 @@ def test_engine_greedy_tokens_equal_torch_backend(family, tmp_path):
     """Chunked prefill (a 40-token budget, so chunks end mid-block) and prefix-cache hits
     (a second batch reusing the first one's prompts) both go through the prefill kernel;
     Mistral's 48-token window is crossed by the longer prompts."""
-    from runtime_helpers import random_prompts, save_tiny_model, tiny_config
     from quire import LLM, SamplingParams
     from quire.worker.kv_cache import bytes_per_block
+
+    from runtime_helpers import random_prompts, save_tiny_model, tiny_config
 
     config = tiny_config(family, vocab_size=VOCAB, num_hidden_layers=2)
     path = save_tiny_model(str(tmp_path / family), config, word_tokenizer())

@@ -5,14 +5,20 @@ become candidates; the best W that don't end in EOS go on. A beam chosen more th
 forked (its blocks shared, copied on write); a beam not chosen is finished and frees what
 only it held. Candidates ranked within the top W that end in EOS become finished hypotheses,
 as in transformers' beam search.
+
+The live beams of one search are its *beam group*: they advance in lockstep (the group picks
+every beam's next token once all have reported), so the scheduler runs and preempts them as a
+unit. Forks and finishes go through the scheduler's public methods.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from quire.engine.request import Request, RequestStatus
-from quire.outputs import CompletionOutput, RequestOutput
+from quire.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from quire.validation import check_int, check_number
 
 MAX_BEAM_WIDTH = 10  # 2 x width candidates per beam come from the top-20 logprobs
 
@@ -25,17 +31,22 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        w = self.beam_width
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {w!r}")
-        m = self.max_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
-        lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or lp != lp:
-            raise ValueError(f"length_penalty must be a number, got {lp!r}")
+        check_int("beam_width", self.beam_width, lo=1, hi=MAX_BEAM_WIDTH)
+        check_int("max_tokens", self.max_tokens, lo=1, what="a positive integer")
+        check_number("length_penalty", self.length_penalty, lo=-math.inf, hi=None,
+                     what="a number")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+
+def num_blocks_for_beam_search(prompt_len: int, params: BeamSearchParams,
+                               block_size: int) -> int:
+    """The most KV blocks one beam search can hold at once: the prompt's full blocks, shared
+    by every beam, plus each beam's own tail (from the prompt's partial block on). The last
+    token is never computed: the search ends as soon as it is chosen."""
+    shared = prompt_len // block_size
+    longest = prompt_len + params.max_tokens - 1
+    return shared + params.beam_width * (-(-longest // block_size) - shared)
 
 
 @dataclass
@@ -49,37 +60,42 @@ class _Hypothesis:
 class BeamSearchGroup:
     def __init__(self, request_id: str, prompt: str | None, root: Request,
                  params: BeamSearchParams, eos_token_ids: frozenset[int]) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the client request's id
         self.prompt = prompt
         self.params = params
         self.eos = frozenset() if params.ignore_eos else eos_token_ids
         self.live: list[Request] = [root]
         self.cum: dict[str, float] = {root.request_id: 0.0}
-        self.pending: dict[str, tuple] = {}   # beam id -> this step's logprobs
+        self.reported: dict[str, TokenLogprobs] = {}  # beam id -> this round's logprobs
         self.done: list[_Hypothesis] = []
         self.root = root
+        self.error: str | None = None
         self._next_id = 1
+        root.beam_group = self
 
     @property
     def finished(self) -> bool:
         return not self.live
 
-    def add_logprobs(self, beam: Request, logprobs: tuple) -> None:
-        self.pending[beam.request_id] = logprobs
+    def report(self, beam: Request, logprobs: TokenLogprobs) -> None:
+        self.reported[beam.request_id] = logprobs
 
     def ready(self) -> bool:
-        return bool(self.live) and all(b.request_id in self.pending for b in self.live)
+        """Every live beam has computed all its tokens and reported this round's logprobs
+        (a beam recomputing after preemption may hold a stale report: it must report again)."""
+        return bool(self.live) and all(
+            b.request_id in self.reported and b.num_tokens_to_compute == 0 for b in self.live)
 
-    def advance(self, fork, finish) -> None:
-        """One beam step. `fork(parent, new_id)` makes a sibling sharing the parent's blocks;
-        `finish(beam, status)` ends a beam and frees its blocks."""
+    def advance(self, scheduler) -> None:
+        """One beam step: forks through `scheduler.fork`, pruned beams through
+        `scheduler.finish` (which frees what only they held)."""
         w = self.params.beam_width
         cands = []
         for order, beam in enumerate(self.live):
-            _, _, top_ids, top_lps = self.pending[beam.request_id]
+            lp = self.reported[beam.request_id]
             base = self.cum[beam.request_id]
-            cands += [(base + lp, order, rank, beam, t)
-                      for rank, (t, lp) in enumerate(zip(top_ids, top_lps))]
+            cands += [(base + logprob, order, rank, beam, t)
+                      for rank, (t, logprob) in enumerate(zip(lp.top_ids, lp.top_logprobs))]
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         chosen: list[tuple[Request, int, float]] = []
         for i, (score, _, _, beam, token) in enumerate(cands[: 2 * w]):
@@ -90,18 +106,17 @@ class BeamSearchGroup:
             chosen.append((beam, token, score))
             if len(chosen) == w:
                 break
-        self.pending.clear()
+        self.reported.clear()
         used: set[str] = set()
         assigned = []
         for beam, token, score in chosen:  # fork before any parent takes its new token
             if beam.request_id in used:
-                beam = fork(beam, f"{self.request_id}#beam{self._next_id}")
-                self._next_id += 1
+                beam = self._fork(beam, scheduler)
             used.add(beam.request_id)
             assigned.append((beam, token, score))
         for beam in self.live:
             if beam.request_id not in used:
-                finish(beam, RequestStatus.FINISHED_ABORTED)  # pruned: frees its own blocks
+                scheduler.finish(beam, RequestStatus.FINISHED_ABORTED)  # pruned
                 self.cum.pop(beam.request_id, None)
         self.live = []
         for beam, token, score in assigned:
@@ -111,16 +126,29 @@ class BeamSearchGroup:
         if self.live and self.live[0].num_output_tokens >= self.params.max_tokens:
             for beam in self.live:
                 self._keep(beam.output_token_ids, self.cum[beam.request_id], "length")
-                finish(beam, RequestStatus.FINISHED_LENGTH)
+                scheduler.finish(beam, RequestStatus.FINISHED_LENGTH)
             self.live = []
+
+    def _fork(self, parent: Request, scheduler) -> Request:
+        child = Request(f"{self.request_id}#beam{self._next_id}", parent.prompt_token_ids,
+                        parent.sampling_params, frozenset(), parent.max_tokens,
+                        parent.metrics.arrival_time, client_request_id=self.request_id)
+        self._next_id += 1
+        child.token_ids = list(parent.token_ids)
+        child.beam_group = self
+        scheduler.fork(parent, child)
+        return child
 
     def _keep(self, tokens: list[int], cum: float, reason: str) -> None:
         score = cum / (len(tokens) ** self.params.length_penalty)
         self.done.append(_Hypothesis(tokens, cum, score, reason))
 
-    def abort(self, finish) -> None:
+    def abort(self, scheduler, error: str | None = None) -> None:
+        """End every live beam (aborted, or failed with `error`)."""
+        status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
+        self.error = self.error or error
         for beam in self.live:
-            finish(beam, RequestStatus.FINISHED_ABORTED)
+            scheduler.finish(beam, status)
         self.live = []
 
     def output(self, tokenizer) -> RequestOutput:
@@ -133,4 +161,19 @@ class BeamSearchGroup:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.root.prompt_token_ids, outputs=completions, finished=True,
-            metrics=self.root.metrics, num_cached_tokens=max(self.root.num_cached_tokens, 0))
+            metrics=self.root.metrics, num_cached_tokens=max(self.root.num_cached_tokens, 0),
+            error=self.error)
+
+
+def advance_beam_groups(beams: list[Request], logprobs: dict[str, TokenLogprobs],
+                        scheduler) -> list[BeamSearchGroup]:
+    """After a step: record each beam's report, advance the groups that are complete.
+    Returns the groups that finished."""
+    groups: dict[str, BeamSearchGroup] = {}
+    for beam in beams:
+        beam.beam_group.report(beam, logprobs[beam.request_id])
+        groups[beam.beam_group.request_id] = beam.beam_group
+    for group in groups.values():
+        if group.ready():
+            group.advance(scheduler)
+    return [g for g in groups.values() if g.finished]

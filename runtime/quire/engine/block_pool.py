@@ -2,7 +2,22 @@
 
 Plain bookkeeping: no tensors here. A block with ref_cnt 0 is free; if it still carries a
 hash it is also *cached*, reusable by a later request with the same prefix until it is
-evicted (least recently freed first).
+evicted (least recently freed first). Only the KVCacheManager (and the swap manager's own
+host pool) calls the methods that change ownership.
+
+Public interface:
+    allocate(n) -> blocks       n blocks with ref_cnt 1 (evicts cached-free ones, LRU first)
+    touch(blocks)               one more reference each (a prefix hit or a fork)
+    free(blocks)                one reference less each; at 0 the block joins the free queue
+    cache_block(block, hash)    register a full block under its chained hash
+    get_cached_block(hash)      the block holding that content, or None
+    uncache(blocks)             forget hashes whose contents can't be trusted
+    reset_prefix_cache()
+    num_blocks, num_free_blocks, num_used_blocks, num_cached_free, num_evictions, usage()
+
+With enable_caching off, full blocks are still registered while someone holds them (so the
+sequences of one client request can share them: see KVCacheManager), but a freed block
+forgets its hash at once: nothing outlives its owners.
 """
 
 from __future__ import annotations
@@ -89,6 +104,9 @@ class BlockPool:
             if block.ref_cnt < 0:
                 raise RuntimeError(f"{block} freed more often than it was taken")
             self._free[block.block_id] = block
+            if block.block_hash is not None and not self.enable_caching:
+                del self._cached[block.block_hash]  # caching off: nothing outlives its owners
+                block.block_hash = None
             if block.block_hash is None:
                 self._free.move_to_end(block.block_id, last=False)
             else:
@@ -96,7 +114,7 @@ class BlockPool:
 
     # --- prefix cache --------------------------------------------------------------------
     def cache_block(self, block: KVBlock, block_hash: int) -> None:
-        if not self.enable_caching or block.block_hash is not None:
+        if block.block_hash is not None:
             return
         if block_hash in self._cached:  # same content already cached under another block
             return

@@ -1,7 +1,11 @@
 """LLMEngine: add_request, abort_request, step.
 
 Builds the pieces (model, KV cache, block pool, scheduler, runner, sampler) and drives one
-step at a time: schedule -> run the model -> update requests -> detokenize -> outputs.
+step at a time: schedule -> run the model -> update sequences -> detokenize -> outputs.
+
+Names: `kv_cache` is the worker's KV tensors; `kv_manager` the KVCacheManager (block tables);
+a client request becomes one or more sequences (`Request` objects), its sibling group; a beam
+search becomes a beam group (see request.py).
 """
 
 from __future__ import annotations
@@ -9,12 +13,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from quire.config import EngineArgs
-from quire.engine.beam_search import BeamSearchGroup, BeamSearchParams
+from quire.engine.beam_search import (
+    BeamSearchGroup,
+    BeamSearchParams,
+    advance_beam_groups,
+    num_blocks_for_beam_search,
+)
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
@@ -24,11 +33,18 @@ from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
 from quire.models.config import ModelConfig
 from quire.models.llama import LlamaForCausalLM
-from quire.models.loader import (default_dtype, iter_weights, load_hf_config, load_tokenizer,
-                                 materialize, resolve_model)
-from quire.outputs import RequestOutput
+from quire.models.loader import (
+    default_dtype,
+    iter_weights,
+    load_hf_config,
+    load_tokenizer,
+    materialize,
+    resolve_model,
+)
+from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import attention_backend_class, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
+from quire.validation import check_int
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
 from quire.worker.model_runner import ModelRunner
 from quire.worker.sampler import Sampler
@@ -90,7 +106,7 @@ class LLMEngine:
                     self.attention_backend, time.perf_counter() - t0)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+    def from_kwargs(cls, **kwargs) -> LLMEngine:
         return cls(EngineArgs(**kwargs))
 
     # --- construction helpers ------------------------------------------------------------
@@ -166,12 +182,12 @@ class LLMEngine:
                 n=1, seed=None if params.seed is None else (params.seed + i) % (MAX_SEED + 1))
             seq = Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
-                self.eos_token_ids, max_tokens, arrival_time, group_id=request_id,
+                self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
                 sample_index=i)
             if seq_params.seed is not None and not seq_params.greedy:
                 seq.generator = self.sampler.make_generator(seq_params.seed)
             seqs.append(seq)
-        seqs[0].pending_forks = seqs[1:]
+        seqs[0].pending_siblings = seqs[1:]
         self.output_processor.add(request_id, text, token_ids, params, seqs)
         self.scheduler.add_request(seqs[0])
         return request_id
@@ -193,8 +209,7 @@ class LLMEngine:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+            check_int("prompt token ids", t, lo=0, hi=vocab - 1, what=f"integers in [0, {vocab})")
         return None, list(prompt)
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
@@ -228,51 +243,41 @@ class LLMEngine:
         if params.beam_width > self.args.max_num_seqs:
             raise ValueError(f"beam_width must be <= max_num_seqs ({self.args.max_num_seqs}), "
                              f"got {params.beam_width}")
+        if params.beam_width > self.args.max_num_batched_tokens:
+            raise ValueError(f"beam_width must be <= max_num_batched_tokens "
+                             f"({self.args.max_num_batched_tokens}): the beams decode in one "
+                             f"step; got {params.beam_width}")
         text, token_ids = self._tokenize(prompt)
         self._max_tokens(len(token_ids), SamplingParams(max_tokens=params.max_tokens))
+        need = num_blocks_for_beam_search(len(token_ids), params, self.block_size)
+        if need > self.kv_manager.num_blocks:  # the beams' tails are not shared: count each
+            raise ValueError(
+                f"beam_width x max_tokens is too large for the KV cache: {params.beam_width} "
+                f"beams of a {len(token_ids)}-token prompt and max_tokens {params.max_tokens} "
+                f"can hold {need} blocks of {self.block_size} tokens at once, and the cache has "
+                f"{self.kv_manager.num_blocks}; lower beam_width or max_tokens")
         # greedy rows that return the top-2W logprobs; the group chooses the tokens
         seq_params = SamplingParams(temperature=0, logprobs=2 * params.beam_width,
                                     max_tokens=params.max_tokens, ignore_eos=True)
         root = Request(f"{request_id}#beam0", token_ids, seq_params, frozenset(),
-                       params.max_tokens, arrival_time, group_id=request_id)
-        root.beam = BeamSearchGroup(request_id, text, root, params, self.eos_token_ids)
-        self.beam_groups[request_id] = root.beam
+                       params.max_tokens, arrival_time, client_request_id=request_id)
+        group = BeamSearchGroup(request_id, text, root, params, self.eos_token_ids)
+        self.beam_groups[request_id] = group
         self.scheduler.add_request(root)
         return request_id
 
-    def _fork_beam(self, parent: Request, new_id: str) -> Request:
-        child = Request(new_id, parent.prompt_token_ids, parent.sampling_params, frozenset(),
-                        parent.max_tokens, parent.metrics.arrival_time, group_id=parent.group_id)
-        child.token_ids = list(parent.token_ids)
-        child.beam = parent.beam
-        if parent.request_id in self.kv_manager.req_blocks:  # share its blocks
-            self.kv_manager.fork(parent, child)
-            child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        self.scheduler.running.append(child)
-        return child
-
-    def _advance_beams(self, updated: list[Request], logprobs: dict) -> list[RequestOutput]:
-        groups = {}
-        for seq in updated:
-            seq.beam.add_logprobs(seq, logprobs[seq.request_id])
-            groups[seq.beam.request_id] = seq.beam
-        outs = []
-        for group in groups.values():
-            if group.ready():
-                group.advance(self._fork_beam, self.scheduler.finish)
-            if group.finished:
-                del self.beam_groups[group.request_id]
-                outs.append(group.output(self.tokenizer))
-        return outs
+    def _beam_outputs(self, groups: list[BeamSearchGroup]) -> list[RequestOutput]:
+        for group in groups:
+            del self.beam_groups[group.request_id]
+        return [group.output(self.tokenizer) for group in groups]
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            beam = self.beam_groups.pop(rid, None)
-            if beam is not None:
-                beam.abort(self.scheduler.finish)
+            beam_group = self.beam_groups.pop(rid, None)
+            if beam_group is not None:
+                beam_group.abort(self.scheduler)
                 continue
             group = self.output_processor.group_of(rid)
             if group is None:
@@ -292,6 +297,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
+        if sched.stuck:  # the liveness guard failed them: nothing could make progress
+            outputs += self._fail(sched.stuck, sched.stuck_reason)
         if sched.empty:
             return outputs
         try:
@@ -303,26 +310,35 @@ class LLMEngine:
             return outputs + self._fail(sched.requests, f"model step failed: {e}")
         self.num_prompt_tokens_computed += result.num_prompt_tokens
         self.events.prompt_tokens += result.num_prompt_tokens
+        logprobs = {rid: TokenLogprobs._make(lp) for rid, lp in result.logprobs.items()}
         updated = self.scheduler.update(sched, result.sampled)
-        beams = [r for r in updated if r.beam is not None]
+        beams = [s for s in updated if s.beam_group is not None]
         if beams:
-            updated = [r for r in updated if r.beam is None]
-            outputs += self._advance_beams(beams, result.logprobs)
-        touched = self.output_processor.process(updated, result.logprobs, self.scheduler.finish)
+            updated = [s for s in updated if s.beam_group is None]
+            finished = advance_beam_groups(beams, logprobs, self.scheduler)
+            outputs += self._beam_outputs(finished)
+        touched = self.output_processor.process(updated, logprobs, self.scheduler.finish)
         self._record(updated)
         return outputs + self.output_processor.outputs(touched)
 
-    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
-        ids = set()
-        for seq in requests:
-            group = self.output_processor.group_of(seq.group_id)
+    def _fail(self, seqs: list[Request], message: str) -> list[RequestOutput]:
+        """Fail the client requests these sequences belong to, every sequence of each."""
+        ids, beam_groups = set(), {}
+        for seq in seqs:
+            if seq.beam_group is not None:
+                beam_groups[seq.client_request_id] = seq.beam_group
+                continue
+            group = self.output_processor.group_of(seq.client_request_id)
             if group is None:
                 continue
             group.error = message
             for s in group.seqs:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ERROR)
-            ids.add(seq.group_id)
-        return self.output_processor.outputs(ids)
+            ids.add(seq.client_request_id)
+        for beam_group in beam_groups.values():
+            beam_group.abort(self.scheduler, error=message)
+        return self.output_processor.outputs(ids) + self._beam_outputs(
+            [g for g in beam_groups.values() if g.request_id in self.beam_groups])
 
     def _record(self, updated: list[Request]) -> None:
         ev = self.events
@@ -345,15 +361,15 @@ class LLMEngine:
         return ev
 
     def snapshot(self) -> EngineSnapshot:
-        pool, sched = self.kv_manager.pool, self.scheduler
+        kv, sched = self.kv_manager, self.scheduler
         return EngineSnapshot(
             num_running=sched.num_running_seqs,
-            num_waiting=sum(r.group_size for r in sched.waiting),
+            num_waiting=sum(s.num_seqs for s in sched.waiting),
             num_swapped=len(sched.swapped),
-            blocks_total=pool.num_blocks,
-            blocks_used=pool.num_used_blocks,
-            blocks_cached_free=pool.num_cached_free,
-            kv_usage=pool.usage(),
+            blocks_total=kv.num_blocks,
+            blocks_used=kv.num_used_blocks,
+            blocks_cached_free=kv.num_cached_free_blocks,
+            kv_usage=kv.usage(),
             slack_tokens=self.kv_manager.num_slack_tokens(sched.running),
             host_blocks_total=self.swap_manager.host.num_blocks if self.swap_manager else 0,
             host_blocks_used=self.swap_manager.host.num_used_blocks if self.swap_manager else 0,

@@ -1,7 +1,33 @@
-"""Per-request block tables on top of the block pool: prefix hits, slot allocation, fork and
-copy-on-write. Bookkeeping only; block copies are returned for the worker to carry out."""
+"""The KV-cache manager: the block table of every sequence, on top of the block pool.
+
+Bookkeeping only; block copies and swaps are returned for the worker to carry out. Its methods
+are the only way to allocate, share, fork, free and query KV blocks: nothing else changes the
+block pool or reads the tables (tests/engine/test_boundaries.py checks it).
+
+Public interface (`seq` is a Request: one sequence):
+    queries    capacity_tokens, num_blocks, num_free_blocks, num_used_blocks,
+               num_cached_free_blocks, usage(), blocks_needed(num_tokens), block_ids(seq),
+               num_slack_tokens(seqs), prefix_queries, prefix_hits
+    admission  get_computed_blocks(seq) -> (blocks, num_tokens)   prefix hits, kept for
+               allocate_slots; record_prefix_lookup(num_tokens, num_hit_tokens)
+    growth     allocate_slots(seq, n, computed=()) -> copies | None   room for n more tokens
+               num_blocks_to_grow(seqs, ns) -> int     what a beam group's step needs, exactly
+               max_fitting_tokens(seq, n) -> int       the largest chunk that fits now
+    sharing    fork(parent, child)                     the child shares every parent block
+    release    free(seq)                               tail first: the head is evicted last
+    swap       adopt_fresh_blocks(seq, n) -> ids | None   new blocks for a swap-in
+    steps      step_done(), step_failed()              a failed step un-caches its blocks
+
+Sharing: full blocks are registered under a chained hash of their tokens when allocated. With
+prefix caching on, any sequence can hit them, and they stay cached after they are freed.
+With it off, the hash chain is salted with the client request id, so only the sequences of one
+client request (a beam group or n > 1 samples coming back from preemption) share blocks, and
+nothing outlives its owners.
+"""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from quire.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from quire.engine.request import Request
@@ -9,42 +35,58 @@ from quire.engine.request import Request
 
 class KVCacheManager:
     def __init__(self, block_pool: BlockPool, block_size: int) -> None:
-        self.pool = block_pool
+        self.pool = block_pool  # read it for accounting; change it only through this class
         self.block_size = block_size
         self.enable_caching = block_pool.enable_caching
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        self._num_hashed: dict[str, int] = {}   # leading blocks already registered in the cache
-        self.prefix_queries = 0                 # prompt tokens looked up in the cache
-        self.prefix_hits = 0                    # ... and found there
+        self._tables: dict[str, list[KVBlock]] = {}  # sequence id -> its blocks, in order
+        self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # ... and found there
         self._cached_this_step: list[KVBlock] = []
+
+    # --- queries ---------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
+    def block_ids(self, seq: Request) -> list[int]:
+        return [b.block_id for b in self._tables.get(seq.request_id, ())]
 
-    # --- prefix cache --------------------------------------------------------------------
-    def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
-        hashes, bs, tokens = request.block_hashes, self.block_size, request.token_ids
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+    def num_slack_tokens(self, seqs: list[Request]) -> int:
+        """Allocated slots not (yet) filled, over the given sequences."""
+        return sum(len(self._tables[s.request_id]) * self.block_size - s.num_computed_tokens
+                   for s in seqs if s.request_id in self._tables)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The cached blocks that cover the longest prefix of the request's tokens. The last
-        token is always left to compute: its logits are needed to sample."""
-        if not self.enable_caching:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        self._extend_hashes(request, max_blocks)
+    # --- admission: prefix hits ------------------------------------------------------------
+    def get_computed_blocks(self, seq: Request) -> tuple[list[KVBlock], int]:
+        """The registered blocks that cover the longest prefix of the sequence's tokens. The
+        last token is always left to compute: its logits are needed to sample."""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
         hits: list[KVBlock] = []
-        for h in request.block_hashes[:max_blocks]:
+        for h in seq.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
@@ -57,38 +99,29 @@ class KVCacheManager:
             self.prefix_queries += num_tokens
             self.prefix_hits += num_hit_tokens
 
-    # --- allocation ----------------------------------------------------------------------
-    def can_allocate(self, request: Request, num_new_tokens: int,
-                     computed: list[KVBlock] = ()) -> bool:
-        return self._num_required(request, num_new_tokens, computed) is not None
+    def _extend_hashes(self, seq: Request, num_full_blocks: int) -> None:
+        hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
+        salt = None if self.enable_caching else hash(("client", seq.client_request_id))
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else salt
+            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
 
-    def _num_required(self, request, num_new_tokens, computed):
-        blocks = self.req_blocks.get(request.request_id, [])
-        start = request.num_computed_tokens + len(computed) * self.block_size
-        total_blocks = len(blocks) + len(computed)
-        new = max(0, self.blocks_needed(start + num_new_tokens) - total_blocks)
-        cow = self._needs_copy(blocks, start, num_new_tokens)
-        revived = sum(1 for b in computed if b.ref_cnt == 0)  # leave the free queue on touch
-        need = new + int(cow)
-        if need > self.pool.num_free_blocks - revived:
-            return None
-        return new, cow
-
-    def _needs_copy(self, blocks: list[KVBlock], start: int, num_new_tokens: int) -> bool:
-        """Writing into a partly filled block that others share: copy it first."""
-        return (num_new_tokens > 0 and bool(blocks) and start % self.block_size != 0
-                and start // self.block_size == len(blocks) - 1 and blocks[-1].ref_cnt > 1)
-
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    # --- growth ----------------------------------------------------------------------------
+    def allocate_slots(self, seq: Request, num_new_tokens: int,
                        computed: list[KVBlock] = ()) -> list[tuple[int, int]] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after the
-        prefix-cache hits `computed`, for a request being admitted). Returns the block copies
-        (src, dst) that copy-on-write requires, or None if the pool can't cover it."""
-        required = self._num_required(request, num_new_tokens, computed)
-        if required is None:
+        prefix hits `computed`, for a sequence being admitted). Returns the block copies
+        (src, dst) that copy-on-write requires, or None (and nothing done) if the pool can't
+        cover it."""
+        blocks = self._tables.get(seq.request_id, [])
+        start = seq.num_computed_tokens + len(computed) * self.block_size
+        num_new = max(0, self.blocks_needed(start + num_new_tokens) - len(blocks) - len(computed))
+        cow = self._needs_copy(blocks, start, num_new_tokens)
+        revived = sum(1 for b in computed if b.ref_cnt == 0)  # they leave the free queue
+        if num_new + int(cow) > self.pool.num_free_blocks - revived:
             return None
-        num_new_blocks, cow = required
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self._tables.setdefault(seq.request_id, [])
         if computed:
             self.pool.touch(list(computed))
             blocks.extend(computed)
@@ -99,47 +132,74 @@ class KVCacheManager:
             copies.append((old.block_id, new.block_id))
             self.pool.free([old])
             blocks[-1] = new
-        blocks.extend(self.pool.allocate(num_new_blocks))
-        if self.enable_caching:
-            start = request.num_computed_tokens + len(computed) * self.block_size
-            self._cache_full_blocks(request, blocks, start + num_new_tokens)
+        blocks.extend(self.pool.allocate(num_new))
+        self._register_full_blocks(seq, blocks, start + num_new_tokens)
         return copies
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def num_blocks_to_grow(self, seqs: list[Request], ns: list[int]) -> int:
+        """Free blocks that allocate_slots(seq, n) needs, for all the sequences together: the
+        beams of one group share their last block, and the last of them to write it needs no
+        copy (the others have copied away)."""
+        need, writers = 0, Counter()
+        for seq, n in zip(seqs, ns):
+            blocks = self._tables.get(seq.request_id, [])
+            need += max(0, self.blocks_needed(seq.num_computed_tokens + n) - len(blocks))
+            if self._needs_copy(blocks, seq.num_computed_tokens, n):
+                writers[blocks[-1]] += 1
+        return need + sum(k - (block.ref_cnt == k) for block, k in writers.items())
+
+    def max_fitting_tokens(self, seq: Request, num_new_tokens: int) -> int:
+        """The largest chunk of `num_new_tokens` that fits in the free blocks now."""
+        room_in_last = (len(self._tables.get(seq.request_id, ())) * self.block_size
+                        - seq.num_computed_tokens)
+        return max(0, min(num_new_tokens, self.num_free_blocks * self.block_size + room_in_last))
+
+    def _needs_copy(self, blocks: list[KVBlock], start: int, num_new_tokens: int) -> bool:
+        """Writing into a partly filled block that others share: copy it first."""
+        return (num_new_tokens > 0 and bool(blocks) and start % self.block_size != 0
+                and start // self.block_size == len(blocks) - 1 and blocks[-1].ref_cnt > 1)
+
+    def _register_full_blocks(self, seq: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # Registered now, filled during this step: the forward writes a layer's K/V for the
         # whole batch before any sequence reads it, so same-step hits are safe.
         num_full = min(num_tokens // self.block_size, len(blocks))
-        done = self._num_hashed.get(request.request_id, 0)
+        done = self._num_hashed.get(seq.request_id, 0)
         if num_full <= done:
             return
-        self._extend_hashes(request, num_full)
+        self._extend_hashes(seq, num_full)
         for i in range(done, num_full):
             if blocks[i].block_hash is None:
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+                self.pool.cache_block(blocks[i], seq.block_hashes[i])
                 self._cached_this_step.append(blocks[i])
-        self._num_hashed[request.request_id] = num_full
+        self._num_hashed[seq.request_id] = num_full
 
+    # --- sharing and release ---------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; writes later copy what they touch."""
-        blocks = self.req_blocks[parent.request_id]
+        blocks = self._tables[parent.request_id]
         self.pool.touch(blocks)
-        self.req_blocks[child.request_id] = list(blocks)
+        self._tables[child.request_id] = list(blocks)
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
-    def adopt_blocks(self, request: Request, blocks: list[KVBlock]) -> None:
-        """Freshly allocated blocks that now hold the request's KV (a swap-in). They are
-        registered in the prefix cache again at the next allocation."""
-        self.req_blocks[request.request_id] = blocks
-        self._num_hashed[request.request_id] = 0
-
-    def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, None)
-        self._num_hashed.pop(request.request_id, None)
+    def free(self, seq: Request) -> None:
+        blocks = self._tables.pop(seq.request_id, None)
+        self._num_hashed.pop(seq.request_id, None)
         if blocks:
             self.pool.free(blocks[::-1])
 
-    # --- step boundaries -----------------------------------------------------------------
+    def adopt_fresh_blocks(self, seq: Request, num_blocks: int) -> list[int] | None:
+        """A swap-in: `num_blocks` new blocks become the sequence's table (their ids returned
+        for the copy from the host), or None if they are not free. They are registered in the
+        prefix cache again at the next allocation."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        assert seq.request_id not in self._tables, f"{seq} swapped in while holding blocks"
+        self._tables[seq.request_id] = blocks = self.pool.allocate(num_blocks)
+        self._num_hashed[seq.request_id] = 0
+        return [b.block_id for b in blocks]
+
+    # --- step boundaries -------------------------------------------------------------------
     def step_done(self) -> None:
         self._cached_this_step.clear()
 
@@ -147,10 +207,3 @@ class KVCacheManager:
         """The forward did not run: blocks registered this step hold nothing."""
         self.pool.uncache(self._cached_this_step)
         self._cached_this_step.clear()
-
-    # --- accounting ----------------------------------------------------------------------
-    def num_slack_tokens(self, requests: list[Request]) -> int:
-        """Allocated slots not (yet) filled, over the given requests."""
-        return sum(len(self.req_blocks.get(r.request_id, ())) * self.block_size
-                   - r.num_computed_tokens for r in requests
-                   if r.request_id in self.req_blocks)

@@ -1,5 +1,6 @@
 """From sequences with new tokens to RequestOutputs: detokenize, apply stop strings, gather
-the n samples of a request, and emit cumulative, delta or final-only outputs."""
+the n samples of a client request (its sibling group), and emit cumulative, delta or
+final-only outputs. Beam searches report through their BeamSearchGroup instead."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import time
 
 from quire.engine.detokenizer import IncrementalDetokenizer
 from quire.engine.request import Request, RequestStatus
-from quire.outputs import CompletionOutput, Logprob, RequestOutput
+from quire.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from quire.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class _Group:
-    """The n sequences a user request became, and what has been sent of each."""
+class SiblingGroup:
+    """The n sequences a client request became, and what has been sent of each."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seqs: list[Request], tokenizer) -> None:
@@ -38,16 +39,17 @@ class _Group:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.groups: dict[str, _Group] = {}
-        self._seq_group: dict[str, tuple[_Group, int]] = {}
+        self.groups: dict[str, SiblingGroup] = {}  # client request id -> its sibling group
+        self._seq_group: dict[str, tuple[SiblingGroup, int]] = {}  # sequence id -> (group, i)
 
     def add(self, request_id, prompt, prompt_token_ids, params, seqs: list[Request]) -> None:
-        group = _Group(request_id, prompt, prompt_token_ids, params, seqs, self.tokenizer)
+        group = SiblingGroup(request_id, prompt, prompt_token_ids, params, seqs, self.tokenizer)
         self.groups[request_id] = group
         for i, s in enumerate(seqs):
             self._seq_group[s.request_id] = (group, i)
 
-    def process(self, updated: list[Request], logprobs: dict[str, tuple], finish) -> set[str]:
+    def process(self, updated: list[Request], logprobs: dict[str, TokenLogprobs],
+                finish) -> set[str]:
         """Detokenize each sequence's new token; `finish(seq, status)` ends one early (a stop
         string, or an error that is that sequence's alone). Returns the touched groups' ids."""
         now = time.time()
@@ -77,20 +79,20 @@ class OutputProcessor:
                 finish(seq, RequestStatus.FINISHED_STOPPED)
         return touched
 
-    def _add_logprobs(self, seq: Request, lp: tuple, detok: IncrementalDetokenizer) -> None:
-        chosen_lp, rank, top_ids, top_lps = lp
+    def _add_logprobs(self, seq: Request, lp: TokenLogprobs,
+                      detok: IncrementalDetokenizer) -> None:
         token = seq.token_ids[-1]
-        entry = {tid: Logprob(l, r + 1, detok.decode_token(tid))
-                 for r, (tid, l) in enumerate(zip(top_ids, top_lps))}
+        entry = {tid: Logprob(logprob, r + 1, detok.decode_token(tid))
+                 for r, (tid, logprob) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
         if token not in entry:
-            entry[token] = Logprob(chosen_lp, rank, detok.decode_token(token))
+            entry[token] = Logprob(lp.logprob, lp.rank, detok.decode_token(token))
         seq.logprobs.append(entry)
-        seq.cumulative_logprob += chosen_lp
+        seq.cumulative_logprob += lp.logprob
 
-    def outputs(self, group_ids: set[str]) -> list[RequestOutput]:
+    def outputs(self, client_request_ids: set[str]) -> list[RequestOutput]:
         outs = []
-        for gid in group_ids:
-            group = self.groups.get(gid)
+        for rid in client_request_ids:
+            group = self.groups.get(rid)
             if group is None:
                 continue
             out = self._output(group)
@@ -100,7 +102,7 @@ class OutputProcessor:
                 self._drop(group)
         return outs
 
-    def _output(self, group: _Group) -> RequestOutput | None:
+    def _output(self, group: SiblingGroup) -> RequestOutput | None:
         kind = group.params.output_kind
         finished = group.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -126,10 +128,11 @@ class OutputProcessor:
             metrics=first.metrics, num_cached_tokens=max(first.num_cached_tokens, 0),
             error=group.error)
 
-    def _drop(self, group: _Group) -> None:
+    def _drop(self, group: SiblingGroup) -> None:
         self.groups.pop(group.request_id, None)
         for s in group.seqs:
             self._seq_group.pop(s.request_id, None)
 
-    def group_of(self, request_id: str) -> _Group | None:
+    def group_of(self, request_id: str) -> SiblingGroup | None:
+        """The sibling group of a client request id, or None."""
         return self.groups.get(request_id)

@@ -1,18 +1,27 @@
-"""One sequence's state and token bookkeeping, as the scheduler sees it.
+"""The scheduler's unit: one *sequence* (glossary) with its state machine and token counts.
 
-A request with n > 1 samples is n `Request`s: the first computes the prompt, the others wait in
-`pending_forks` and are forked from it (sharing its KV blocks) at the step its prompt completes.
+Vocabulary, as in DESIGN.md's glossary:
+- a client *request* (one prompt, its SamplingParams) becomes one or more sequences; each is a
+  `Request` object here, as in vLLM v1. `request_id` names the sequence (unique in the
+  engine); `client_request_id` names the client request it belongs to.
+- its *sibling group*: the sequences of one client request that share its prompt blocks. With
+  n > 1 samples the first sequence computes the prompt; the others wait in `pending_siblings`
+  and are forked from it (sharing its KV blocks) at the step its prompt completes.
+- a *beam group* (`beam_group`, a BeamSearchGroup): the live beams of one beam search; the
+  scheduler runs and preempts them as a unit.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from quire.outputs import RequestMetrics
 from quire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler's side never needs torch itself
+    import torch
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,11 +55,11 @@ class Request:
         eos_token_ids: frozenset[int],
         max_tokens: int,
         arrival_time: float | None = None,
-        group_id: str | None = None,
+        client_request_id: str | None = None,
         sample_index: int = 0,
     ) -> None:
-        self.request_id = request_id
-        self.group_id = group_id or request_id  # the id the user gave
+        self.request_id = request_id  # this sequence's id
+        self.client_request_id = client_request_id or request_id  # the id the client gave
         self.sample_index = sample_index
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
@@ -67,10 +76,10 @@ class Request:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.generator: torch.Generator | None = None
-        self.pending_forks: list[Request] = []  # siblings (n > 1) forked when the prompt is done
+        self.pending_siblings: list[Request] = []  # (n > 1) forked when the prompt is done
         self.block_hashes: list[int] = []       # chained hashes of this request's full blocks
         self.num_preemptions = 0
-        self.beam = None  # the BeamSearchGroup this sequence is a beam of, if any
+        self.beam_group = None  # the BeamSearchGroup this sequence is a beam of, if any
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property
@@ -94,12 +103,34 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def group_size(self) -> int:
-        """Sequences this request will occupy once its pending forks join."""
-        return 1 + len(self.pending_forks)
+    def num_seqs(self) -> int:
+        """Sequences this one will occupy once its pending siblings join."""
+        return 1 + len(self.pending_siblings)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    # --- state ---------------------------------------------------------------------------
+    def start_running(self, num_computed_tokens: int, forked_from: Request | None = None) -> None:
+        """Admitted with `num_computed_tokens` already in its blocks (prefix hits), or forked
+        (sharing all of the parent's)."""
+        self.num_computed_tokens = num_computed_tokens
+        if forked_from is not None:
+            self.num_cached_tokens = forked_from.num_cached_tokens
+            self.metrics.first_scheduled_time = forked_from.metrics.first_scheduled_time
+        if self.num_cached_tokens < 0:
+            self.num_cached_tokens = num_computed_tokens
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = time.time()
+        self.status = RequestStatus.RUNNING
+
+    def end(self, status: RequestStatus) -> None:
+        """Finished, with its pending siblings (never forked: they end with it)."""
+        now = time.time()
+        for seq in (self, *self.pending_siblings):
+            seq.status = status
+            seq.metrics.finished_time = now
+        self.pending_siblings = []
 
     # --- stopping ------------------------------------------------------------------------
     def check_stop(self) -> RequestStatus | None:

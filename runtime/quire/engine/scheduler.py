@@ -1,235 +1,256 @@
-"""Continuous batching: which requests run this step, and how many tokens each computes.
+"""Continuous batching: which sequences run this step, and how many tokens each computes.
 
-One token budget per step covers decodes and prefill chunks alike. Order of service:
-running decodes, then running prefills (chunked), then waiting requests (FCFS). When blocks
-run out, the most recently admitted request is preempted (by recompute, or by swap when the
-host pool has room) so the older ones always make progress.
+One token budget per step covers decodes and prefill chunks alike. Order of service: running
+decodes, then running prefills (chunked), then swapped sequences, then waiting ones (FCFS).
+A beam group is scheduled and preempted as a *unit* (its live beams advance in lockstep, so
+they run together or not at all); any other sequence is a unit of its own. When blocks run
+out, the most recently admitted unit is preempted (a lone sequence by swap when the host pool
+has room, else by recompute) so the older ones always make progress.
+
+Public interface (the only way to add, fork or finish sequences):
+    add_request(seq)                 queue a new sequence (its pending siblings ride along)
+    schedule() -> SchedulerOutput    one step: batch, preemptions, swaps, copies; what can
+                                     never progress is failed (out.stuck), not spun on
+    update(out, sampled) -> [seq]    after the forward: counts, tokens, n>1 forks, token stops
+    fork(parent, child)              a new running sibling sharing the parent's blocks
+    finish(seq, status)              out of every queue, its blocks given back
+    step_failed(out)                 the forward raised: forget the blocks cached this step
+    has_unfinished(), num_running_seqs, num_preemptions; running / waiting / swapped (read)
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
+from quire.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SchedulerOutput:
-    requests: list[Request] = field(default_factory=list)   # batch order: decodes first
-    num_new_tokens: list[int] = field(default_factory=list)
-    forks: dict[str, list[Request]] = field(default_factory=dict)  # parent id -> children
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block ids
-    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
-    preempted: list[Request] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)  # per scheduled request
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def empty(self) -> bool:
-        return not self.requests and not self.swap_out
-
-
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swapper=None) -> None:
-        self.kv = kv
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, swapper=None) -> None:
+        self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.swapper = swapper  # a SwapManager when preemption_mode == 'swap'
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # admission order: oldest first
         self.swapped: deque[Request] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
 
-    # --- queues --------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+    # --- queues ----------------------------------------------------------------------------
+    def add_request(self, seq: Request) -> None:
+        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_running_seqs(self) -> int:
-        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        return len(self.running) + sum(len(s.pending_siblings) for s in self.running)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Take a request out of whatever queue holds it and give back its blocks."""
-        if request.finished:
-            return
-        was = request.status
-        request.status = status
-        if was == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif was == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif was == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-            self.swapper.free(request)
-        self.kv.free(request)
-        request.metrics.finished_time = time.time()
-        for child in request.pending_forks:  # never forked: they end with their parent
-            child.status = status
-            child.metrics.finished_time = request.metrics.finished_time
-        request.pending_forks = []
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` (a new sibling with the parent's tokens) shares every block of `parent`
+        and runs from the next step, placed right after its parent (same age)."""
+        self.kv_manager.fork(parent, child)
+        child.start_running(parent.num_computed_tokens, parent)
+        self.running.insert(self.running.index(parent) + 1, child)
 
-    # --- the step ------------------------------------------------------------------------
+    def finish(self, seq: Request, status: RequestStatus) -> None:
+        """Take a sequence out of whatever queue holds it and give back its blocks."""
+        if seq.status == RequestStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == RequestStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == RequestStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swapper.free(seq)
+        else:
+            return  # finished already
+        self.kv_manager.free(seq)
+        seq.end(status)
+
+    # --- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
-
-        def add(req: Request, n: int, copies) -> None:
-            nonlocal budget
-            out.requests.append(req)
-            out.num_new_tokens.append(n)
-            out.block_copies.extend(copies)
-            scheduled.add(req.request_id)
-            budget -= n
-
-        # 1) running decodes, 2) running prefills (a chunk each, as budget allows)
+        self._budget = self.max_num_batched_tokens
+        self._scheduled: set[str] = set()
+        # Each pass walks a snapshot of the running units, oldest first. Preemption only ever
+        # removes units younger than the one being served (or that one itself), so the walk
+        # never revisits or skips a live unit: preempted ones are skipped by their status.
         for decoding in (True, False):
-            i = 0
-            while i < len(self.running) and budget > 0:
-                req = self.running[i]
-                i += 1
-                todo = req.num_tokens_to_compute
-                if todo == 0 or req.request_id in scheduled or (todo == 1) != decoding:
-                    continue  # (nothing to compute: a beam waiting for its siblings)
-                n = min(todo, budget)
-                copies = self.kv.allocate_slots(req, n)
-                while copies is None:
-                    victim = self._pick_victim(after=req, scheduled=scheduled)
-                    if victim is None:
-                        break
-                    if self.running.index(victim) < i:
-                        i -= 1
-                    self._preempt(victim, out)
-                    copies = self.kv.allocate_slots(req, n)
-                if copies is None and not decoding:
-                    n = self._fitting_chunk(req, n)  # take what fits; older requests go on
-                    copies = self.kv.allocate_slots(req, n) if n else None
-                if copies is None:
-                    if decoding:
-                        i = self.running.index(req)
-                        self._preempt(req, out)  # youngest of all: step aside
-                    continue
-                add(req, n, copies)
-
-        # 3) swapped requests come back before waiting ones
-        while self.swapped and budget > 0:
-            req = self.swapped[0]
-            n = min(req.num_tokens_to_compute, budget)
-            if (self.num_running_seqs + req.group_size > self.max_num_seqs
-                    or not self.swapper.try_swap_in(req, n, out)):
-                break
-            self.swapped.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            add(req, n, self.kv.allocate_slots(req, n))
-
-        # 4) waiting requests, first come first served
-        if not self.swapped:
-            while self.waiting and budget > 0:
-                req = self.waiting[0]
-                if self.num_running_seqs + req.group_size > self.max_num_seqs:
+            units = self._running_units()
+            for unit in units:
+                if self._budget <= 0:
                     break
-                computed, num_computed = self.kv.get_computed_blocks(req)
-                n = min(req.num_tokens - num_computed, budget)
-                copies = self.kv.allocate_slots(req, n, computed)
-                if copies is None:
-                    break
-                self.waiting.popleft()
-                self.kv.record_prefix_lookup(req.num_tokens, num_computed)
-                req.num_computed_tokens = num_computed
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_computed
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = time.time()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                add(req, n, copies)
-
-        for req, n in zip(out.requests, out.num_new_tokens):
-            out.block_tables.append(self.kv.block_ids(req))
-            if req.pending_forks and req.num_computed_tokens + n == req.num_tokens:
-                out.forks[req.request_id] = list(req.pending_forks)
+                if unit[0].status == RequestStatus.RUNNING:
+                    self._serve(unit, units, decoding, out)
+        if not out.preempted:  # a step that had to preempt has no room to bring any back
+            self._swap_in_and_admit(out)
+        for seq, n in zip(out.requests, out.num_new_tokens):
+            out.block_tables.append(self.kv_manager.block_ids(seq))
+            if seq.pending_siblings and seq.num_computed_tokens + n == seq.num_tokens:
+                out.forks[seq.request_id] = list(seq.pending_siblings)
+        if not out.requests and not out.swap_out and not out.preempted and self.has_unfinished():
+            self._fail_stuck(out, [*self.running, *self.swapped, *self.waiting])
         return out
 
-    def _pick_victim(self, after: Request, scheduled: set[str]) -> Request | None:
-        """The most recently admitted running request that is younger than `after` and not
-        yet part of this step."""
-        for victim in reversed(self.running):
-            if victim is after:
+    def _serve(self, unit: list[Request], units: list[list[Request]], decoding: bool,
+               out: SchedulerOutput) -> None:
+        todo = [s for s in unit if s.num_tokens_to_compute > 0]  # 0: a beam awaiting siblings
+        is_decode = bool(todo) and all(s.num_tokens_to_compute == 1 for s in todo)
+        if not todo or is_decode != decoding:
+            return
+        if decoding:  # all of the unit's decodes, or none of them
+            if len(todo) > self._budget:
+                return
+            while self.kv_manager.num_blocks_to_grow(todo, [1] * len(todo)) \
+                    > self.kv_manager.num_free_blocks:
+                victim = self._pick_victim(unit, units)
+                if victim is not None:
+                    self._preempt(victim, out)
+                    continue
+                if any(g is not unit and g[0].status == RequestStatus.RUNNING for g in units):
+                    self._preempt(unit, out)  # none younger: the unit steps aside
+                else:  # it holds the cache alone: stepping aside would only come back here
+                    self._fail_stuck(out, unit)
+                return
+            for seq in todo:
+                self._add(seq, 1, self.kv_manager.allocate_slots(seq, 1), out)
+            return
+        for seq in todo:  # prefills: a chunk each, as budget and blocks allow
+            n = min(seq.num_tokens_to_compute, self._budget)
+            copies = self.kv_manager.allocate_slots(seq, n)
+            while copies is None and (victim := self._pick_victim(unit, units)) is not None:
+                self._preempt(victim, out)
+                copies = self.kv_manager.allocate_slots(seq, n)
+            if copies is None:  # take what fits; the older ones go on
+                n = self.kv_manager.max_fitting_tokens(seq, n)
+                copies = self.kv_manager.allocate_slots(seq, n) if n else None
+            if copies is not None:
+                self._add(seq, n, copies, out)
+            if self._budget <= 0:
+                return
+
+    def _swap_in_and_admit(self, out: SchedulerOutput) -> None:
+        # swapped sequences come back before waiting ones
+        while self.swapped and self._budget > 0:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens_to_compute, self._budget)
+            if (self.num_running_seqs + seq.num_seqs > self.max_num_seqs
+                    or not self.swapper.try_swap_in(seq, n, out)):
+                break
+            self.swapped.popleft()
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            self._add(seq, n, self.kv_manager.allocate_slots(seq, n), out)
+        # waiting sequences, first come first served; admission never preempts
+        while not self.swapped and self.waiting and self._budget > 0:
+            seq = self.waiting[0]
+            if self.num_running_seqs + seq.num_seqs > self.max_num_seqs:
+                break
+            computed, num_computed = self.kv_manager.get_computed_blocks(seq)
+            n = min(seq.num_tokens - num_computed, self._budget)
+            copies = self.kv_manager.allocate_slots(seq, n, computed)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            self.kv_manager.record_prefix_lookup(seq.num_tokens, num_computed)
+            seq.start_running(num_computed)
+            self.running.append(seq)
+            self._add(seq, n, copies, out)
+
+    def _add(self, seq: Request, n: int, copies: list[tuple[int, int]],
+             out: SchedulerOutput) -> None:
+        out.requests.append(seq)
+        out.num_new_tokens.append(n)
+        out.block_copies.extend(copies)
+        self._scheduled.add(seq.request_id)
+        self._budget -= n
+
+    def _running_units(self) -> list[list[Request]]:
+        """Running sequences grouped into units, ordered by their oldest member."""
+        units: dict[int, list[Request]] = {}
+        for seq in self.running:
+            units.setdefault(id(seq.beam_group or seq), []).append(seq)
+        return list(units.values())
+
+    def _pick_victim(self, unit: list[Request], units: list[list[Request]]) -> list | None:
+        """The youngest running unit admitted after `unit` that has nothing in this step."""
+        for victim in reversed(units):
+            if victim is unit:
                 return None
-            if victim.request_id not in scheduled:
+            if victim[0].status == RequestStatus.RUNNING and not any(
+                    s.request_id in self._scheduled for s in victim):
                 return victim
         return None
 
-    def _fitting_chunk(self, req: Request, n: int) -> int:
-        free_slots = self.kv.pool.num_free_blocks * self.kv.block_size
-        blocks = self.kv.req_blocks.get(req.request_id, [])
-        room_in_last = len(blocks) * self.kv.block_size - req.num_computed_tokens
-        return max(0, min(n, free_slots + room_in_last))
+    def _preempt(self, unit: list[Request], out: SchedulerOutput) -> None:
+        # A beam group always recomputes: swapping its beams one by one would un-share the
+        # blocks they hold together, and it could not come back in the room it left.
+        swap = self.swapper is not None and unit[0].beam_group is None
+        for seq in reversed(unit):  # reversed: the unit keeps its order at the queue's front
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            out.preempted.append(seq)
+            kind = "swap" if swap and self.swapper.try_swap_out(seq, out) else "recompute"
+            if kind == "swap":
+                seq.status = RequestStatus.SWAPPED
+                self.swapped.append(seq)
+            else:
+                self.kv_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = RequestStatus.WAITING
+                self.waiting.appendleft(seq)
+            self.num_preemptions[kind] += 1
+            logger.debug("preempted %s by %s", seq.request_id, kind)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        req.num_preemptions += 1
-        out.preempted.append(req)
-        if self.swapper is not None and self.swapper.try_swap_out(req, out):
-            req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
-            self.num_preemptions["swap"] += 1
-            logger.debug("preempted %s by swap", req.request_id)
-            return
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
-        self.num_preemptions["recompute"] += 1
-        logger.debug("preempted %s by recompute", req.request_id)
+    def _fail_stuck(self, out: SchedulerOutput, stuck: list[Request]) -> None:
+        """Liveness guard. Nothing could run, swap or be preempted (or a unit alone in the
+        cache cannot grow), and schedule() depends only on this state, so every later step
+        would do the same: fail the stuck sequences with a clear error instead of spinning."""
+        kv = self.kv_manager
+        out.stuck_reason = (
+            f"no sequence can make progress: {kv.num_used_blocks} of {kv.num_blocks} KV blocks "
+            f"({kv.block_size} tokens each) are in use by {len(self.running)} running "
+            "sequences and none can grow or be admitted; the KV cache is too small for this "
+            "workload (raise kv_cache_memory)")
+        logger.error("%s", out.stuck_reason)
+        out.stuck.extend(stuck)
+        for seq in stuck:
+            self.finish(seq, RequestStatus.FINISHED_ERROR)
 
-    # --- after the forward ---------------------------------------------------------------
+    # --- after the forward -----------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, fork siblings, apply token stops.
-        Returns the requests that got a new token (finished ones included)."""
-        self.kv.step_done()
+        """Advance computed counts, append sampled tokens, fork n>1 siblings, apply token
+        stops. Returns the sequences that got a new token (finished ones included); a beam's
+        token is left to its beam group to choose."""
+        self.kv_manager.step_done()
         updated = []
-        for req, n in zip(out.requests, out.num_new_tokens):
-            if req.status != RequestStatus.RUNNING:
+        for seq, n in zip(out.requests, out.num_new_tokens):
+            if seq.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += n
-            token = sampled.get(req.request_id)
-            if token is None:
+            seq.num_computed_tokens += n
+            if seq.request_id not in sampled:
                 continue  # a prefill chunk that does not reach the end of the prompt
-            if req.beam is not None:  # its beam search group picks the next token
-                updated.append(req)
+            if seq.beam_group is not None:
+                updated.append(seq)
                 continue
-            children = out.forks.get(req.request_id, ())
-            for child in children:
-                self.kv.fork(req, child)
-                child.num_computed_tokens = req.num_computed_tokens
-                child.num_cached_tokens = req.num_cached_tokens
-                child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
-                child.status = RequestStatus.RUNNING
-                self.running.append(child)
-            req.pending_forks = []
-            for r in (req, *children):
-                r.append_token(sampled[r.request_id])
-                updated.append(r)
-                status = r.check_stop()
+            siblings = out.forks.get(seq.request_id, ())
+            for sibling in reversed(siblings):  # each lands right after seq: keep their order
+                self.fork(seq, sibling)
+            seq.pending_siblings = []
+            for s in (seq, *siblings):
+                s.append_token(sampled[s.request_id])
+                updated.append(s)
+                status = s.check_stop()
                 if status is not None:
-                    self.finish(r, status)
+                    self.finish(s, status)
         return updated
 
     def step_failed(self, out: SchedulerOutput) -> None:
-        self.kv.step_failed()
+        self.kv_manager.step_failed()

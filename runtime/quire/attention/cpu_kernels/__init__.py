@@ -26,9 +26,20 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("QUIRE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                              "quire")
-    return os.path.join(root, "kernels")
+    """QUIRE_CACHE_DIR as the model loader reads it (quire.models.loader.cache_root): unset
+    means ~/.cache/quire; "" turns the cache off, so the kernel is built once per process in
+    a temporary folder that is removed at exit."""
+    root = os.environ.get("QUIRE_CACHE_DIR")
+    if root is None:
+        return os.path.join(os.path.expanduser("~"), ".cache", "quire", "kernels")
+    if root:
+        return os.path.join(root, "kernels")
+    if getattr(_cache_dir, "uncached", None) is None:
+        import atexit
+        import shutil
+        _cache_dir.uncached = tempfile.mkdtemp(prefix="quire-kernels-")
+        atexit.register(shutil.rmtree, _cache_dir.uncached, ignore_errors=True)
+    return _cache_dir.uncached
 
 
 def _cpu_signature() -> str:

@@ -1,0 +1,161 @@
+"""The runtime's import graph and the engine's sealed boundaries, read from the source (ast):
+no import cycles; the engine's bookkeeping imports no tensors and nothing from worker/;
+only engine.py (which assembles the pieces) imports the worker, and only its public names;
+nobody outside the KV-cache manager touches block tables or changes the block pool, and
+nobody outside the scheduler changes its queues."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import quire
+
+ROOT = Path(quire.__file__).parent
+BOOKKEEPING = ["block_pool", "kv_cache_manager", "scheduler", "scheduler_output", "request",
+               "beam_search", "swap_manager", "stats"]
+POOL_MUTATORS = {"allocate", "touch", "free", "cache_block", "uncache", "reset_prefix_cache"}
+QUEUE_MUTATORS = {"append", "appendleft", "insert", "remove", "pop", "popleft", "clear",
+                  "extend"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def sources() -> dict[str, ast.Module]:
+    return {module_name(p): ast.parse(p.read_text(), str(p)) for p in ROOT.rglob("*.py")}
+
+
+def module_level_imports(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """(module, names) imported when the module loads: not inside functions, nor under
+    `if TYPE_CHECKING:`."""
+    found = []
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.extend((a.name, []) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append((node.module, [a.name for a in node.names]))
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body + node.orelse)
+            elif isinstance(node, (ast.Try, ast.With)):
+                visit(node.body)
+    visit(tree.body)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    trees = sources()
+    graph = {}
+    for mod, tree in trees.items():
+        edges = set()
+        for target, names in module_level_imports(tree):
+            for candidate in [f"{target}.{n}" for n in names] + [target]:
+                if candidate in trees and candidate != mod:
+                    edges.add(candidate)
+                    break
+        graph[mod] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_the_runtime_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert len(graph) > 30 and "quire.engine.scheduler" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_a_cycle_would_be_found():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("name", BOOKKEEPING)
+def test_engine_bookkeeping_imports_no_tensors_and_no_worker(name):
+    tree = sources()[f"quire.engine.{name}"]
+    for target, _ in module_level_imports(tree):
+        assert not target.startswith(("torch", "numpy", "quire.worker", "quire.models",
+                                      "quire.attention")), (
+            f"quire/engine/{name}.py imports {target}: the scheduler side is plain Python "
+            "bookkeeping that never touches tensors")
+
+
+def test_only_engine_py_imports_the_worker_and_only_its_public_names():
+    for mod, tree in sources().items():
+        if not mod.startswith("quire.engine."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quire.worker"):
+                assert mod == "quire.engine.engine", f"{mod} imports {node.module}"
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{mod} reaches into worker internals: {private}"
+
+
+def attribute_chain(node: ast.AST) -> list[str]:
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        chain.append(node.id)
+    return chain[::-1]
+
+
+def boundary_violations() -> list[str]:
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            chain = attribute_chain(node.func) if isinstance(node, ast.Call) else []
+            if (len(chain) >= 3 and chain[-2] == "pool" and chain[-1] in POOL_MUTATORS
+                    and rel != "engine/kv_cache_manager.py"):
+                found.append(f"{rel}:{node.lineno} changes the block pool: {'.'.join(chain)}")
+            if (len(chain) >= 3 and chain[-2] in ("running", "waiting", "swapped")
+                    and chain[-1] in QUEUE_MUTATORS and rel != "engine/scheduler.py"):
+                found.append(f"{rel}:{node.lineno} changes a scheduler queue: {'.'.join(chain)}")
+            if (isinstance(node, ast.Attribute) and node.attr in ("_tables", "req_blocks")
+                    and rel != "engine/kv_cache_manager.py"):
+                found.append(f"{rel}:{node.lineno} reads block tables: .{node.attr}")
+    return found
+
+
+def test_block_tables_and_queues_change_only_through_their_owners():
+    assert boundary_violations() == []
+
+
+def test_a_boundary_violation_would_be_found(tmp_path, monkeypatch):
+    fake = tmp_path / "quire"
+    (fake / "engine").mkdir(parents=True)
+    (fake / "engine" / "engine.py").write_text(
+        "def f(self, child):\n"
+        "    self.scheduler.running.append(child)\n"
+        "    self.kv_manager.pool.free([1])\n"
+        "    return self.kv_manager.req_blocks\n")
+    monkeypatch.setitem(boundary_violations.__globals__, "ROOT", fake)
+    assert len(boundary_violations()) == 3
