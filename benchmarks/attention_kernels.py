@@ -129,6 +129,7 @@ def bench_prefill(args, device):
 
 def bench_write(args, device):
     from triton.testing import do_bench
+
     from quire.attention.triton_kernels.cache_write import write_kv_cache
     print("\ncache write (GB/s read + written)")
     for tokens in (1024, 8192):

@@ -15,7 +15,7 @@ def _cpu_times() -> list[int]:
 class StealMeter:
     """with StealMeter() as m: ...; then m.steal_percent (None where /proc/stat is absent)."""
 
-    def __enter__(self) -> "StealMeter":
+    def __enter__(self) -> StealMeter:
         self._start = _cpu_times()
         self.steal_percent = None
         return self

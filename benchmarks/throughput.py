@@ -57,6 +57,7 @@ def run_quire(reqs, args) -> float:
 def run_hf(reqs, batch_size: int, dtype: str, limit: int | None) -> float:
     import torch
     from transformers import AutoModelForCausalLM
+
     from quire.models.loader import materialize, resolve_model
     # Dense weights, from the Hugging Face folder Quire converts the GGUF file into: loaded
     # with gguf_file=, transformers 5 keeps the tensors quantized and dequantizes them in

@@ -8,9 +8,9 @@ server received is listed (tests/operator/conftest.py).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
-from urllib.parse import urlsplit, parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 
 @dataclass(frozen=True)

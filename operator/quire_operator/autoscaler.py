@@ -18,8 +18,8 @@ bad pod never stops the decision for the others. Decision.dropped lists what was
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 QUEUE_DEPTH = "queueDepth"
 KV_CACHE = "kvCacheUtilization"

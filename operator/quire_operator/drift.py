@@ -10,7 +10,8 @@ compare by value, because the API server rewrites "0.5" as "500m" and 1 as "1".
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import names
 from .quantity import same_quantity

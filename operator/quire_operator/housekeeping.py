@@ -16,8 +16,9 @@ import asyncio
 import contextvars
 import logging
 import time
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 

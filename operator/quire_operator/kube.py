@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import quote, urlencode
 
 import kubernetes

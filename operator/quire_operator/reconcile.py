@@ -14,10 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from . import names, status
-from .children import desired_deployment, desired_pdb, desired_service, endpoint, owner_of, with_hash
+from .children import (
+    desired_deployment,
+    desired_pdb,
+    desired_service,
+    endpoint,
+    owner_of,
+    with_hash,
+)
 from .drift import drift_of
 from .kube import ApiError, Kube
 from .spec import LLMSpec, SpecError, check_name, parse_spec

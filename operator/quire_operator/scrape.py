@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import urllib.request
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -9,8 +9,9 @@ message. The defaults equal the CRD's (tests/operator/test_spec.py compares them
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from . import names, quantity
 
@@ -148,7 +149,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
     return parsed
 
 
-def _parse_model(model: "_Reader") -> ModelSpec:
+def _parse_model(model: _Reader) -> ModelSpec:
     pvc = model.section("pvc")
     cache = model.section("cache")
     parsed = ModelSpec(
@@ -181,7 +182,7 @@ def _check_source(model: ModelSpec, path: str) -> None:
                               "path inside the image, or a path inside model.pvc")
 
 
-def _parse_parallelism(spec: "_Reader") -> ParallelismSpec:
+def _parse_parallelism(spec: _Reader) -> ParallelismSpec:
     parallelism = spec.section("parallelism")
     shm_size = parallelism.quantity("shmSize")
     if shm_size is not None and quantity.value_of(shm_size) <= 0:
@@ -192,7 +193,7 @@ def _parse_parallelism(spec: "_Reader") -> ParallelismSpec:
     )
 
 
-def _gpus(resources: "_Reader", parallelism: ParallelismSpec, *, checked: bool) -> int:
+def _gpus(resources: _Reader, parallelism: ParallelismSpec, *, checked: bool) -> int:
     """GPUs per pod: one per tensor-parallel worker.
 
     Unset: `tensor` GPUs when tensor > 1, else none, as before parallelism existed.
@@ -211,7 +212,7 @@ def _gpus(resources: "_Reader", parallelism: ParallelismSpec, *, checked: bool) 
     return gpus
 
 
-def _parse_runtime(runtime: "_Reader") -> RuntimeSpec:
+def _parse_runtime(runtime: _Reader) -> RuntimeSpec:
     secret = runtime.section("apiKeySecret")
     block_size = runtime.integer("blockSize", None, minimum=1, maximum=256)
     if block_size is not None and block_size & (block_size - 1):
@@ -241,7 +242,7 @@ def _parse_runtime(runtime: "_Reader") -> RuntimeSpec:
     )
 
 
-def _parse_autoscaling(scaling: "_Reader") -> AutoscalingSpec:
+def _parse_autoscaling(scaling: _Reader) -> AutoscalingSpec:
     enabled = bool(scaling.boolean("enabled", False))
     parsed = AutoscalingSpec(
         enabled=enabled,
@@ -278,7 +279,7 @@ class _Reader:
     def has(self, key: str) -> bool:
         return self.raw.get(key) is not None
 
-    def section(self, key: str) -> "_Reader":
+    def section(self, key: str) -> _Reader:
         value = self._get(key)
         return _Reader({} if value is None else value, f"{self.path}.{key}")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 from urllib.parse import urlsplit
 
 

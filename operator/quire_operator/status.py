@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 # Why a generation is not applied: the operator refused the spec, or the API server refused a

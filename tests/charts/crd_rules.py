@@ -5,7 +5,8 @@ x-kubernetes-validations CEL rule at its node (cel-python: the emulator and json
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import celpy
 import jsonschema

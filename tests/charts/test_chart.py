@@ -7,6 +7,7 @@ import kubernetes_validate
 import pytest
 import tomllib
 import yaml
+
 from chart_render import CHART, NAMESPACE, by_kind, lint, notes, render
 
 VALUE_SETS = {

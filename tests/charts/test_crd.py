@@ -8,10 +8,11 @@ import crd_rules
 import jsonschema
 import pytest
 import yaml
-from chart_render import CHART, CRD_FILE
 
 from quire_operator import names, quantity
 from quire_operator.spec import MAX_TENSOR_PARALLEL, SpecError, check_name, parse_spec
+
+from chart_render import CHART, CRD_FILE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / CRD_FILE).read_text())

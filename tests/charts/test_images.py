@@ -6,9 +6,9 @@ import pathlib
 import re
 import shlex
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -1,9 +1,10 @@
 """The chart grants exactly the API calls the operator makes (quire_operator.api_calls), no more."""
 
 import pytest
-from chart_render import NAMESPACE, RELEASE, by_kind, render
 
 from quire_operator.api_calls import API_CALLS
+
+from chart_render import NAMESPACE, RELEASE, by_kind, render
 
 
 def granted(rules):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from operator_harness import Cluster
 
@@ -21,7 +21,7 @@ class DeploymentController:
         self._thread = threading.Thread(target=self._run, name="deployment-controller", daemon=True)
         self.error: BaseException | None = None
 
-    def __enter__(self) -> "DeploymentController":
+    def __enter__(self) -> DeploymentController:
         self._thread.start()
         return self
 

@@ -32,9 +32,10 @@ import re
 import string
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp.web
 import attrs
@@ -498,7 +499,7 @@ class RunningEmulator:
         self.url = ""
         self._error: BaseException | None = None
 
-    def __enter__(self) -> "RunningEmulator":
+    def __enter__(self) -> RunningEmulator:
         self._thread.start()
         self._ready.wait(10)
         if self._error:

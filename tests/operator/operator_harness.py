@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import kubernetes
 import pytest
@@ -22,7 +23,9 @@ from kopf.testing import KopfRunner
 from quire_operator import api_calls, names
 from quire_operator.kube import resource_path
 
-from kube_emulator import RunningEmulator  # tests/operator is on sys.path (no __init__.py: no `operator` package)
+from kube_emulator import (
+    RunningEmulator,  # tests/operator is on sys.path (no __init__.py: no `operator` package)
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "llmdeployments.quire.dev.yaml"

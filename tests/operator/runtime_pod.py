@@ -19,9 +19,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 MODEL_NAME = "smollm2"
 MAX_NUM_SEQS = 2  # requests generated at once; the rest wait
@@ -97,7 +97,7 @@ class FixedMetrics:
         return "\n".join(lines) + "\n"
 
 
-def _handler(engine: "FakeEngine | FixedMetrics") -> type[BaseHTTPRequestHandler]:
+def _handler(engine: FakeEngine | FixedMetrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:  # quiet: the test's output stays readable
             pass
@@ -131,7 +131,7 @@ def _handler(engine: "FakeEngine | FixedMetrics") -> type[BaseHTTPRequestHandler
 
 
 class RuntimePod:
-    def __init__(self, ip: str, port: int, engine: "FakeEngine | FixedMetrics | None" = None) -> None:
+    def __init__(self, ip: str, port: int, engine: FakeEngine | FixedMetrics | None = None) -> None:
         self.ip, self.port = ip, port
         self.url = f"http://{ip}:{port}"
         self.engine = engine or FakeEngine()

@@ -1,6 +1,13 @@
 """The autoscaler's decision function on its own: HPA arithmetic, windows, limits, missing data."""
 
-from quire_operator.autoscaler import KV_CACHE, QUEUE_DEPTH, PodSample, Policy, Recommendation, decide
+from quire_operator.autoscaler import (
+    KV_CACHE,
+    QUEUE_DEPTH,
+    PodSample,
+    Policy,
+    Recommendation,
+    decide,
+)
 
 WAITING, KV = "quire:num_requests_waiting", "quire:kv_cache_usage_perc"
 

@@ -2,9 +2,9 @@
 no finalizer (garbage collection removes the children through their ownerReferences), and it
 removes the one older versions added."""
 
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-
 from quire_operator import names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 
 def test_deleting_with_the_operator_stopped_works(cluster):

@@ -5,9 +5,10 @@ Replicas follow the LLMDeployment (the autoscaler's, when it is on), never a han
 import copy
 
 import kmock
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 from quire_operator import handlers, names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 DEPLOYMENT = "PATCH /apis/apps/v1/namespaces/default/deployments/chat"
 

@@ -4,11 +4,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-from deployment_controller import DeploymentController
-from runtime_pod import free_port, start_runtime_pod
 
 from quire_operator import names
+
+from deployment_controller import DeploymentController
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
+from runtime_pod import free_port, start_runtime_pod
 
 POD_IPS = ["127.0.0.2", "127.0.0.3"]
 SCALE_DOWN_WINDOW = 5

@@ -4,9 +4,9 @@
 import logging
 import time
 
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-
 from quire_operator import handlers, names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 
 def reasons(cluster, name="chat"):

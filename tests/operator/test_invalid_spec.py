@@ -2,9 +2,9 @@
 
 import time
 
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-
 from quire_operator import names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 INVALID = {
     "min-over-max": ({"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 2}},

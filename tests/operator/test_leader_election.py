@@ -11,13 +11,14 @@ import pathlib
 import signal
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import kmock
 import yaml
-from operator_harness import cluster, LLMD_API, llmdeployment, wait_for  # noqa: F401 (cluster is a fixture)
 
 from quire_operator import names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, wait_for  # noqa: F401 (cluster is a fixture)
 
 LEASE = "quire-operator"
 LEASE_PATH = f"/apis/coordination.k8s.io/v1/namespaces/default/leases/{LEASE}"

@@ -2,9 +2,9 @@
 
 import time
 
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-
 from quire_operator import names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

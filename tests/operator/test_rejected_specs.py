@@ -7,9 +7,9 @@ changes."""
 
 import time
 
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-
 from quire_operator import names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 NOT_QUANTITY = "is not a Kubernetes quantity"
 REFUSED = {
@@ -34,12 +34,12 @@ def test_specs_the_api_server_would_reject_are_refused_before_any_write(cluster)
         for name, (spec, _) in REFUSED.items():
             cluster.create(llmdeployment(name, **spec))
         for name, (_, message) in REFUSED.items():
-            degraded = wait_for(lambda: (o := cluster.llmd(name)) and (c := condition(o, "Degraded"))
+            degraded = wait_for(lambda name=name: (o := cluster.llmd(name)) and (c := condition(o, "Degraded"))
                                 and c["status"] == "True" and c, what=f"{name} Degraded")
             assert degraded["reason"] == "InvalidSpec" and degraded["message"].startswith(message)
             ready = condition(cluster.llmd(name), "Ready")
             assert ready["status"] == "False" and ready["message"].startswith(message)
-            warnings = wait_for(lambda: [e for e in cluster.events(name) if e["type"] == "Warning"])
+            warnings = wait_for(lambda name=name: [e for e in cluster.events(name) if e["type"] == "Warning"])
             assert [e["reason"] for e in warnings] == ["InvalidSpec"]
             assert warnings[0]["message"].startswith(message)
         # Nothing was written for any of them but their status and their Event.

@@ -1,8 +1,8 @@
 """/scale, as `kubectl scale`, HPA or KEDA use it, reads and writes the replica count."""
 
-from operator_harness import cluster, LLMD_API, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-
 from quire_operator import names
+
+from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 
 def test_scale_reads_and_writes_replicas(cluster):

@@ -2,10 +2,11 @@
 memory-backed /dev/shm the workers share; a GPU count that contradicts N is refused."""
 
 import pytest
-from operator_harness import cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 from quire_operator.children import desired_deployment
 from quire_operator.spec import SpecError, parse_spec
+
+from operator_harness import cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
 OWNER = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
          "metadata": {"name": "big", "namespace": "default", "uid": "u"}}

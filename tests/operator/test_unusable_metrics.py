@@ -5,8 +5,8 @@ pod's signal still scales the LLMDeployment."""
 import contextlib
 import math
 
-from operator_harness import cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 from deployment_controller import DeploymentController
+from operator_harness import cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 from runtime_pod import fixed_metrics_pod, free_port
 
 # Pods 0-2 export metrics; pods started by a scale-up have no server (a failed scrape: missing).

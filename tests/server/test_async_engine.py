@@ -9,8 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from quire.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineNotReady,
-                                       EngineOverloaded, RequestFailed)
+from quire.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineNotReady,
+    EngineOverloaded,
+    RequestFailed,
+)
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams

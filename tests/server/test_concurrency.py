@@ -11,9 +11,10 @@ import threading
 import httpx
 import pytest
 import requests
-from server_harness import metric, metrics_of, server, tiny_model, wait_idle
 
 from quire import LLM, SamplingParams
+
+from server_harness import metric, metrics_of, server, tiny_model, wait_idle
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 16

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import requests
+
 from server_harness import API_KEY, SMOLLM_NAME, server
 
 LONG_PROMPT = "hello " * 3000  # > --max-model-len 2048

@@ -7,10 +7,11 @@ import json
 
 import pytest
 import requests
-from server_harness import reference_llm, server
 
 import quire
 from quire import SamplingParams
+
+from server_harness import reference_llm, server
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import requests
+
 from server_harness import metric, metrics_of, server, wait_idle
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -93,7 +94,7 @@ class Watched:
     def __init__(self, srv, probe_health: bool = True) -> None:
         self.srv, self.probe_health = srv, probe_health
 
-    def __enter__(self) -> "Watched":
+    def __enter__(self) -> Watched:
         self.log_start = len(self.srv.log_lines())
         self.other = OtherClient(self.srv)
         self.other.start()
@@ -250,7 +251,7 @@ def test_slowloris_headers_are_cut_off(srv):
             try:
                 s.sendall(b"X")  # one byte of a header at a time, forever
                 closed = s.recv(1024) == b""
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:  # reset or broken pipe: closed by the server
                 closed = True

@@ -9,6 +9,7 @@ import threading
 import time
 
 import requests
+
 from server_harness import server
 
 LONG = 1000

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import requests
+
 from server_harness import SMOLLM_NAME, metric, metrics_of, server
 
 GAUGES = ["quire:num_requests_running", "quire:num_requests_waiting",

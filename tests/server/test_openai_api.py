@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_harness import SMOLLM_NAME, reference_llm, server
 
 from quire import SamplingParams
+
+from server_harness import SMOLLM_NAME, reference_llm, server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village by the sea,"]

@@ -21,8 +21,9 @@ import concurrent.futures
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from quire.config import EngineArgs
 from quire.engine.stats import EngineSnapshot, StepEvents
@@ -74,7 +75,7 @@ class StatsSink(Protocol):
 class RequestStream:
     """The outputs of one request, in order; iteration ends after the finished output."""
 
-    def __init__(self, request_id: str, engine: "AsyncLLMEngine") -> None:
+    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -83,7 +84,7 @@ class RequestStream:
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:

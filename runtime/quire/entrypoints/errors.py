@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import re
 
-from quire.engine.async_engine import (EngineDeadError, EngineNotReady, EngineOverloaded,
-                                       EngineShuttingDown, RequestFailed)
+from quire.engine.async_engine import (
+    EngineDeadError,
+    EngineNotReady,
+    EngineOverloaded,
+    EngineShuttingDown,
+    RequestFailed,
+)
 
 RETRY_AFTER_QUEUE_FULL = "1"     # seconds: the queue moves every step
 RETRY_AFTER_LOADING = "5"        # seconds: a model load takes a while

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
@@ -24,7 +24,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(args)
         llm.tokenizer = llm.engine.tokenizer

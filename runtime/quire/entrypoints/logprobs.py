@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 
-from quire.entrypoints.openai_protocol import (ChatLogprobs, CompletionLogprobs, TokenLogprob,
-                                               TopLogprob)
+from quire.entrypoints.openai_protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 from quire.outputs import CompletionOutput, Logprob
 
 # JSON has no -inf: a token the model rules out entirely is reported at this floor, as vLLM

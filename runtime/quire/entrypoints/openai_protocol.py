@@ -206,7 +206,7 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens)
 
@@ -327,7 +327,7 @@ class ErrorChunk(BaseModel):
     error: ErrorInfo
 
     @classmethod
-    def of(cls, e: OpenAIError) -> "ErrorChunk":
+    def of(cls, e: OpenAIError) -> ErrorChunk:
         return cls(error=ErrorInfo(**e.body()["error"]))
 
 

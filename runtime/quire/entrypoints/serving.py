@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from quire.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineNotReady,
-                                       ModelInfo, RequestStream)
+from quire.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineNotReady,
+    ModelInfo,
+    RequestStream,
+)
 from quire.entrypoints.errors import OpenAIError, bad_request, engine_error
-from quire.entrypoints.limits import (ServerLimits, check_chat_template, check_messages,
-                                      check_prompt_chars, check_prompt_tokens)
+from quire.entrypoints.limits import (
+    ServerLimits,
+    check_chat_template,
+    check_messages,
+    check_prompt_chars,
+    check_prompt_tokens,
+)
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams

@@ -11,7 +11,8 @@ response class.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse

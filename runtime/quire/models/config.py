@@ -36,7 +36,7 @@ class ModelConfig:
     bos_token_id: int | None
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
+    def from_hf(cls, hf) -> ModelConfig:
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

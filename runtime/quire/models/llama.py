@@ -7,7 +7,7 @@ identical to separate ones in float32, and fewer, larger matmuls are faster).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

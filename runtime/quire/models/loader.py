@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import json
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch

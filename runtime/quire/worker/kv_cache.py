@@ -60,7 +60,7 @@ class KVCache:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def swap(self, host: "KVCache", swap_out: list[tuple[int, int]],
+    def swap(self, host: KVCache, swap_out: list[tuple[int, int]],
              swap_in: list[tuple[int, int]]) -> None:
         """Out first: blocks freed by a swap-out may be handed to a swap-in in the same step."""
         if swap_out:

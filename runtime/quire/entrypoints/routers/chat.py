@@ -11,12 +11,23 @@ from fastapi import APIRouter, Request
 from quire.entrypoints.errors import OpenAIError, bad_request, renamed
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.logprobs import chat_logprobs
-from quire.entrypoints.openai_protocol import (ChatChoice, ChatCompletionChunk,
-                                               ChatCompletionRequest, ChatCompletionResponse,
-                                               ChatDelta, ChatMessageOut, ChatStreamChoice,
-                                               UsageInfo)
-from quire.entrypoints.routers.common import (client_gone_response, disconnected,
-                                              json_response, read_body, serving_of)
+from quire.entrypoints.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    ChatStreamChoice,
+    UsageInfo,
+)
+from quire.entrypoints.routers.common import (
+    client_gone_response,
+    disconnected,
+    json_response,
+    read_body,
+    serving_of,
+)
 from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard, sse_events
 from quire.outputs import CompletionOutput, RequestOutput

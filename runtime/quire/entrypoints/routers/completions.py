@@ -10,11 +10,21 @@ from fastapi import APIRouter, Request
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_count, check_stop
 from quire.entrypoints.logprobs import completion_logprobs
-from quire.entrypoints.openai_protocol import (CompletionChoice, CompletionRequest,
-                                               CompletionResponse, CompletionStreamChoice,
-                                               CompletionStreamChunk, UsageInfo)
-from quire.entrypoints.routers.common import (client_gone_response, disconnected,
-                                              json_response, read_body, serving_of)
+from quire.entrypoints.openai_protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamChunk,
+    UsageInfo,
+)
+from quire.entrypoints.routers.common import (
+    client_gone_response,
+    disconnected,
+    json_response,
+    read_body,
+    serving_of,
+)
 from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard, sse_events
 from quire.outputs import CompletionOutput, RequestOutput

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -13,9 +13,13 @@ from fastapi.responses import JSONResponse
 from quire.engine.async_engine import EngineDeadError, RequestFailed
 from quire.entrypoints.errors import engine_error
 from quire.entrypoints.limits import check_stop
-from quire.entrypoints.routers.common import client_gone_response, disconnected, read_body, \
-    serving_of
 from quire.entrypoints.openai_protocol import GenerateRequest
+from quire.entrypoints.routers.common import (
+    client_gone_response,
+    disconnected,
+    read_body,
+    serving_of,
+)
 from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard
 
