@@ -1,0 +1,156 @@
+"""The router in front of fake replicas: load balancing, failures, disconnects, prefix routing."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import requests
+
+from router_harness import (fake_backend, router, router_state, server_harness, sse_texts,
+                            wait_until)
+
+
+def completion(r, prompt: str, stream: bool = False, **extra):
+    return requests.post(r.url + "/v1/completions", json={"prompt": prompt, "stream": stream,
+                                                          **extra},
+                         stream=stream, timeout=60)
+
+
+def test_least_load_avoids_a_replica_whose_queue_is_full():
+    with fake_backend("a", "127.0.0.11") as a, fake_backend("b", "127.0.0.12") as b, \
+            router("--routing", "least-load", "--backend", a.url, "--backend", b.url) as r:
+        requests.post(a.url + "/control", json={"waiting": 50, "kv": 0.95}, timeout=5)
+        wait_until(lambda: any(x["waiting"] == 50 for x in router_state(r)["backends"]), 30,
+                   "the router to scrape a's queue")
+        answered_by = [completion(r, f"hello {i}").json()["backend"] for i in range(8)]
+        assert answered_by == ["b"] * 8
+        # The queue drains: a is used again.
+        requests.post(a.url + "/control", json={"waiting": 0, "kv": 0.0}, timeout=5)
+        wait_until(lambda: all(x["waiting"] == 0 for x in router_state(r)["backends"]), 30,
+                   "the router to see a's queue drain")
+        assert {completion(r, f"again {i}").json()["backend"] for i in range(6)} == {"a", "b"}
+        metrics = requests.get(r.url + "/metrics", timeout=5).text
+        assert 'quire_router:routing_decisions_total{policy="least-load",reason="least_load"} 14.0' \
+            in metrics
+
+
+def test_a_replica_killed_mid_stream_breaks_only_its_own_stream():
+    with fake_backend("a", "127.0.0.11", chunks=40, interval=0.05) as a, \
+            fake_backend("b", "127.0.0.12", chunks=40, interval=0.05) as b, \
+            router("--routing", "least-load", "--backend", a.url, "--backend", b.url) as r:
+        # The first stream asks its replica to die after two chunks; the second, sent while
+        # the first runs, goes to the other replica (least-load) and must finish whole.
+        doomed = completion(r, "__die__", stream=True)
+        doomed_events = []
+        lines = doomed.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith(b"data: "))[6:])
+        doomed_events.append(first)
+        healthy = completion(r, "fine", stream=True)
+        healthy_events = sse_texts(healthy)
+        for line in lines:
+            if line.startswith(b"data: "):
+                doomed_events.append(json.loads(line[6:]) if line[6:] != b"[DONE]" else "DONE")
+        victim = first["backend"]
+        assert healthy_events[-1] == {"done": True}
+        assert {e["backend"] for e in healthy_events[:-1]} == ({"a", "b"} - {victim})
+        assert len(healthy_events) == 41
+        assert "DONE" not in doomed_events
+        assert doomed_events[-1]["error"]["code"] == "upstream_failed"
+        assert 2 <= len(doomed_events) - 1 < 40  # some chunks came, then the error
+        # Later requests still succeed: the dead replica refuses connections, the router
+        # retries on the live one before any byte was sent.
+        for i in range(4):
+            assert completion(r, f"after {i}", max_tokens=2).status_code == 200
+        assert "quire_router:retries_total" in requests.get(r.url + "/metrics", timeout=5).text
+
+
+def test_the_router_forwards_a_client_disconnect_to_the_replica():
+    with fake_backend("a", "127.0.0.11", chunks=2000, interval=0.05) as a, \
+            router("--backend", a.url) as r:
+        stream = completion(r, "a long one", stream=True)
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith(b"data: "))
+        assert requests.get(a.url + "/seen", timeout=5).json()["running"] == 1
+        stream.close()  # the client goes away mid-stream
+        wait_until(lambda: requests.get(a.url + "/seen", timeout=5).json()["running"] == 0, 30,
+                   "the replica to see the disconnect")
+        wait_until(lambda: router_state(r)["backends"][0]["in_flight"] == 0, 10,
+                   "the router's in-flight count to drop")
+
+
+def test_a_held_request_completes_once_a_replica_appears():
+    with router("--admin-api", "--hold-timeout", "60") as r:
+        result = {}
+
+        def send():
+            result["response"] = completion(r, "wait for me")
+
+        t = threading.Thread(target=send, daemon=True)
+        t.start()
+        wait_until(lambda: router_state(r)["pending_requests"] == 1, 30, "the request to be held")
+        assert "quire_router:pending_requests 1.0" in requests.get(r.url + "/metrics",
+                                                                  timeout=5).text
+        with fake_backend("late", "127.0.0.13") as late:
+            requests.post(r.url + "/router/backends", json={"url": late.url}, timeout=5)
+            t.join(30)
+            assert result["response"].status_code == 200
+            assert result["response"].json()["backend"] == "late"
+        assert router_state(r)["pending_requests"] == 0
+        assert 'quire_router:hold_seconds_count 1.0' in requests.get(r.url + "/metrics",
+                                                                    timeout=5).text
+
+
+def test_503_with_retry_after_when_the_hold_queue_is_full_or_the_hold_times_out():
+    with router("--admin-api", "--max-pending", "1", "--hold-timeout", "2",
+                "--retry-after", "7") as r:
+        held = {}
+        t = threading.Thread(target=lambda: held.update(response=completion(r, "first")),
+                             daemon=True)
+        t.start()
+        wait_until(lambda: router_state(r)["pending_requests"] == 1, 30, "the request to be held")
+        full = completion(r, "second")
+        assert full.status_code == 503
+        assert full.headers["Retry-After"] == "7"
+        assert full.json()["error"]["code"] == "queue_full"
+        t.join(60)
+        assert held["response"].status_code == 503  # no replica in 2 s
+        assert held["response"].json()["error"]["code"] == "hold_timeout"
+        assert held["response"].headers["Retry-After"] == "7"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_model():
+    """A folder with the SmolLM2 tokenizer (the tiny model of the server tests), so the router
+    loads a tokenizer in a second instead of converting the GGUF one."""
+    return server_harness().tiny_model()
+
+
+@pytest.mark.parametrize("routing", ["prefix-aware", "round-robin"])
+def test_prefix_aware_sends_a_conversations_next_turn_to_the_same_replica(tokenizer_model,
+                                                                           routing):
+    with fake_backend("a", "127.0.0.11", chunks=2) as a, \
+            fake_backend("b", "127.0.0.12", chunks=2) as b, \
+            fake_backend("c", "127.0.0.13", chunks=2) as c, \
+            router("--routing", routing, "--model", tokenizer_model, "--backend", a.url,
+                   "--backend", b.url, "--backend", c.url) as r:
+        conversations = {u: [{"role": "system", "content": f"Assistant of user {u}. "
+                                                           + "You are helpful. " * 8}]
+                         for u in range(6)}
+        replicas = {u: [] for u in conversations}
+        for turn in range(3):
+            for user, messages in conversations.items():
+                messages.append({"role": "user", "content": f"user {user} says thing {turn}: "
+                                                            + "and more words " * 6})
+                answer = requests.post(r.url + "/v1/chat/completions",
+                                       json={"messages": messages, "stream": False},
+                                       timeout=60).json()
+                replicas[user].append(answer["backend"])
+                messages.append({"role": "assistant", "content": answer["text"]})
+        sticky = [len(set(seen)) == 1 for seen in replicas.values()]
+        if routing == "prefix-aware":
+            assert all(sticky), replicas
+            assert len({seen[0] for seen in replicas.values()}) > 1  # users spread out
+        else:
+            assert not all(sticky), replicas  # the baseline: turns wander
