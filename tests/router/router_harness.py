@@ -56,8 +56,15 @@ class Proc:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = START_TIMEOUT) -> "Proc":
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> "Proc":
+        """Start the process without waiting (so several can load at once)."""
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=self.env, cwd=ROOT)
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> "Proc":
         try:
             wait_until(self._ready, timeout, f"{self.name} at {self.url}", interval=0.1)
         except AssertionError as e:
