@@ -34,6 +34,12 @@ def test_least_load_avoids_a_replica_whose_queue_is_full():
         metrics = requests.get(r.url + "/metrics", timeout=5).text
         assert 'quire_router:routing_decisions_total{policy="least-load",reason="least_load"} 14.0' \
             in metrics
+        # The other endpoints pass through too: /v1/models, and /generate's NUL-split stream.
+        assert requests.get(r.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "fake"
+        generated = requests.post(r.url + "/generate", json={"prompt": "x", "stream": True},
+                                  stream=True, timeout=30)
+        parts = [json.loads(p) for p in generated.content.split(b"\0") if p]
+        assert [p["text"][0] for p in parts] == [f"{parts[0]['backend']}-{i} " for i in range(5)]
 
 
 def test_a_replica_killed_mid_stream_breaks_only_its_own_stream():
