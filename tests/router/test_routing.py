@@ -18,6 +18,13 @@ def completion(r, prompt: str, stream: bool = False, **extra):
                          stream=stream, timeout=60)
 
 
+def router_metric(r, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(r.url + "/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
 def test_least_load_avoids_a_replica_whose_queue_is_full():
     with fake_backend("a", "127.0.0.11") as a, fake_backend("b", "127.0.0.12") as b, \
             router("--routing", "least-load", "--backend", a.url, "--backend", b.url) as r:
@@ -66,10 +73,26 @@ def test_a_replica_killed_mid_stream_breaks_only_its_own_stream():
         assert doomed_events[-1]["error"]["code"] == "upstream_failed"
         assert 2 <= len(doomed_events) - 1 < 40  # some chunks came, then the error
         # Later requests still succeed: the dead replica refuses connections, the router
-        # retries on the live one before any byte was sent.
-        for i in range(4):
-            assert completion(r, f"after {i}", max_tokens=2).status_code == 200
-        assert "quire_router:retries_total" in requests.get(r.url + "/metrics", timeout=5).text
+        # retries on the live one before any byte was sent, then passes the dead one over.
+        for i in range(6):
+            after = completion(r, f"after {i}", max_tokens=2)
+            assert after.status_code == 200 and after.json()["backend"] != victim
+        assert router_metric(r, "quire_router:retries_total") <= 1
+
+
+def test_a_request_refused_before_its_first_byte_is_retried_on_another_replica():
+    with fake_backend("a", "127.0.0.11") as a, fake_backend("b", "127.0.0.12") as b, \
+            router("--routing", "round-robin", "--backend", a.url, "--backend", b.url) as r:
+        requests.post(a.url + "/control", json={"status": 503}, timeout=5)  # a is full
+        answers = [completion(r, f"q{i}") for i in range(4)]
+        assert [x.status_code for x in answers] == [200] * 4
+        assert {x.json()["backend"] for x in answers} == {"b"}
+        # a's first turn was retried on b; then a was passed over while it cooled off.
+        assert router_metric(r, "quire_router:retries_total") == 1
+        requests.post(b.url + "/control", json={"status": 503}, timeout=5)
+        refused = completion(r, "everyone is full")
+        assert refused.status_code == 503  # the replicas' own answer, passed on
+        assert refused.headers["Retry-After"] == "1"
 
 
 def test_the_router_forwards_a_client_disconnect_to_the_replica():

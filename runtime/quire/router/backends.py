@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
+# A replica that refused a connection or answered 503 (full, loading, draining) is passed over
+# this long unless no other is left, so that a dead or full replica does not cost every
+# request a failed attempt first.
+FAILURE_COOLDOWN = 5.0
+
 # A full KV cache means the next request preempts someone: count it like this many queued
 # requests, so that between two equally busy replicas the one with free blocks wins.
 KV_USAGE_WEIGHT = 4.0
@@ -29,6 +34,13 @@ class Backend:
     in_flight_at_scrape: int = 0  # our in-flight count when the figures above were read
     scraped_at: float | None = None
     added_at: float = field(default_factory=time.monotonic)
+    cooling_until: float = 0.0    # monotonic time; see FAILURE_COOLDOWN
+
+    def failed(self) -> None:
+        self.cooling_until = time.monotonic() + FAILURE_COOLDOWN
+
+    def cooling(self) -> bool:
+        return time.monotonic() < self.cooling_until
 
     def load(self) -> float:
         """Queued + running on the replica (anyone's), plus what we sent since the last

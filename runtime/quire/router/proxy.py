@@ -103,13 +103,21 @@ class ProxyEndpoint:
         body = await _read_body(receive)
         if body is None:
             return
-        work = asyncio.ensure_future(self._handle(scope, body, send))
+        finished = False
+
+        async def tracked_send(message) -> None:
+            nonlocal finished
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True  # (the server reports a disconnect once a response is done)
+
+        work = asyncio.ensure_future(self._handle(scope, body, tracked_send))
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not work.done():  # the client went away: cancelling closes the upstream stream
-                work.cancel()
+            if not work.done() and not finished:
+                work.cancel()  # the client went away: cancelling closes the upstream stream
             gone.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await gone
@@ -134,6 +142,7 @@ class ProxyEndpoint:
             candidates = [b for b in st.backends.all() if b.url not in tried]
             if not candidates:
                 break
+            candidates = [b for b in candidates if not b.cooling()] or candidates
             choice = st.policy.pick(candidates, hashes)
             st.metrics.decisions.labels(policy=st.policy.name, reason=choice.reason).inc()
             backend = choice.backend
@@ -177,6 +186,7 @@ class ProxyEndpoint:
             try:
                 response = await st.client.send(request, stream=True)
             except httpx.TransportError as e:
+                backend.failed()
                 raise _Retry(type(e).__name__) from None
             try:
                 await self._relay(response, send, backend, hashes)
@@ -191,6 +201,7 @@ class ProxyEndpoint:
                    for k, v in response.headers.multi_items()
                    if k.lower() not in DROPPED_RESPONSE_HEADERS]
         if response.status_code == 503:
+            backend.failed()
             try:
                 content = await response.aread()
             except httpx.TransportError as e:
