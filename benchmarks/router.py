@@ -114,18 +114,17 @@ def start_router(args, routing: str, replicas: list[Child]) -> Child:
     return router
 
 
+def sample_sum(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name)
+
+
 def prefix_counters(replicas: list[Child]) -> tuple[float, float]:
     """(prefix-cache hit tokens, looked-up prompt tokens), summed over the replicas."""
-    from prometheus_client.parser import text_string_to_metric_families
-    hits = queries = 0.0
-    for r in replicas:
-        for fam in text_string_to_metric_families(httpx.get(r.url + "/metrics", timeout=10).text):
-            for s in fam.samples:
-                if s.name == "quire:prefix_cache_hits_total":
-                    hits += s.value
-                elif s.name == "quire:prefix_cache_queries_total":
-                    queries += s.value
-    return hits, queries
+    return (sum(sample_sum(r.url, "quire:prefix_cache_hits_total") for r in replicas),
+            sum(sample_sum(r.url, "quire:prefix_cache_queries_total") for r in replicas))
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -133,7 +132,8 @@ def words(rng: random.Random, n: int) -> str:
 
 
 async def one_user(client: httpx.AsyncClient, url: str, args, user: int, seed: int,
-                   ttfts: list[float], errors: list[str]) -> None:
+                   ttfts: list[tuple[int, float, float]], errors: list[str]) -> None:
+    """Appends (turn, TTFT, end-to-end latency) per answered turn."""
     rng = random.Random(seed * 1000 + user)
     messages = [{"role": "system", "content": f"You are assistant {user}. "
                                               + words(rng, args.system_words)}]
@@ -165,7 +165,7 @@ async def one_user(client: httpx.AsyncClient, url: str, args, user: int, seed: i
             errors.append(f"{type(e).__name__}: {e}")
             return
         if first is not None:
-            ttfts.append(first)
+            ttfts.append((turn, first, time.perf_counter() - start))
         messages.append({"role": "assistant", "content": "".join(text)})
 
 
@@ -174,8 +174,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def play(url: str, args, seed: int) -> tuple[list[float], list[str], float]:
-    ttfts: list[float] = []
+async def play(url: str, args, seed: int) -> tuple[list[tuple], list[str], float]:
+    ttfts: list[tuple] = []
     errors: list[str] = []
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client:
@@ -190,15 +190,20 @@ def run_policy(args, routing: str) -> dict:
     try:
         router = start_router(args, routing, replicas)
         hits0, queries0 = prefix_counters(replicas)
+        done0 = [sample_sum(r.url, "quire:request_success_total") for r in replicas]
         with StealMeter() as steal:
-            ttfts, errors, wall = asyncio.run(play(router.url, args, args.seed))
+            results, errors, wall = asyncio.run(play(router.url, args, args.seed))
         hits, queries = prefix_counters(replicas)
         hit_rate = (hits - hits0) / max(1.0, queries - queries0)
-        return {"routing": routing, "requests": len(ttfts), "errors": errors, "wall": wall,
-                "p50": percentile(ttfts, 50) if ttfts else float("nan"),
-                "p99": percentile(ttfts, 99) if ttfts else float("nan"),
-                "mean": statistics.fmean(ttfts) if ttfts else float("nan"),
-                "hit_rate": hit_rate, "steal": str(steal)}
+        per_replica = [int(sample_sum(r.url, "quire:request_success_total") - d)
+                       for r, d in zip(replicas, done0)]
+        ttfts = [t for _, t, _ in results] or [float("nan")]
+        later = [t for turn, t, _ in results if turn > 0] or [float("nan")]
+        return {"routing": routing, "requests": len(results), "errors": errors, "wall": wall,
+                "p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99),
+                "mean": statistics.fmean(ttfts), "mean_later": statistics.fmean(later),
+                "e2e": statistics.fmean([e for _, _, e in results] or [float("nan")]),
+                "hit_rate": hit_rate, "per_replica": per_replica, "steal": str(steal)}
     finally:
         if router is not None:
             router.stop()
@@ -227,17 +232,20 @@ def main() -> None:
     print(f"\n{args.replicas} replicas, {args.users} users x {args.turns} turns, "
           f"{args.max_tokens} output tokens per turn")
     print(f"{'routing':<14} {'requests':>8} {'errors':>6} {'TTFT p50':>9} {'p99':>8} "
-          f"{'mean':>8} {'hit rate':>9} {'wall':>7}  steal")
+          f"{'mean':>8} {'turns 2+':>9} {'e2e':>8} {'hit rate':>9} {'wall':>7}  "
+          f"per replica  steal")
     for r in results:
         print(f"{r['routing']:<14} {r['requests']:>8} {len(r['errors']):>6} {r['p50']:>8.2f}s "
-              f"{r['p99']:>7.2f}s {r['mean']:>7.2f}s {r['hit_rate']:>8.1%} {r['wall']:>6.1f}s  "
-              f"{r['steal']}")
+              f"{r['p99']:>7.2f}s {r['mean']:>7.2f}s {r['mean_later']:>8.2f}s {r['e2e']:>7.2f}s "
+              f"{r['hit_rate']:>8.1%} {r['wall']:>6.1f}s  {r['per_replica']}  {r['steal']}")
         for e in r["errors"][:3]:
             print(f"    error: {e}")
     by = {r["routing"]: r for r in results}
     if "round-robin" in by and "prefix-aware" in by:
-        print(f"mean TTFT round-robin / prefix-aware = "
-              f"{by['round-robin']['mean'] / by['prefix-aware']['mean']:.2f}x")
+        rr, pa = by["round-robin"], by["prefix-aware"]
+        print(f"mean TTFT round-robin / prefix-aware = {rr['mean'] / pa['mean']:.2f}x "
+              f"(turns 2+: {rr['mean_later'] / pa['mean_later']:.2f}x; end-to-end "
+              f"{rr['e2e'] / pa['e2e']:.2f}x; wall {rr['wall'] / pa['wall']:.2f}x)")
 
 
 if __name__ == "__main__":
