@@ -134,6 +134,47 @@ def quire_serve(name: str, host: str, *args: str) -> Proc:
                                   "--host", host, "--port", str(port)], host, port, "/ready")
 
 
+class InProcessRouter:
+    """The router's app under uvicorn in a thread of this process (no interpreter start, no
+    second torch import: seconds saved per test on a loaded machine). `python -m quire.router`
+    itself is started as a process by test_real_replicas.py."""
+
+    def __init__(self, *args: str, host: str = "127.0.0.20") -> None:
+        import argparse
+
+        from quire.router.cli import add_router_arguments
+        parser = argparse.ArgumentParser()
+        add_router_arguments(parser)
+        self.port = free_port(host)
+        self.ns = parser.parse_args(["--host", host, "--port", str(self.port),
+                                     "--scrape-interval", "0.2", *args])
+        self.url = f"http://{host}:{self.port}"
+        self.server = None
+        self.thread = None
+
+    def __enter__(self) -> "InProcessRouter":
+        import threading
+
+        import uvicorn
+
+        from quire.router.app import build_app
+        from quire.router.cli import build_state
+        state, background = build_state(self.ns)
+        app = build_app(state, background, admin_api=self.ns.admin_api)
+        config = uvicorn.Config(app, host=self.ns.host, port=self.port, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 60, "the in-process router")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "the in-process router did not stop"
+
+
 _server_harness = None
 
 

@@ -11,7 +11,8 @@ from urllib.parse import urlparse
 
 import requests
 
-from router_harness import ROOT, fake_backend, router, router_state, wait_until
+from router_harness import InProcessRouter as router
+from router_harness import ROOT, fake_backend, router_state, wait_until
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
 

@@ -8,8 +8,31 @@ import threading
 import pytest
 import requests
 
-from router_harness import (fake_backend, router, router_state, server_harness, sse_texts,
-                            wait_until)
+from router_harness import (InProcessRouter as router, fake_backend, router_state,
+                            server_harness, sse_texts, wait_until)
+
+
+@pytest.fixture(scope="module")
+def fakes():
+    """Three fake replicas shared by the tests of this file (a, b, c), reset before each."""
+    procs = {n: fake_backend(n, f"127.0.0.{11 + i}") for i, n in enumerate("abc")}
+    try:
+        for p in procs.values():
+            p.launch()
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture
+def replicas(fakes):
+    for p in fakes.values():
+        requests.post(p.url + "/control", timeout=5,
+                      json={"waiting": 0, "kv": 0.0, "status": 200, "seen": []})
+    return fakes
 
 
 def completion(r, prompt: str, stream: bool = False, **extra):
@@ -25,9 +48,9 @@ def router_metric(r, name: str) -> float:
                if s.name == name)
 
 
-def test_least_load_avoids_a_replica_whose_queue_is_full():
-    with fake_backend("a", "127.0.0.11") as a, fake_backend("b", "127.0.0.12") as b, \
-            router("--routing", "least-load", "--backend", a.url, "--backend", b.url) as r:
+def test_least_load_avoids_a_replica_whose_queue_is_full(replicas):
+    a, b = replicas["a"], replicas["b"]
+    with router("--routing", "least-load", "--backend", a.url, "--backend", b.url) as r:
         requests.post(a.url + "/control", json={"waiting": 50, "kv": 0.95}, timeout=5)
         wait_until(lambda: any(x["waiting"] == 50 for x in router_state(r)["backends"]), 30,
                    "the router to scrape a's queue")
@@ -50,8 +73,9 @@ def test_least_load_avoids_a_replica_whose_queue_is_full():
 
 
 def test_a_replica_killed_mid_stream_breaks_only_its_own_stream():
-    with fake_backend("a", "127.0.0.11", chunks=40, interval=0.05) as a, \
-            fake_backend("b", "127.0.0.12", chunks=40, interval=0.05) as b, \
+    # Replicas of its own: one of them dies.
+    with fake_backend("x", "127.0.0.16", chunks=40) as a, \
+            fake_backend("y", "127.0.0.17", chunks=40) as b, \
             router("--routing", "least-load", "--backend", a.url, "--backend", b.url) as r:
         # The first stream asks its replica to die after two chunks; the second, sent while
         # the first runs, goes to the other replica (least-load) and must finish whole.
@@ -67,7 +91,7 @@ def test_a_replica_killed_mid_stream_breaks_only_its_own_stream():
                 doomed_events.append(json.loads(line[6:]) if line[6:] != b"[DONE]" else "DONE")
         victim = first["backend"]
         assert healthy_events[-1] == {"done": True}
-        assert {e["backend"] for e in healthy_events[:-1]} == ({"a", "b"} - {victim})
+        assert {e["backend"] for e in healthy_events[:-1]} == ({"x", "y"} - {victim})
         assert len(healthy_events) == 41
         assert "DONE" not in doomed_events
         assert doomed_events[-1]["error"]["code"] == "upstream_failed"
@@ -80,9 +104,9 @@ def test_a_replica_killed_mid_stream_breaks_only_its_own_stream():
         assert router_metric(r, "quire_router:retries_total") <= 1
 
 
-def test_a_request_refused_before_its_first_byte_is_retried_on_another_replica():
-    with fake_backend("a", "127.0.0.11") as a, fake_backend("b", "127.0.0.12") as b, \
-            router("--routing", "round-robin", "--backend", a.url, "--backend", b.url) as r:
+def test_a_request_refused_before_its_first_byte_is_retried_on_another_replica(replicas):
+    a, b = replicas["a"], replicas["b"]
+    with router("--routing", "round-robin", "--backend", a.url, "--backend", b.url) as r:
         requests.post(a.url + "/control", json={"status": 503}, timeout=5)  # a is full
         answers = [completion(r, f"q{i}") for i in range(4)]
         assert [x.status_code for x in answers] == [200] * 4
@@ -95,10 +119,10 @@ def test_a_request_refused_before_its_first_byte_is_retried_on_another_replica()
         assert refused.headers["Retry-After"] == "1"
 
 
-def test_the_router_forwards_a_client_disconnect_to_the_replica():
-    with fake_backend("a", "127.0.0.11", chunks=2000, interval=0.05) as a, \
-            router("--backend", a.url) as r:
-        stream = completion(r, "a long one", stream=True)
+def test_the_router_forwards_a_client_disconnect_to_the_replica(replicas):
+    a = replicas["a"]
+    with router("--backend", a.url) as r:
+        stream = completion(r, "a long one", stream=True, max_tokens=2000)  # 100 s
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith(b"data: "))
         assert requests.get(a.url + "/seen", timeout=5).json()["running"] == 1
@@ -109,7 +133,7 @@ def test_the_router_forwards_a_client_disconnect_to_the_replica():
                    "the router's in-flight count to drop")
 
 
-def test_a_held_request_completes_once_a_replica_appears():
+def test_a_held_request_completes_once_a_replica_appears(replicas):
     with router("--admin-api", "--hold-timeout", "60") as r:
         result = {}
 
@@ -121,11 +145,10 @@ def test_a_held_request_completes_once_a_replica_appears():
         wait_until(lambda: router_state(r)["pending_requests"] == 1, 30, "the request to be held")
         assert "quire_router:pending_requests 1.0" in requests.get(r.url + "/metrics",
                                                                   timeout=5).text
-        with fake_backend("late", "127.0.0.13") as late:
-            requests.post(r.url + "/router/backends", json={"url": late.url}, timeout=5)
-            t.join(30)
-            assert result["response"].status_code == 200
-            assert result["response"].json()["backend"] == "late"
+        requests.post(r.url + "/router/backends", json={"url": replicas["c"].url}, timeout=5)
+        t.join(30)
+        assert result["response"].status_code == 200
+        assert result["response"].json()["backend"] == "c"
         assert router_state(r)["pending_requests"] == 0
         assert 'quire_router:hold_seconds_count 1.0' in requests.get(r.url + "/metrics",
                                                                     timeout=5).text
@@ -158,11 +181,9 @@ def tokenizer_model():
 
 @pytest.mark.parametrize("routing", ["prefix-aware", "round-robin"])
 def test_prefix_aware_sends_a_conversations_next_turn_to_the_same_replica(tokenizer_model,
-                                                                           routing):
-    with fake_backend("a", "127.0.0.11", chunks=2) as a, \
-            fake_backend("b", "127.0.0.12", chunks=2) as b, \
-            fake_backend("c", "127.0.0.13", chunks=2) as c, \
-            router("--routing", routing, "--model", tokenizer_model, "--backend", a.url,
+                                                                           routing, replicas):
+    a, b, c = replicas["a"], replicas["b"], replicas["c"]
+    with router("--routing", routing, "--model", tokenizer_model, "--backend", a.url,
                    "--backend", b.url, "--backend", c.url) as r:
         conversations = {u: [{"role": "system", "content": f"Assistant of user {u}. "
                                                            + "You are helpful. " * 8}]
@@ -173,7 +194,8 @@ def test_prefix_aware_sends_a_conversations_next_turn_to_the_same_replica(tokeni
                 messages.append({"role": "user", "content": f"user {user} says thing {turn}: "
                                                             + "and more words " * 6})
                 answer = requests.post(r.url + "/v1/chat/completions",
-                                       json={"messages": messages, "stream": False},
+                                       json={"messages": messages, "stream": False,
+                                             "max_tokens": 2},
                                        timeout=60).json()
                 replicas[user].append(answer["backend"])
                 messages.append({"role": "assistant", "content": answer["text"]})
