@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
+    from quire.router.cli import add_router_parser  # `quire router`: the cluster router
+    add_router_parser(sub)
     return parser
 
 

@@ -1,0 +1,197 @@
+"""The objects `spec.router` adds to an LLMDeployment, as pure functions.
+
+With the router enabled:
+
+    <name>          Service  -> the router pods (the address clients already use)
+    <name>-router   Deployment running `quire router --k8s-service <name>-pods`
+    <name>-pods     headless Service -> the runtime pods; its EndpointSlices are the router's
+                    backends (ready pods only: the runtime's /ready is their readiness probe)
+    <name>-router   ServiceAccount, Role (list/watch endpointslices), RoleBinding
+
+Router pods carry labels of their own: they must never match the runtime Deployment's
+selector (`quire.dev/llmdeployment: <name>`), or it would count them as its replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from . import names
+from .router_spec import RouterSpec
+
+ROUTER_LABEL = "quire.dev/router"
+ROUTER_PORT = 8080
+ROUTER_PORT_NAME = "http"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def headless_service_name(name: str) -> str:
+    return f"{name}-pods"
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    return {ROUTER_LABEL: name}
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "quire",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "router",
+        names.MANAGED_BY_LABEL: names.MANAGED_BY,
+        **router_selector_labels(name),
+    }
+
+
+def _adopted(obj: dict, owner: Mapping[str, Any]) -> dict:
+    kopf.adopt(obj, owner=owner)
+    return obj
+
+
+def router_args(name: str, spec: RouterSpec) -> list[str]:
+    """The arguments after `quire` in the router container."""
+    args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+            "--k8s-service", headless_service_name(name), "--backend-port-name", names.PORT_NAME,
+            "--routing", spec.routing, "--max-pending", str(spec.max_pending),
+            "--hold-timeout", f"{spec.hold_timeout_seconds:g}"]
+    if spec.routing == "prefix-aware":  # it tokenizes prompts as the replicas do
+        args += ["--block-size", str(spec.block_size)]
+        if spec.model_pvc_claim and spec.model_source:
+            args += ["--model", f"{names.MODELS_MOUNT}/{spec.model_source}"]
+        elif spec.model_source:
+            args += ["--model", spec.model_source]
+    return args
+
+
+def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image: str) -> dict:
+    name = owner["metadata"]["name"]
+    container = {
+        "name": "router",
+        "image": spec.image or image,
+        "command": ["quire"],
+        "args": router_args(name, spec),
+        "ports": [{"name": ROUTER_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        # Always ready: with no replica it holds requests, which is its job during scale-up.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": ROUTER_PORT_NAME},
+                           "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT_NAME},
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    volumes = []
+    if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model_pvc_claim, "readOnly": True}})
+        container["volumeMounts"] = [{"name": "model", "mountPath": names.MODELS_MOUNT,
+                                      "readOnly": True}]
+    pod_spec = {
+        "serviceAccountName": router_name(name),
+        "containers": [container],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+    }
+    if volumes:
+        pod_spec["volumes"] = volumes
+    return _adopted({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": router_name(name), "labels": router_labels(name)},
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": router_selector_labels(name)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": router_labels(name), "annotations": {
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
+                    "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec,
+            },
+        },
+    }, owner)
+
+
+def desired_router_service(owner: Mapping[str, Any], spec: RouterSpec) -> dict:
+    """The LLMDeployment's main Service (same name, same port) when the router is enabled:
+    clients keep their address, the router stands behind it."""
+    name = owner["metadata"]["name"]
+    return _adopted({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": router_labels(name)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": router_selector_labels(name),
+            "ports": [{"name": ROUTER_PORT_NAME, "port": spec.runtime_port,
+                       "targetPort": ROUTER_PORT_NAME, "protocol": "TCP"}],
+        },
+    }, owner)
+
+
+def desired_headless_service(owner: Mapping[str, Any], spec: RouterSpec) -> dict:
+    """The runtime pods, one DNS record and one EndpointSlice endpoint each (no virtual IP):
+    what the router watches, and what a Gateway's endpoint picker may use instead."""
+    name = owner["metadata"]["name"]
+    return _adopted({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": headless_service_name(name), "labels": names.child_labels(name)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,  # loading pods are not backends
+            "selector": names.selector_labels(name),
+            "ports": [{"name": names.PORT_NAME, "port": spec.runtime_port,
+                       "targetPort": names.PORT_NAME, "protocol": "TCP"}],
+        },
+    }, owner)
+
+
+# The router's own identity and the one permission it needs.
+ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                 "verbs": ["list", "watch"]}]
+
+
+def desired_router_service_account(owner: Mapping[str, Any]) -> dict:
+    name = owner["metadata"]["name"]
+    return _adopted({"apiVersion": "v1", "kind": "ServiceAccount",
+                     "metadata": {"name": router_name(name), "labels": router_labels(name)}},
+                    owner)
+
+
+def desired_router_role(owner: Mapping[str, Any]) -> dict:
+    name = owner["metadata"]["name"]
+    return _adopted({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                     "metadata": {"name": router_name(name), "labels": router_labels(name)},
+                     "rules": [dict(rule) for rule in ROUTER_RULES]}, owner)
+
+
+def desired_router_role_binding(owner: Mapping[str, Any]) -> dict:
+    name = owner["metadata"]["name"]
+    return _adopted({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": router_name(name), "labels": router_labels(name)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": router_name(name)},
+        "subjects": [{"kind": "ServiceAccount", "name": router_name(name),
+                      "namespace": owner["metadata"]["namespace"]}],
+    }, owner)
+
+
+def router_children(owner: Mapping[str, Any], spec: RouterSpec, image: str) -> list[dict]:
+    """Everything the router needs, in apply order (identity before the pods that use it);
+    empty when it is disabled. The main Service comes from `desired_router_service` then, and
+    from the runtime's own desired_service otherwise."""
+    if not spec.enabled:
+        return []
+    return [desired_router_service_account(owner), desired_router_role(owner),
+            desired_router_role_binding(owner), desired_headless_service(owner, spec),
+            desired_router_deployment(owner, spec, image)]

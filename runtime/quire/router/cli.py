@@ -1,0 +1,144 @@
+"""`quire router`: flags, and the router under uvicorn.
+
+Backends: `--backend URL` (repeatable) for local use, or `--k8s-service NAME` to watch the
+EndpointSlices of the runtime pods' headless Service (in-cluster credentials, or `--kube-api`
+for a plain-HTTP API server such as a test's). `quire router` calls `add_router_parser`;
+`python -m quire.router` calls `main` and needs nothing from quire's own CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from quire.router.policies import POLICIES
+
+logger = logging.getLogger(__name__)
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a replica's base URL (repeatable); static, for local use")
+    p.add_argument("--k8s-service", default=None, metavar="NAME",
+                   help="watch the EndpointSlices of this headless Service for ready replicas")
+    p.add_argument("--k8s-namespace", default=None,
+                   help="its namespace (default: the router pod's own)")
+    p.add_argument("--kube-api", default=None, metavar="URL",
+                   help="the API server (default: in-cluster); given, no credentials are sent")
+    p.add_argument("--backend-port-name", default="http",
+                   help="the EndpointSlice port to use (default: http; else the first port)")
+    p.add_argument("--routing", choices=POLICIES, default="least-load")
+    p.add_argument("--model", default=None,
+                   help="prefix-aware: the model whose tokenizer to use (a GGUF file, folder or "
+                        "Hub id; default: the runtime's default model)")
+    p.add_argument("--tokenizer", default=None, help="prefix-aware: a tokenizer to use instead")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="prefix-aware: the replicas' KV block size (tokens)")
+    p.add_argument("--prefix-cache-entries", type=int, default=200_000,
+                   help="prefix-aware: block hashes remembered (LRU)")
+    p.add_argument("--prefix-load-factor", type=float, default=1.0,
+                   help="prefix-aware: a replica is overloaded above (1 + this) x the mean "
+                        "load plus --prefix-load-slack; then least-load decides")
+    p.add_argument("--prefix-load-slack", type=float, default=4.0)
+    p.add_argument("--scrape-interval", type=float, default=1.0,
+                   help="seconds between reads of each replica's /metrics")
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="requests held while no replica is ready; beyond, 503 + Retry-After")
+    p.add_argument("--hold-timeout", type=float, default=300.0,
+                   help="seconds a held request waits for a replica before a 503")
+    p.add_argument("--retry-after", type=int, default=5,
+                   help="the Retry-After (seconds) of the router's own 503s")
+    p.add_argument("--max-retries", type=int, default=2,
+                   help="other replicas tried when one fails before its first byte")
+    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--admin-api", action="store_true",
+                   help="serve POST/DELETE /router/backends (add or remove replicas at runtime)")
+
+
+def add_router_parser(subparsers) -> argparse.ArgumentParser:
+    """The hook for `quire`'s CLI: `add_router_parser(sub)` in its build_parser."""
+    p = subparsers.add_parser("router", help="run the cluster request router",
+                              description=__doc__.splitlines()[0])
+    add_router_arguments(p)
+    p.set_defaults(func=cmd_router)
+    return p
+
+
+def build_state(ns: argparse.Namespace):
+    """The router's parts from its flags: (state, background tasks)."""
+    import httpx
+
+    from quire.router.backends import BackendSet
+    from quire.router.holding import Holding
+    from quire.router.load_scraper import LoadScraper
+    from quire.router.metrics import RouterMetrics
+    from quire.router.policies import make_policy
+    from quire.router.prefix_index import PrefixIndex
+    from quire.router.prompt_hashing import PromptHasher, load_tokenizer
+    from quire.router.proxy import RouterState
+
+    if ns.backend and ns.k8s_service:
+        raise ValueError("give --backend or --k8s-service, not both")
+    for name in ("max_pending", "max_retries", "prefix_cache_entries"):
+        if getattr(ns, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    backends = BackendSet(ns.backend)
+    metrics = RouterMetrics()
+    hasher = None
+    policy = make_policy(ns.routing, PrefixIndex(max(1, ns.prefix_cache_entries)),
+                         ns.prefix_load_factor, ns.prefix_load_slack)
+    if ns.routing == "prefix-aware":
+        hasher = PromptHasher(load_tokenizer(ns.model, ns.tokenizer), ns.block_size)
+        backends.on_removed.append(policy.forget)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(ns.connect_timeout, read=None, write=30.0, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    state = RouterState(backends=backends, policy=policy, metrics=metrics, client=client,
+                        holding=Holding(backends, metrics, ns.max_pending, ns.hold_timeout),
+                        hasher=hasher, max_retries=ns.max_retries, retry_after=ns.retry_after)
+    background = [LoadScraper(backends, client, ns.scrape_interval).run]
+    if ns.k8s_service:
+        background.append(_endpoint_slice_watch(ns, backends).run)
+    return state, background
+
+
+def _endpoint_slice_watch(ns, backends):
+    from quire.router.discovery_k8s import EndpointSliceWatch, in_cluster, pod_namespace
+    if ns.kube_api:
+        api, headers, verify = ns.kube_api, {}, True
+    else:
+        api, headers, verify = in_cluster()
+    return EndpointSliceWatch(api, ns.k8s_namespace or pod_namespace(), ns.k8s_service,
+                              backends.replace, port_name=ns.backend_port_name,
+                              headers=headers, verify=verify)
+
+
+def cmd_router(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from quire.router.app import build_app
+    state, background = build_state(ns)
+    app = build_app(state, background, admin_api=ns.admin_api)
+    logger.info("quire router: %s routing, http://%s:%d, backends from %s", ns.routing, ns.host,
+                ns.port, f"service {ns.k8s_service}" if ns.k8s_service
+                else ", ".join(ns.backend) or "the admin API")
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
+                access_log=False, lifespan="on", log_config=None, timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quire router", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    add_router_arguments(parser)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_router(ns)
+    except ValueError as e:
+        print(f"quire router: error: {e}", file=sys.stderr)
+        return 2

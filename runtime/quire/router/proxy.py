@@ -1,0 +1,240 @@
+"""One proxied request: hold if no replica is ready, pick one, forward, stream the answer back.
+
+Plain ASGI, not a framework response: the client's disconnect must be seen while we wait for
+a replica, while the replica thinks, and while it streams, and it must close the upstream
+connection (which is how the replica learns to abort the request).
+
+Retries: a request whose replica fails before sending the first byte of its body (refused
+connection, a reset, a 503 from a full or loading replica) goes to another replica not yet
+tried, up to `max_retries` times. Once a byte has reached the client, never: a stream that
+breaks then ends with an error (an SSE error event, or a cut connection for other bodies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from quire.router.backends import Backend, BackendSet
+from quire.router.holding import Holding, HoldRejected
+from quire.router.metrics import RouterMetrics
+from quire.router.prompt_hashing import PromptHasher
+
+logger = logging.getLogger(__name__)
+
+# Hop-by-hop headers (RFC 9110 7.6.1), and those the HTTP client sets itself.
+DROPPED_REQUEST_HEADERS = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+DROPPED_RESPONSE_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade"})
+
+
+class UpstreamBroke(Exception):
+    """A replica failed after the client got bytes: the connection is cut, not retried."""
+
+
+@dataclass
+class RouterState:
+    backends: BackendSet
+    policy: object
+    holding: Holding
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    hasher: PromptHasher | None = None
+    max_retries: int = 2
+    retry_after: int = 5
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}}).encode()
+
+
+async def send_error(send, status: int, message: str, code: str,
+                     retry_after: int | None = None) -> None:
+    body = error_body(status, message, code)
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive) -> bytes | None:
+    """The whole request body, or None if the client left before sending it."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str, response: tuple | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.response = response  # (status, headers, body) of a 503 to pass on if all fail
+
+
+class ProxyEndpoint:
+    """The ASGI app for every proxied path."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            return
+        finished = False
+
+        async def tracked_send(message) -> None:
+            nonlocal finished
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True  # (the server reports a disconnect once a response is done)
+
+        work = asyncio.ensure_future(self._handle(scope, body, tracked_send))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done() and not finished:
+                work.cancel()  # the client went away: cancelling closes the upstream stream
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        if work.cancelled():
+            logger.debug("client disconnected from %s", scope["path"])
+
+    async def _handle(self, scope, body: bytes, send) -> None:
+        st = self.state
+        st.metrics.request_arrived()
+        hashes = await self._hashes(scope, body)
+        tried: set[str] = set()
+        last_503 = None
+        for attempt in range(st.max_retries + 1):
+            try:
+                await st.holding.until_backend()
+            except HoldRejected as e:
+                st.metrics.rejected.labels(reason=e.reason).inc()
+                await send_error(send, 503, str(e), e.reason, st.retry_after)
+                return
+            candidates = [b for b in st.backends.all() if b.url not in tried]
+            if not candidates:
+                break
+            candidates = [b for b in candidates if not b.cooling()] or candidates
+            choice = st.policy.pick(candidates, hashes)
+            st.metrics.decisions.labels(policy=st.policy.name, reason=choice.reason).inc()
+            backend = choice.backend
+            tried.add(backend.url)
+            try:
+                await self._forward(backend, scope, body, send, hashes)
+                return
+            except _Retry as r:
+                logger.info("%s failed before its first byte (%s)%s", backend.url, r.reason,
+                            "; trying another replica" if attempt < st.max_retries else "")
+                st.metrics.retries.labels(reason=r.reason).inc()
+                last_503 = r.response or last_503
+        if last_503 is not None:  # every replica was full or loading: say so, as they did
+            status, headers, content = last_503
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": content})
+            return
+        st.metrics.rejected.labels(reason="upstream_failed").inc()
+        await send_error(send, 502, f"no replica could take the request (tried "
+                                    f"{len(tried)})", "upstream_failed", st.retry_after)
+
+    async def _hashes(self, scope, body: bytes) -> list[int]:
+        hasher = self.state.hasher
+        if hasher is None or scope["method"] != "POST" or not body:
+            return []
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return []  # the replica answers it with a 400
+        return await asyncio.to_thread(hasher.hashes, scope["path"], parsed)
+
+    async def _forward(self, backend: Backend, scope, body: bytes, send, hashes) -> None:
+        st = self.state
+        url = backend.url + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_REQUEST_HEADERS]
+        request = st.client.build_request(scope["method"], url, headers=headers, content=body)
+        backend.in_flight += 1
+        try:
+            try:
+                response = await st.client.send(request, stream=True)
+            except httpx.TransportError as e:
+                backend.failed()
+                raise _Retry(type(e).__name__) from None
+            try:
+                await self._relay(response, send, backend, hashes)
+            finally:
+                await response.aclose()  # unread: the connection closes and the replica aborts
+        finally:
+            backend.in_flight -= 1
+
+    async def _relay(self, response: httpx.Response, send, backend: Backend, hashes) -> None:
+        st = self.state
+        headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                   for k, v in response.headers.multi_items()
+                   if k.lower() not in DROPPED_RESPONSE_HEADERS]
+        if response.status_code == 503:
+            backend.failed()
+            try:
+                content = await response.aread()
+            except httpx.TransportError as e:
+                raise _Retry(type(e).__name__) from None
+            raise _Retry("unavailable", (503, headers, content))
+        chunks = response.aiter_raw()
+        try:
+            first = await chunks.__anext__()
+            more = True
+        except StopAsyncIteration:
+            first, more = b"", False
+        except httpx.TransportError as e:
+            raise _Retry(type(e).__name__) from None
+        # Committed to this replica from here on.
+        st.metrics.first_byte()
+        if response.status_code < 400:
+            st.policy.routed(backend, hashes)
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": first, "more_body": more})
+        if not more:
+            return
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.TransportError as e:
+            logger.warning("%s broke off a response mid-stream: %s", backend.url, e)
+            st.metrics.rejected.labels(reason="broken_stream").inc()
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                raise UpstreamBroke(f"{backend.url} failed mid-response") from None
+            event = b"data: " + error_body(502, "the replica failed while streaming this "
+                                                "response; it is incomplete",
+                                           "upstream_failed") + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
