@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from quire.structured.params import GuidedDecodingParams
+
 GREEDY_EPSILON = 1e-5  # temperatures below this decode greedily, as in vLLM
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
@@ -36,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-k logprobs per generated token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE)
+    guided_decoding: GuidedDecodingParams | None = None  # structured output (quire/structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +83,10 @@ class SamplingParams:
                  what=f"an integer in [0, {MAX_LOGPROBS}] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                               GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
+                             f"got {self.guided_decoding!r}")
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ class BeamSearchParams:
     max_tokens: int
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    guided_decoding: object = None  # a GuidedDecodingParams: every beam follows the grammar
 
     def __post_init__(self) -> None:
         w = self.beam_width
@@ -79,7 +80,8 @@ class BeamSearchGroup:
             _, _, top_ids, top_lps = self.pending[beam.request_id]
             base = self.cum[beam.request_id]
             cands += [(base + lp, order, rank, beam, t)
-                      for rank, (t, lp) in enumerate(zip(top_ids, top_lps))]
+                      for rank, (t, lp) in enumerate(zip(top_ids, top_lps))
+                      if lp != float("-inf")]  # masked out by the beam's grammar
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         chosen: list[tuple[Request, int, float]] = []
         for i, (score, _, _, beam, token) in enumerate(cands[: 2 * w]):

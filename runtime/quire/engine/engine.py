@@ -29,6 +29,7 @@ from quire.models.loader import (default_dtype, iter_weights, load_hf_config, lo
 from quire.outputs import RequestOutput
 from quire.platform import attention_backend_class, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
+from quire.structured.manager import StructuredOutputManager
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
 from quire.worker.model_runner import ModelRunner
 from quire.worker.sampler import Sampler
@@ -75,11 +76,13 @@ class LLMEngine:
         self.swap_manager, host_cache = self._swap_space(cfg)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager)
-        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed)
+        self.eos_token_ids = self._eos_token_ids(cfg)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
+                                                  self.eos_token_ids)  # guided decoding
+        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed, self.structured)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
                                   self.device, host_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = self._eos_token_ids(cfg)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
         self._aborted_outputs: list[RequestOutput] = []
@@ -172,6 +175,8 @@ class LLMEngine:
                 seq.generator = self.sampler.make_generator(seq_params.seed)
             seqs.append(seq)
         seqs[0].pending_forks = seqs[1:]
+        if params.guided_decoding is not None:  # compiles off this thread; waits till then
+            self.structured.attach(seqs, params.guided_decoding)
         self.output_processor.add(request_id, text, token_ids, params, seqs)
         self.scheduler.add_request(seqs[0])
         return request_id
@@ -232,9 +237,12 @@ class LLMEngine:
         self._max_tokens(len(token_ids), SamplingParams(max_tokens=params.max_tokens))
         # greedy rows that return the top-2W logprobs; the group chooses the tokens
         seq_params = SamplingParams(temperature=0, logprobs=2 * params.beam_width,
-                                    max_tokens=params.max_tokens, ignore_eos=True)
+                                    max_tokens=params.max_tokens, ignore_eos=True,
+                                    guided_decoding=params.guided_decoding)
         root = Request(f"{request_id}#beam0", token_ids, seq_params, frozenset(),
                        params.max_tokens, arrival_time, group_id=request_id)
+        if params.guided_decoding is not None:
+            self.structured.attach([root], params.guided_decoding)
         root.beam = BeamSearchGroup(request_id, text, root, params, self.eos_token_ids)
         self.beam_groups[request_id] = root.beam
         self.scheduler.add_request(root)
@@ -245,6 +253,7 @@ class LLMEngine:
                         parent.max_tokens, parent.metrics.arrival_time, group_id=parent.group_id)
         child.token_ids = list(parent.token_ids)
         child.beam = parent.beam
+        child.structured = self.structured.fork(parent)  # its own copy of the grammar state
         if parent.request_id in self.kv_manager.req_blocks:  # share its blocks
             self.kv_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
@@ -261,6 +270,7 @@ class LLMEngine:
         for group in groups.values():
             if group.ready():
                 group.advance(self._fork_beam, self.scheduler.finish)
+                self.structured.advance(group.live)  # each beam's grammar takes its token
             if group.finished:
                 del self.beam_groups[group.request_id]
                 outs.append(group.output(self.tokenizer))
@@ -291,8 +301,12 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        for req, error in self.structured.poll():  # grammars compiled since the last step
+            outputs += self._fail([req], error)
         sched = self.scheduler.schedule()
+        self.structured.resync(sched.preempted)
         if sched.empty:
+            self.structured.wait(0.05)  # nothing runs until a grammar compiles: don't spin
             return outputs
         try:
             result = self.runner.execute(sched)
@@ -309,6 +323,7 @@ class LLMEngine:
             updated = [r for r in updated if r.beam is None]
             outputs += self._advance_beams(beams, result.logprobs)
         touched = self.output_processor.process(updated, result.logprobs, self.scheduler.finish)
+        self.structured.advance(updated, self.scheduler.finish)  # after the text: keeps its end
         self._record(updated)
         return outputs + self.output_processor.outputs(touched)
 
@@ -342,6 +357,7 @@ class LLMEngine:
     # --- observability -------------------------------------------------------------------
     def drain_events(self) -> StepEvents:
         ev, self.events = self.events, StepEvents()
+        self.structured.record(ev)
         return ev
 
     def snapshot(self) -> EngineSnapshot:

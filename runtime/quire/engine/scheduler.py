@@ -139,8 +139,12 @@ class Scheduler:
 
         # 4) waiting requests, first come first served
         if not self.swapped:
+            compiling = []  # structured output: requests whose grammar is still compiling
             while self.waiting and budget > 0:
                 req = self.waiting[0]
+                if req.structured is not None and not req.structured.ready:
+                    compiling.append(self.waiting.popleft())  # let the others go past
+                    continue
                 if self.num_running_seqs + req.group_size > self.max_num_seqs:
                     break
                 computed, num_computed = self.kv.get_computed_blocks(req)
@@ -158,6 +162,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 add(req, n, copies)
+            self.waiting.extendleft(reversed(compiling))
 
         for req, n in zip(out.requests, out.num_new_tokens):
             out.block_tables.append(self.kv.block_ids(req))
