@@ -112,7 +112,8 @@ def test_greedy_grammar_output_is_batch_invariant(llm):
 def test_regex_choice_grammar_and_json_object(llm, kind, spec, check):
     guided = GuidedDecodingParams(**{kind: spec})
     outs = llm.generate(text_prompts(8, [2] * 8, seed=4),
-                        [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS,
+                        [SamplingParams(temperature=1.0, seed=s,
+                                        max_tokens=48 if kind == "json_object" else MAX_TOKENS,
                                         guided_decoding=guided) for s in range(8)],
                         use_tqdm=False)
     for out in outs:

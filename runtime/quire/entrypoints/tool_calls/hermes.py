@@ -10,6 +10,7 @@ Content is the text before the first <tool_call>; text between or after calls is
 from __future__ import annotations
 
 from quire.entrypoints.tool_calls.base import ToolParser
+from quire.entrypoints.tool_calls.json_scan import skip_ws, value_end
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -25,13 +26,18 @@ class HermesToolParser(ToolParser):
         bodies = []
         i = first
         while i >= 0:
-            start = i + len(OPEN)
-            end = text.find(CLOSE, start)
-            if end < 0:
+            start = skip_ws(text, i + len(OPEN))
+            # the call ends with its JSON object, not at the first </tool_call>: that string
+            # may sit inside the arguments
+            end = value_end(text, start) if text[start:start + 1] == "{" else None
+            if end is None and text[start:start + 1] != "{":
+                end = text.find(CLOSE, start)  # not JSON: the whole parse will say so
+                end = None if end < 0 else end
+            if end is None:
                 bodies.append(text[start:])
                 break
             bodies.append(text[start:end])
-            i = text.find(OPEN, end + len(CLOSE))
+            i = text.find(OPEN, end)
         return text[:first], bodies
 
 
