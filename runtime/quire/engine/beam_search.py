@@ -37,6 +37,11 @@ class BeamSearchParams:
             raise ValueError(f"length_penalty must be a number, got {lp!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        from quire.structured import GuidedDecodingParams
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                               GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
+                             f"got {self.guided_decoding!r}")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 
 import llguidance
@@ -45,20 +46,23 @@ def grammar_text(params) -> str:
 
 def check_grammar(params) -> None:
     """ValueError naming what is wrong or unsupported; cached per grammar."""
-    error = _checked.get(params.key)
+    with _checked_lock:
+        error = _checked.get(params.key)
     if error is None:
         try:
             error = llguidance.LLMatcher.validate_grammar(grammar_text(params))
         except Exception as e:  # GBNF that doesn't convert, a schema that isn't JSON
             error = str(e)
-        _checked[params.key] = error
-        if len(_checked) > MAX_CHECKED:
-            _checked.popitem(last=False)
+        with _checked_lock:
+            _checked[params.key] = error
+            if len(_checked) > MAX_CHECKED:
+                _checked.popitem(last=False)
     if error:
         raise ValueError(f"{params.kind}: {error}")
 
 
 MAX_CHECKED = 1024
+_checked_lock = threading.Lock()  # requests are built on many threads
 _checked: OrderedDict = OrderedDict()  # grammar key -> error ("" when valid); a plain bounded
                                        # FIFO, as lru_cache can't hash schema dicts
 

@@ -48,7 +48,7 @@ class StructuredOutputManager:
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         from quire.structured.backend import Backend, bitmask_words
         self.vocab_size = vocab_size
-        self.words = bitmask_words(vocab_size)
+        self.words = bitmask_words(max(vocab_size, len(tokenizer)))  # llguidance's width
         self.compiler = GrammarCompiler(
             lambda: Backend(tokenizer, vocab_size, eos_token_ids), cache_size)
         self._compiling: list[list[Request]] = []  # sibling groups whose grammar is pending
