@@ -226,3 +226,42 @@ def test_compiled_grammar_cache_is_bounded_and_shared():
     compiler.submit(a).result()  # evicted: compiled again
     assert compiled.count(a.key) == 2
     compiler.shutdown()
+
+
+def test_request_waits_for_its_grammar_while_others_run(tiny_llama):
+    import threading
+    engine = LLMEngine.from_kwargs(model=tiny_llama, dtype="float32", kv_cache_memory=16 << 20)
+    compiler = engine.structured.compiler
+    release, original = threading.Event(), compiler._compile
+    compiler._compile = lambda params: release.wait() and original(params)
+    engine.add_request("guided", [5, 6, 7], _json_params(0))
+    engine.add_request("free", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                         ignore_eos=True))
+    done = {}
+    while "free" not in done:
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "guided" not in done  # still compiling: it never ran, the other one did
+    assert engine.structured.num_compiling == 1
+    release.set()
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    _assert_valid(done["guided"].outputs[0])
+    assert engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_failed_compile_fails_only_its_request(tiny_llama):
+    engine = LLMEngine.from_kwargs(model=tiny_llama, dtype="float32", kv_cache_memory=16 << 20)
+
+    def broken(params):
+        raise RuntimeError("no grammar today")
+
+    engine.structured.compiler._compile = broken
+    engine.add_request("bad", [5, 6], _json_params(0, n=2))
+    engine.add_request("good", [5, 6], SamplingParams(temperature=0, max_tokens=3,
+                                                      ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "no grammar today" in done["bad"].error
+    assert done["good"].error is None and len(done["good"].outputs[0].token_ids) == 3
+    assert engine.kv_manager.pool.num_used_blocks == 0
