@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GuidedDecodingParams:
     json: dict | str | None = None
     json_object: bool | None = None
@@ -44,6 +44,13 @@ class GuidedDecodingParams:
     @property
     def kind(self) -> str:
         return self.key[0]
+
+    # equal and hashed by what they compile to (a schema dict can't be hashed itself)
+    def __eq__(self, other) -> bool:
+        return isinstance(other, GuidedDecodingParams) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
 
     def _canonical(self, kind: str) -> str:
         """A string that names the grammar: the compiled-grammar cache key."""
