@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from quire.structured.params import GuidedDecodingParams
 from quire.validation import check_int, check_number
 
 GREEDY_EPSILON = 1e-5  # temperatures below this decode greedily, as in vLLM
@@ -38,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-k logprobs per generated token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE)
+    guided_decoding: GuidedDecodingParams | None = None  # structured output (quire/structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +84,10 @@ class SamplingParams:
                  what=f"an integer in [0, {MAX_LOGPROBS}] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                               GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
+                             f"got {self.guided_decoding!r}")
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,7 @@ class BeamSearchParams:
     max_tokens: int
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    guided_decoding: object = None  # a GuidedDecodingParams: every beam follows the grammar
 
     def __post_init__(self) -> None:
         check_int("beam_width", self.beam_width, lo=1, hi=MAX_BEAM_WIDTH)
@@ -37,6 +38,11 @@ class BeamSearchParams:
                      what="a number")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        from quire.structured import GuidedDecodingParams
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                               GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
+                             f"got {self.guided_decoding!r}")
 
 
 def num_blocks_for_beam_search(prompt_len: int, params: BeamSearchParams,
@@ -95,7 +101,8 @@ class BeamSearchGroup:
             lp = self.reported[beam.request_id]
             base = self.cum[beam.request_id]
             cands += [(base + logprob, order, rank, beam, t)
-                      for rank, (t, logprob) in enumerate(zip(lp.top_ids, lp.top_logprobs))]
+                      for rank, (t, logprob) in enumerate(zip(lp.top_ids, lp.top_logprobs))
+                      if logprob != float("-inf")]  # masked out by the beam's grammar
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         chosen: list[tuple[Request, int, float]] = []
         for i, (score, _, _, beam, token) in enumerate(cands[: 2 * w]):
@@ -136,6 +143,8 @@ class BeamSearchGroup:
         self._next_id += 1
         child.token_ids = list(parent.token_ids)
         child.beam_group = self
+        if parent.structured is not None:  # guided: the beam gets its own grammar state
+            child.structured = parent.structured.fork()
         scheduler.fork(parent, child)
         return child
 
@@ -166,8 +175,9 @@ class BeamSearchGroup:
 
 
 def advance_beam_groups(beams: list[Request], logprobs: dict[str, TokenLogprobs],
-                        scheduler) -> list[BeamSearchGroup]:
-    """After a step: record each beam's report, advance the groups that are complete.
+                        scheduler, on_advance=None) -> list[BeamSearchGroup]:
+    """After a step: record each beam's report, advance the groups that are complete
+    (`on_advance(live_beams)` then sees each advanced group's beams, each with its new token).
     Returns the groups that finished."""
     groups: dict[str, BeamSearchGroup] = {}
     for beam in beams:
@@ -176,4 +186,6 @@ def advance_beam_groups(beams: list[Request], logprobs: dict[str, TokenLogprobs]
     for group in groups.values():
         if group.ready():
             group.advance(scheduler)
+            if on_advance is not None:
+                on_advance(group.live)
     return [g for g in groups.values() if g.finished]

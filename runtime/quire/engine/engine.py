@@ -44,6 +44,7 @@ from quire.models.loader import (
 from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import attention_backend_class, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
+from quire.structured.manager import StructuredOutputManager
 from quire.validation import check_int
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
 from quire.worker.model_runner import ModelRunner
@@ -91,11 +92,13 @@ class LLMEngine:
         self.swap_manager, host_cache = self._swap_space(cfg)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager)
-        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed)
+        self.eos_token_ids = self._eos_token_ids(cfg)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
+                                                  self.eos_token_ids)  # guided decoding
+        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed, self.structured)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
                                   self.device, host_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = self._eos_token_ids(cfg)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
         self._aborted_outputs: list[RequestOutput] = []
@@ -188,6 +191,8 @@ class LLMEngine:
                 seq.generator = self.sampler.make_generator(seq_params.seed)
             seqs.append(seq)
         seqs[0].pending_siblings = seqs[1:]
+        if params.guided_decoding is not None:  # compiles off this thread; waits till then
+            self.structured.attach(seqs, params.guided_decoding)
         self.output_processor.add(request_id, text, token_ids, params, seqs)
         self.scheduler.add_request(seqs[0])
         return request_id
@@ -258,9 +263,12 @@ class LLMEngine:
                 f"{self.kv_manager.num_blocks}; lower beam_width or max_tokens")
         # greedy rows that return the top-2W logprobs; the group chooses the tokens
         seq_params = SamplingParams(temperature=0, logprobs=2 * params.beam_width,
-                                    max_tokens=params.max_tokens, ignore_eos=True)
+                                    max_tokens=params.max_tokens, ignore_eos=True,
+                                    guided_decoding=params.guided_decoding)
         root = Request(f"{request_id}#beam0", token_ids, seq_params, frozenset(),
                        params.max_tokens, arrival_time, client_request_id=request_id)
+        if params.guided_decoding is not None:
+            self.structured.attach([root], params.guided_decoding)
         group = BeamSearchGroup(request_id, text, root, params, self.eos_token_ids)
         self.beam_groups[request_id] = group
         self.scheduler.add_request(root)
@@ -296,10 +304,14 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        for req, error in self.structured.poll():  # grammars compiled since the last step
+            outputs += self._fail([req], error)
         sched = self.scheduler.schedule()
         if sched.stuck:  # the liveness guard failed them: nothing could make progress
             outputs += self._fail(sched.stuck, sched.stuck_reason)
+        self.structured.resync(sched.preempted)
         if sched.empty:
+            self.structured.wait(0.05)  # nothing runs until a grammar compiles: don't spin
             return outputs
         try:
             result = self.runner.execute(sched)
@@ -315,9 +327,12 @@ class LLMEngine:
         beams = [s for s in updated if s.beam_group is not None]
         if beams:
             updated = [s for s in updated if s.beam_group is None]
-            finished = advance_beam_groups(beams, logprobs, self.scheduler)
+            # each advanced beam's grammar takes its token
+            finished = advance_beam_groups(beams, logprobs, self.scheduler,
+                                           on_advance=self.structured.advance)
             outputs += self._beam_outputs(finished)
         touched = self.output_processor.process(updated, logprobs, self.scheduler.finish)
+        self.structured.advance(updated, self.scheduler.finish)  # after the text: keeps its end
         self._record(updated)
         return outputs + self.output_processor.outputs(touched)
 
@@ -358,6 +373,7 @@ class LLMEngine:
     # --- observability -------------------------------------------------------------------
     def drain_events(self) -> StepEvents:
         ev, self.events = self.events, StepEvents()
+        self.structured.record(ev)
         return ev
 
     def snapshot(self) -> EngineSnapshot:

@@ -80,6 +80,7 @@ class Request:
         self.block_hashes: list[int] = []       # chained hashes of this request's full blocks
         self.num_preemptions = 0
         self.beam_group = None  # the BeamSearchGroup this sequence is a beam of, if any
+        self.structured = None  # its GrammarState under guided decoding (quire/structured)
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property

@@ -79,6 +79,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
         self._scheduled: set[str] = set()
+        self._num_compiling = 0
         # Each pass walks a snapshot of the running units, oldest first. Preemption only ever
         # removes units younger than the one being served (or that one itself), so the walk
         # never revisits or skips a live unit: preempted ones are skipped by their status.
@@ -95,7 +96,9 @@ class Scheduler:
             out.block_tables.append(self.kv_manager.block_ids(seq))
             if seq.pending_siblings and seq.num_computed_tokens + n == seq.num_tokens:
                 out.forks[seq.request_id] = list(seq.pending_siblings)
-        if not out.requests and not out.swap_out and not out.preempted and self.has_unfinished():
+        # (a sequence waiting for its grammar to compile is not stuck: it will come)
+        if (not out.requests and not out.swap_out and not out.preempted
+                and not self._num_compiling and self.has_unfinished()):
             self._fail_stuck(out, [*self.running, *self.swapped, *self.waiting])
         return out
 
@@ -149,8 +152,12 @@ class Scheduler:
             self.running.append(seq)
             self._add(seq, n, self.kv_manager.allocate_slots(seq, n), out)
         # waiting sequences, first come first served; admission never preempts
+        compiling = []  # structured output: sequences whose grammar is still compiling
         while not self.swapped and self.waiting and self._budget > 0:
             seq = self.waiting[0]
+            if seq.structured is not None and not seq.structured.ready:
+                compiling.append(self.waiting.popleft())  # let the others go past
+                continue
             if self.num_running_seqs + seq.num_seqs > self.max_num_seqs:
                 break
             computed, num_computed = self.kv_manager.get_computed_blocks(seq)
@@ -163,6 +170,8 @@ class Scheduler:
             seq.start_running(num_computed)
             self.running.append(seq)
             self._add(seq, n, copies, out)
+        self.waiting.extendleft(reversed(compiling))
+        self._num_compiling = len(compiling)
 
     def _add(self, seq: Request, n: int, copies: list[tuple[int, int]],
              out: SchedulerOutput) -> None:

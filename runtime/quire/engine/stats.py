@@ -33,3 +33,5 @@ class StepEvents:
     e2e_latency: list[float] = field(default_factory=list)
     queue_time: list[float] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
+    structured_requests: int = 0     # requests added with a grammar (guided decoding)
+    grammar_mask_time: list[float] = field(default_factory=list)  # s filling masks, per step

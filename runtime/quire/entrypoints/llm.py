@@ -66,17 +66,25 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
-        tokenizer's chat template."""
+        tokenizer's chat template. `tools`: OpenAI function tools the template is given
+        (assistant tool_calls and role 'tool' messages render too); parse the replies with
+        quire.entrypoints.tool_calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt,
-                                                                 chat_template)}
+                                                                 chat_template, tools)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None,
+                            tools: list[dict] | None = None) -> list[int]:
+        if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            from quire.entrypoints.tool_calls import render_chat_prompt  # tool calling
+            return render_chat_prompt(self.tokenizer, messages, tools, chat_template,
+                                      add_generation_prompt)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template")
         ids = self.tokenizer.apply_chat_template(

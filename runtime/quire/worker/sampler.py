@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from quire.engine.request import Request
+from quire.structured.bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -23,13 +24,20 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int,
+                 structured=None) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.structured = structured  # a StructuredOutputManager: grammar masks per row
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[Request]) -> SamplerOutput:
+        # grammars first, in one op for the batch: every later step (greedy, penalties,
+        # top-k/p, logprobs, beam candidates) sees only the tokens the grammar allows
+        bitmask = self.structured.fill_bitmask(rows) if self.structured is not None else None
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         params = [r.sampling_params for r in rows]
         want_logprobs = [p.logprobs for p in params]
         if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params) and not any(
@@ -83,7 +91,8 @@ class Sampler:
     def _ban_early_stops(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
         """Under min_tokens, EOS and stop_token_ids can't be sampled."""
         bans = [(i, list(r.eos_token_ids | r.stop_token_ids)) for i, r in enumerate(rows)
-                if r.num_output_tokens < r.sampling_params.min_tokens]
+                if r.num_output_tokens < r.sampling_params.min_tokens
+                and r.structured is None]  # a grammar decides when EOS may come
         bans = [(i, ids) for i, ids in bans if ids]
         if not bans:
             return logits

@@ -1,0 +1,84 @@
+"""tool_choice = "required" or a named function, enforced with a grammar: the output is one
+(or, with parallel_tool_calls, one or more) call(s) in the family's own format, each a JSON
+object whose name is a given tool's and whose arguments follow that tool's parameters schema.
+So the family's parser always parses it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from quire.structured.params import GuidedDecodingParams
+
+# compact JSON inside calls: small models given free whitespace may never close the object
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def validate_tools(tools: list[dict] | None) -> dict[str, dict]:
+    """name -> parameters schema; ValueError naming the bad entry."""
+    if tools is None:
+        return {}
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+    out = {}
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out[fn["name"]] = params
+    return out
+
+
+def chosen_tools(tools: list[dict] | None, tool_choice) -> dict[str, dict] | None:
+    """The tools the output must call from, or None when the model may answer freely
+    ("none", "auto", or no tool_choice)."""
+    by_name = validate_tools(tools)
+    if tool_choice in (None, "none", "auto"):
+        return None
+    if not by_name:
+        raise ValueError("tool_choice requires tools")
+    if tool_choice == "required":
+        return by_name
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}")
+        if name not in by_name:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
+                             f"({', '.join(by_name)})")
+        return {name: by_name[name]}
+    raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, "
+                     f"got {tool_choice!r}")
+
+
+def tool_choice_guided_decoding(tools: list[dict] | None, tool_choice,
+                                parallel_tool_calls: bool = True,
+                                parser: str = "hermes") -> GuidedDecodingParams | None:
+    """The grammar for tool_choice, or None when none is needed. A named function is called
+    exactly once; "required" calls one tool, or several when parallel_tool_calls."""
+    tools_by_name = chosen_tools(tools, tool_choice)
+    if tools_by_name is None:
+        return None
+    many = parallel_tool_calls and not isinstance(tool_choice, dict)
+    args_key = "parameters" if parser == "llama3_json" else "arguments"
+    schemas = [{"type": "object",
+                "properties": {"name": {"const": name}, args_key: params},
+                "required": ["name", args_key], "additionalProperties": False}
+               for name, params in tools_by_name.items()]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = {**schema, "x-guidance": _COMPACT}
+    body = f"body: %json {json.dumps(schema)}\n"
+    if parser == "llama3_json":
+        start = 'start: body ("; " body)*\n' if many else "start: body\n"
+        return GuidedDecodingParams(grammar=start + body)
+    if parser != "hermes":
+        raise ValueError(f"no tool_choice grammar for tool_call_parser {parser!r}")
+    start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
+    call = 'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+    return GuidedDecodingParams(grammar=start + call + body)

@@ -1,0 +1,161 @@
+"""The engine's side of structured output: one grammar state per sequence, the batch's
+bitmask before sampling, and advancing every state by its accepted token.
+
+Hooks (each one call from the engine, scheduler or sampler):
+  attach(seqs, params)   add_request: every sample of the request gets its own matcher
+  poll()                 step start: compiled grammars become ready; failures are returned
+  ready(req)             scheduler: a waiting request runs only once its grammar is compiled
+  fill_bitmask(rows)     sampler: one int32 bitmask row per sampled row (None: no grammar)
+  advance(seqs, finish)  after a step: each new token advances its matcher; a terminated
+                         grammar finishes its sequence
+  fork(req)              beam search: a new beam copies its parent's matcher
+  resync(reqs)           preemption: a matcher always matches the tokens its sequence keeps
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+
+import torch
+
+from quire.engine.request import Request, RequestStatus
+from quire.structured.compiler import DEFAULT_CACHE_SIZE, GrammarCompiler
+from quire.structured.params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    """One sequence's grammar: compiling (future), then a matcher."""
+
+    __slots__ = ("future", "matcher", "num_accepted")
+
+    def __init__(self, future: concurrent.futures.Future | None, matcher=None,
+                 num_accepted: int = 0) -> None:
+        self.future = future
+        self.matcher = matcher
+        self.num_accepted = num_accepted  # output tokens the matcher has consumed
+
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None
+
+    def fork(self) -> GrammarState:
+        """A new beam's own copy: the same future, or a copy of the matcher."""
+        if self.matcher is None:
+            return GrammarState(self.future)
+        return GrammarState(None, self.matcher.fork(), self.num_accepted)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        from quire.structured.backend import Backend, bitmask_words
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(max(vocab_size, len(tokenizer)))  # llguidance's width
+        self.compiler = GrammarCompiler(
+            lambda: Backend(tokenizer, vocab_size, eos_token_ids), cache_size)
+        self._compiling: list[list[Request]] = []  # sibling groups whose grammar is pending
+        # metrics, moved into StepEvents by record()
+        self.num_requests = 0
+        self.mask_seconds: list[float] = []
+
+    # --- requests ------------------------------------------------------------------------
+    def attach(self, seqs: list[Request], params: GuidedDecodingParams) -> None:
+        future = self.compiler.submit(params)
+        for s in seqs:
+            s.structured = GrammarState(future)
+        self._compiling.append(seqs)
+        self.num_requests += 1
+
+    def poll(self) -> list[tuple[Request, str]]:
+        """Start the matchers of grammars compiled since the last call. Returns (request,
+        error) for each request whose grammar failed to compile: the engine fails them."""
+        failed, still = [], []
+        for seqs in self._compiling:
+            future = seqs[0].structured.future
+            if seqs[0].finished:
+                continue  # aborted while compiling
+            if not future.done():
+                still.append(seqs)
+                continue
+            error = future.exception()
+            if error is not None:
+                failed.append((seqs[0], f"grammar compilation failed: {error}"))
+                continue
+            for s in seqs:
+                s.structured.matcher = future.result().new_matcher()
+                s.structured.future = None
+        self._compiling = still
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until a pending grammar compiles (an idle engine need not spin)."""
+        futures = [seqs[0].structured.future for seqs in self._compiling]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    @staticmethod
+    def ready(req: Request) -> bool:
+        return req.structured is None or req.structured.ready
+
+    # --- sampling ------------------------------------------------------------------------
+    def fill_bitmask(self, rows: list[Request]) -> torch.Tensor | None:
+        """int32 [len(rows), words]: each grammar row's allowed tokens, all ones elsewhere."""
+        matchers = [(r.structured.matcher, i) for i, r in enumerate(rows)
+                    if r.structured is not None and r.structured.matcher is not None]
+        if not matchers:
+            return None
+        t0 = time.perf_counter()
+        bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
+        self.compiler.backend.fill_bitmask(matchers, bitmask)
+        self.mask_seconds.append(time.perf_counter() - t0)
+        return bitmask
+
+    # --- after sampling ------------------------------------------------------------------
+    def advance(self, seqs: list[Request], finish=None) -> None:
+        """Each sequence's newest token enters its matcher; `finish(seq, status)` ends a
+        sequence whose grammar has terminated (nothing but EOS could follow). Beams pass no
+        `finish`: their group ends them, and a terminated grammar's mask leaves only EOS."""
+        for seq in seqs:
+            state = seq.structured
+            if state is None or state.matcher is None or seq.finished:
+                continue
+            if not state.matcher.accept(seq.token_ids[-1]):
+                logger.error("request %s: token %d rejected by its grammar: %s", seq.request_id,
+                             seq.token_ids[-1], state.matcher.error())
+                if finish is not None:
+                    finish(seq, RequestStatus.FINISHED_ERROR)
+                continue
+            state.num_accepted += 1
+            if finish is not None and state.matcher.is_terminated():
+                finish(seq, RequestStatus.FINISHED_STOPPED)
+
+    def fork(self, parent: Request) -> GrammarState | None:
+        return None if parent.structured is None else parent.structured.fork()
+
+    def resync(self, reqs: list[Request]) -> None:
+        """After preemption: the matcher must have consumed exactly the output tokens the
+        sequence keeps (recompute keeps them all, so this is a check); otherwise it is reset
+        and the kept tokens replayed."""
+        for req in reqs:
+            state = req.structured
+            if state is None or state.matcher is None:
+                continue
+            if state.num_accepted != req.num_output_tokens:
+                state.matcher.reset()
+                for t in req.output_token_ids:
+                    state.matcher.accept(t)
+                state.num_accepted = req.num_output_tokens
+
+    # --- metrics -------------------------------------------------------------------------
+    def record(self, events) -> None:
+        events.structured_requests += self.num_requests
+        events.grammar_mask_time.extend(self.mask_seconds)
+        self.num_requests, self.mask_seconds = 0, []
