@@ -1,14 +1,15 @@
 """This process's place in the tensor-parallel group: rank, size, and the collectives.
 
 One group per engine: rank 0 is the engine process itself, ranks 1..N-1 are worker processes
-(see `quire.distributed.workers`). The layers ask this module for their rank and size when
-they are built, as vLLM's do, so a model file never passes a process group around. Without
-`init()` every answer is the single-process one and every collective is the identity, which
-keeps the tensor-parallel size 1 path exactly today's.
+(see `quire.distributed.workers`). Layers read their rank and size from here while a model is
+built (`shard_as`), as vLLM's do, so a model file never passes a process group around; each
+layer keeps what it read and calls a collective only when its own size is above 1. So a
+size-1 model is exactly the single-process one, whatever else lives in the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from dataclasses import dataclass
@@ -31,27 +32,15 @@ class ParallelState:
 _state = ParallelState()
 
 
-def init(rank: int, size: int, init_method: str, device: torch.device,
-         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-    """Join the group: NCCL on CUDA, gloo on CPU."""
+@contextlib.contextmanager
+def shard_as(rank: int, size: int):
+    """Layers built inside take this rank's shard of a group of `size`."""
     global _state
-    import torch.distributed as dist
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    _state = ParallelState(rank, size)
-    logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
-
-
-def destroy() -> None:
-    global _state
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a group whose peer died may not tear down cleanly
-            logger.debug("destroying the process group failed", exc_info=True)
-    _state = ParallelState()
+    old, _state = _state, ParallelState(rank, size)
+    try:
+        yield
+    finally:
+        _state = old
 
 
 def tp_rank() -> int:
@@ -62,21 +51,40 @@ def tp_size() -> int:
     return _state.size
 
 
+def init_process_group(rank: int, size: int, init_method: str, device: torch.device,
+                       timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    """Join the group (blocks until all `size` ranks have): NCCL on CUDA, gloo on CPU."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        raise RuntimeError("this process is already in a tensor-parallel group: shut the "
+                           "other tensor-parallel engine down first")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a group whose peer died may not tear down cleanly
+            logger.debug("destroying the process group failed", exc_info=True)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the group, in place (the identity at size 1)."""
-    if _state.size > 1:
-        import torch.distributed as dist
-        dist.all_reduce(x)
+    """Sum over the group, in place."""
+    import torch.distributed as dist
+    dist.all_reduce(x)
     return x
 
 
-def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
+def gather_last_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor | None:
     """Rank 0 gets every rank's x concatenated along the last dim; the others get None."""
-    if _state.size == 1:
-        return x
     import torch.distributed as dist
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_state.size)] if _state.rank == 0 else None
+    parts = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
     dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=-1) if parts is not None else None
 

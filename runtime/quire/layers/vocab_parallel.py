@@ -76,5 +76,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = self.quant_method.apply(self, hidden, None)
         if self.tp_size == 1:
             return logits
-        logits = ps.gather_last_dim(logits)
+        logits = ps.gather_last_dim(logits, self.tp_rank, self.tp_size)
         return None if logits is None else logits[..., : self.vocab_size]

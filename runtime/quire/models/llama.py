@@ -97,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
+        self.num_kv_heads_per_rank = self.layers[0].num_kv_heads  # what the KV cache holds
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings, max_model_len, dtype, device)
 
