@@ -47,7 +47,9 @@ def test_killing_a_worker_mid_run_fails_the_engine_within_a_bounded_time(tp_mode
             while time.monotonic() < deadline and engine.has_unfinished_requests():
                 engine.step()
         killer.join()
-        assert time.monotonic() - killed_at[0] < DEATH_NOTICED_S
+        noticed = time.monotonic() - killed_at[0]
+        print(f"worker death noticed {noticed:.2f} s after the kill")
+        assert noticed < DEATH_NOTICED_S
         with pytest.raises(TensorParallelError):  # and it stays dead
             engine.step()
         assert not alive(worker)
