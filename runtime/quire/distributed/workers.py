@@ -61,6 +61,16 @@ def _release(procs, tmp: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _watch(procs, stop, workers_ref) -> None:
+    """Waits for the first worker to die (or for the stop signal) and tells the Workers."""
+    sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(procs, start=1)}
+    ready = multiprocessing.connection.wait([*sentinels, stop])
+    workers = workers_ref()
+    if stop in ready or workers is None:
+        return
+    workers._on_death(*sentinels[ready[0]])
+
+
 class Workers:
     @classmethod
     def start(cls, args: EngineArgs, source: ModelSource, cfg: ModelConfig,
@@ -104,8 +114,11 @@ class Workers:
         self.closed = False
         self.worker_param_bytes: dict[int, int] = {}
         self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
-        self._watcher = threading.Thread(target=self._watch, name="quire-tp-watch",
-                                         daemon=True)
+        # holds no reference to self while it waits, so an engine dropped without
+        # shutdown() is still collected (and its finalizer kills the workers)
+        self._watcher = threading.Thread(
+            target=_watch, args=(list(self.procs), self._stop_r, weakref.ref(self)),
+            name="quire-tp-watch", daemon=True)
         self._watcher.start()
         try:
             ps.init_process_group(0, size, init_method, device)
@@ -169,12 +182,9 @@ class Workers:
         self.dead = reason
         return TensorParallelError(reason)
 
-    def _watch(self) -> None:
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
-        ready = multiprocessing.connection.wait([*sentinels, self._stop_r])
-        if self._stop_r in ready or self.closed:
-            return
-        rank, proc = sentinels[ready[0]]
+    def _on_death(self, rank: int, proc) -> None:
+        if self.closed:
+            return  # an orderly shutdown
         proc.join(1.0)
         self.dead = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died (exit code "
                      f"{proc.exitcode}); the engine cannot go on without it")
