@@ -80,6 +80,7 @@ def _serve(spec: WorkerSpec, conn) -> None:
         device = torch.device("cuda", spec.rank)
     else:
         device = torch.device("cpu")
+    conn.send(("joining",))  # imports done: a failure before this is seen at once
     ps.init_process_group(spec.rank, spec.size, spec.init_method, device)
     cfg = spec.cfg
     model = build_model(spec.args, spec.source, cfg, spec.dtype, device, spec.max_model_len,

@@ -121,6 +121,7 @@ class Workers:
             name="quire-tp-watch", daemon=True)
         self._watcher.start()
         try:
+            list(self._expect("joining", "starting"))
             ps.init_process_group(0, size, init_method, device)
         except BaseException:
             self.shutdown()
