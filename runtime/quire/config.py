@@ -52,7 +52,11 @@ class EngineArgs:
         "help": "bytes of host memory for swapped-out KV blocks (preemption_mode=swap)"})
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     num_threads: int | None = field(default=None, metadata={
-        "help": "CPU threads for torch; default: torch's own choice"})
+        "help": "CPU threads for torch (per rank); default: torch's own choice, or the "
+                "cores divided among the ranks under tensor parallelism"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks one model is split across (one process and device each); the model's "
+                "attention heads must divide evenly, KV heads too (or be replicated)"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +85,7 @@ class EngineArgs:
                 raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, lo=1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("swap_space must be > 0 bytes when preemption_mode is 'swap'")
 

@@ -31,14 +31,15 @@ def test_bf16_engine_with_packed_weights_matches_plain(family, tiny_models, monk
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     packed = LLM(tiny_models[family], dtype="bfloat16")
     layer = packed.engine.model.layers[0]
-    assert set(layer.packed) == {"qkv", "o", "gate_up", "down"}
-    assert layer.qkv_proj.numel() == 0  # the plain copy is freed
+    projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    assert all(p.packed_weight is not None for p in projections)
+    assert layer.qkv_proj.weight.numel() == 0  # the plain copy is freed
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
     assert_no_blocks_in_use(packed)
     del packed
 
     monkeypatch.setattr(packed_linear, "pack", lambda weight: None)
     plain = LLM(tiny_models[family], dtype="bfloat16")
-    assert not plain.engine.model.layers[0].packed
+    assert plain.engine.model.layers[0].qkv_proj.packed_weight is None
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == want

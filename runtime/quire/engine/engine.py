@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from quire.config import EngineArgs
+from quire.distributed.errors import TensorParallelError
+from quire.distributed.workers import Workers
 from quire.engine.beam_search import (
     BeamSearchGroup,
     BeamSearchParams,
@@ -32,21 +34,14 @@ from quire.engine.scheduler import Scheduler
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
 from quire.models.config import ModelConfig
-from quire.models.llama import LlamaForCausalLM
-from quire.models.loader import (
-    default_dtype,
-    iter_weights,
-    load_hf_config,
-    load_tokenizer,
-    materialize,
-    resolve_model,
-)
+from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
 from quire.outputs import RequestOutput, TokenLogprobs
-from quire.platform import attention_backend_class, resolve_device, resolve_dtype
+from quire.platform import resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
 from quire.structured.manager import StructuredOutputManager
 from quire.validation import check_int
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
+from quire.worker.model_builder import build_model
 from quire.worker.model_runner import ModelRunner
 from quire.worker.sampler import Sampler
 
@@ -71,21 +66,14 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(cfg)
         self.block_size = args.block_size
 
-        backend_cls = attention_backend_class(args.attention_backend, self.device)
-        scale = cfg.head_dim ** -0.5
-
-        def make_backend(window):
-            return backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, window)
-
-        with default_dtype(self.dtype), self.device:
-            self.model = LlamaForCausalLM(cfg, make_backend, self.max_model_len, self.dtype,
-                                          self.device)
-        self.model.load_weights(iter_weights(source, cfg))
-        self.model.pack_weights()
-        self.model.eval()
+        self.kv_dtype = kv_torch_dtype(args.kv_cache_dtype, self.dtype)
+        # tensor parallelism: ranks 1..N-1 (None at size 1); this process is rank 0
+        self.workers = Workers.start(args, source, cfg, self.dtype, self.kv_dtype,
+                                     self.device, self.max_model_len)
+        self.model = build_model(args, source, cfg, self.dtype, self.device,
+                                 self.max_model_len, 0, args.tensor_parallel_size)
         self.attention_backend = next(iter(self.model.backends.values())).name
 
-        self.kv_dtype = kv_torch_dtype(args.kv_cache_dtype, self.dtype)
         self.kv_cache = self._allocate_kv_cache(cfg)
         pool = BlockPool(self.kv_cache.num_blocks, args.enable_prefix_caching)
         self.kv_manager = KVCacheManager(pool, self.block_size)
@@ -97,7 +85,7 @@ class LLMEngine:
                                                   self.eos_token_ids)  # guided decoding
         self.sampler = Sampler(cfg.vocab_size, self.device, args.seed, self.structured)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
-                                  self.device, host_cache)
+                                  self.device, host_cache, self.workers)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
@@ -107,6 +95,11 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s, attention %s) in %.1fs", self.model_name,
                     cfg.architecture, str(self.dtype).removeprefix("torch."),
                     self.attention_backend, time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op at size 1); safe to call twice."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
@@ -123,16 +116,16 @@ class LLMEngine:
         return self.args.max_model_len
 
     def _allocate_kv_cache(self, cfg: ModelConfig) -> KVCache:
-        per_block = bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, self.kv_dtype)
+        per_block = bytes_per_block(cfg.num_layers, self.block_size,
+                                    self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype)
         budget = kv_budget(self.device, self.args.kv_cache_memory,
                            self.args.kv_cache_memory_fraction)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no block; one block of "
                              f"{self.block_size} tokens needs {per_block} bytes")
-        cache = KVCache(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads,
-                        cfg.head_dim, self.kv_dtype, self.device)
+        cache = KVCache(cfg.num_layers, num_blocks, self.block_size,
+                        self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype, self.device)
         tokens = num_blocks * self.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); %.1f "
                     "max-length (%d) sequences fit", num_blocks, self.block_size, tokens,
@@ -143,15 +136,15 @@ class LLMEngine:
     def _swap_space(self, cfg: ModelConfig):
         if self.args.preemption_mode != "swap":
             return None, None
-        per_block = bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, self.kv_dtype)
+        per_block = bytes_per_block(cfg.num_layers, self.block_size,
+                                    self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype)
         num_host_blocks = self.args.swap_space // per_block
         if num_host_blocks < 1:
             raise ValueError(f"swap_space of {self.args.swap_space} bytes holds no block; one "
                              f"block needs {per_block} bytes")
-        host = KVCache(cfg.num_layers, num_host_blocks, self.block_size, cfg.num_kv_heads,
-                       cfg.head_dim, self.kv_dtype, torch.device("cpu"),
-                       pin_memory=self.device.type == "cuda")
+        host = KVCache(cfg.num_layers, num_host_blocks, self.block_size,
+                       self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype,
+                       torch.device("cpu"), pin_memory=self.device.type == "cuda")
         logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, host.nbytes / 2**30)
         return SwapManager(self.kv_manager, num_host_blocks), host
 
@@ -315,6 +308,8 @@ class LLMEngine:
             return outputs
         try:
             result = self.runner.execute(sched)
+        except TensorParallelError:  # a dead worker: the engine is dead, not just this step
+            raise
         except Exception as e:
             logger.exception("the model step failed; failing the %d requests in it",
                              len(sched.requests))

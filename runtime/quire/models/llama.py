@@ -3,6 +3,11 @@
 RMSNorm, RoPE, GQA and SwiGLU follow transformers' operation order so that float32 greedy
 output matches it token for token. Q/K/V and gate/up are fused into one matmul each (bit-
 identical to separate ones in float32, and fewer, larger matmuls are faster).
+
+This file only says which kind of linear each projection is (`quire.layers`); the layers own
+the weight format, the tensor-parallel shard and the loading. Under tensor parallelism each
+rank holds its attention heads (and the KV heads they read), its slice of the MLP's
+intermediate size and of the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.attention.base import AttentionBackend, AttentionMetadata
-from quire.models import packed_linear
+from quire.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from quire.layers.quantization import QuantConfig
+from quire.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from quire.layers.weights import materialize, shape_of
 from quire.models.config import ModelConfig
 from quire.models.rope import RotaryEmbedding, apply_rope
 
@@ -32,81 +40,63 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         self.backend = backend
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
-        self.o_proj = _param(h, self.q_size)
-        self.o_bias = _param(h) if cfg.o_bias else None
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, h)
-        self.gate_up_bias = _param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
-        self.down_proj = _param(h, cfg.intermediate_size)
-        self.down_bias = _param(h) if cfg.mlp_bias else None
+        self.qkv_proj = QKVParallelLinear(h, d, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, quant_config, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, cfg.o_bias, quant_config,
+                                        f"{prefix}.o_proj")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            h, [cfg.intermediate_size] * 2, cfg.mlp_bias, quant_config, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, h, cfg.mlp_bias, quant_config,
+                                           f"{prefix}.down_proj")
+        # this rank's heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.k_scale = 1.0  # fp8 KV cache: stored = value / scale
         self.v_scale = 1.0
-        self.packed: dict[str, torch.Tensor] = {}  # see pack_weights()
-
-    _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-    def pack_weights(self) -> None:
-        """Packs the projections for oneDNN where that pays (bf16 on CPU) and frees the
-        plain copies, so the model holds its weights once."""
-        for name in self._PROJECTIONS:
-            weight = getattr(self, f"{name}_proj")
-            packed = packed_linear.pack(weight)
-            if packed is None:
-                return
-            self.packed[name] = packed
-            weight.data = weight.data.new_empty(0)
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        bias = getattr(self, f"{name}_bias")
-        packed = self.packed.get(name)
-        if packed is not None:
-            return packed_linear.linear(x, packed, bias)
-        return F.linear(x, getattr(self, f"{name}_proj"), bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         residual = x
         x = self.input_layernorm(x)
-        qkv = self._linear(x, "qkv")
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = apply_rope(q.view(t, self.num_heads, self.head_dim),
                           k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         o = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim),
                                  k_cache, v_cache, meta, self.k_scale, self.v_scale)
-        x = residual + self._linear(o.reshape(t, self.q_size), "o")
+        x = residual + self.o_proj(o.reshape(t, self.q_size))
         residual = x
         x = self.post_attention_layernorm(x)
-        gate, up = self._linear(x, "gate_up").chunk(2, dim=-1)
-        return residual + self._linear(F.silu(gate) * up, "down")
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return residual + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_factory, max_model_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         # one backend per distinct sliding window (usually one for all layers)
         self.backends = {w: backend_factory(w) for w in dict.fromkeys(cfg.sliding_windows)}
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.backends[w]) for w in cfg.sliding_windows)
+            DecoderLayer(cfg, self.backends[w], quant_config, f"layers.{i}")
+            for i, w in enumerate(cfg.sliding_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.embed_tokens)
+        self.num_kv_heads_per_rank = self.layers[0].num_kv_heads  # what the KV cache holds
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings, max_model_len, dtype, device)
 
@@ -118,67 +108,68 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 rope_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope.cos_sin(positions, rope_seq_lens)
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_tokens(input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Final norm and LM head for the rows that sample, in the model dtype (the sampler
-        widens them to float32 when it needs more than an argmax)."""
-        if self.packed_lm_head is not None:
-            return packed_linear.linear(self.norm(hidden), self.packed_lm_head, None)
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden), weight)
+        widens them to float32 when it needs more than an argmax). Under tensor parallelism
+        only rank 0 gets the logits (the others get None)."""
+        return self.lm_head(self.norm(hidden))
 
     def pack_weights(self) -> None:
-        """Called once the weights are loaded: oneDNN-packed projections where that pays.
-        A tied LM head keeps the embedding table too (lookups need it)."""
-        for layer in self.layers:
-            layer.pack_weights()
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        self.packed_lm_head = packed_linear.pack(weight)
-        if self.packed_lm_head is not None and self.lm_head is not None:
-            self.lm_head.data = self.lm_head.data.new_empty(0)
+        """Called once the weights are loaded: each linear layer's quant method turns the
+        loaded weights into its kernel's format (oneDNN-packed bf16 on CPU, for now)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
 
     # --- weights -------------------------------------------------------------------------
-    _FUSED = {  # transformers module -> (our fused parameter, its slot in the fused tensor)
-        "self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1),
-        "self_attn.v_proj": ("qkv", 2), "mlp.gate_proj": ("gate_up", 0),
-        "mlp.up_proj": ("gate_up", 1),
+    _FUSED = {  # transformers module -> (our fused layer, the part's shard id)
+        "self_attn.q_proj": ("qkv_proj", "q"), "self_attn.k_proj": ("qkv_proj", "k"),
+        "self_attn.v_proj": ("qkv_proj", "v"), "mlp.gate_proj": ("gate_up_proj", 0),
+        "mlp.up_proj": ("gate_up_proj", 1),
     }
-    _PLAIN = {"self_attn.o_proj": "o", "mlp.down_proj": "down"}
-    _TOP = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head",
+    _PLAIN = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
+    _TOP = {"embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "lm_head.weight",
             "norm.weight": "norm.weight"}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Takes (transformers name, tensor) pairs; fills every parameter or says what lacks."""
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """Takes (transformers name, tensor or lazy safetensors slice) pairs; each parameter's
+        layer keeps its shard of it. Fills every parameter or says what lacks."""
         params = dict(self.named_parameters())
-        pending: dict[str, dict[int, torch.Tensor]] = {}
+        parts_seen: dict[str, set] = {}
         filled: set[str] = set()
         for name, tensor in weights:
             target = self._our_name(name)
             if target is None or target[0] not in params:
                 continue  # rotary buffers, a tied lm_head, ...
-            ours, slot = target
-            if slot is None:
-                self._copy(name, params[ours], tensor)
+            ours, shard_id = target
+            param = params[ours]
+            owner = self.get_submodule(ours.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard_id)
+            else:  # norms: replicated
+                self._copy(name, param, materialize(tensor))
+            if shard_id is None:
                 filled.add(ours)
             else:
-                pending.setdefault(ours, {})[slot] = tensor
-        for ours, parts in pending.items():
+                parts_seen.setdefault(ours, set()).add(shard_id)
+        for ours, parts in parts_seen.items():
             want = 3 if ".qkv_" in ours else 2
-            if sorted(parts) != list(range(want)):
+            if len(parts) != want:
                 raise ValueError(f"the checkpoint has only {len(parts)} of the {want} parts "
                                  f"fused into {ours}")
-            self._copy(ours, params[ours], torch.cat([parts[i] for i in range(want)]))
             filled.add(ours)
         missing = sorted(set(params) - filled)
         if missing:
             shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
             raise ValueError(f"the checkpoint lacks {len(missing)} weights the model needs: {shown}")
 
-    def _our_name(self, name: str) -> tuple[str, int | None] | None:
+    def _our_name(self, name: str) -> tuple[str, object] | None:
         name = name.removeprefix("model.")
         if name in self._TOP:
             return self._TOP[name], None
@@ -186,19 +177,18 @@ class LlamaForCausalLM(nn.Module):
             return None
         _, idx, rest = name.split(".", 2)
         part, kind = rest.rsplit(".", 1)
-        suffix = "proj" if kind == "weight" else "bias"
         if part in ("input_layernorm", "post_attention_layernorm"):
             return f"layers.{idx}.{part}.weight", None
         if part in self._FUSED:
-            fused, slot = self._FUSED[part]
-            return f"layers.{idx}.{fused}_{suffix}", slot
+            fused, shard_id = self._FUSED[part]
+            return f"layers.{idx}.{fused}.{kind}", shard_id
         if part in self._PLAIN:
-            return f"layers.{idx}.{self._PLAIN[part]}_{suffix}", None
+            return f"layers.{idx}.{self._PLAIN[part]}.{kind}", None
         return None
 
     @staticmethod
     def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
+        if tuple(target.shape) != shape_of(tensor):
+            raise ValueError(f"weight {name} has shape {shape_of(tensor)}, "
                              f"the config implies {tuple(target.shape)}")
         target.data.copy_(tensor)

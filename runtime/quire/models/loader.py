@@ -196,13 +196,17 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
 
 
 # --- weights -----------------------------------------------------------------------------
-def iter_weights(source: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(source: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, object]]:
+    """(transformers name, tensor) pairs, one tensor at a time. From safetensors each is a
+    lazy slice (`quire.layers.weights`): the model's layers read only their shard of it, so
+    a tensor-parallel rank never holds the whole model. A GGUF tensor is dequantized whole,
+    then sliced and dropped."""
     if source.kind == "gguf":
         return _iter_gguf(source.path, cfg)
     return _iter_safetensors(source.path)
 
 
-def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, object]]:
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
@@ -212,7 +216,7 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
         except Exception as e:
             raise ValueError(f"cannot read weights file {path!r}: {e}") from None
 

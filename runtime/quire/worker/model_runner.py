@@ -27,19 +27,49 @@ class StepResult:
 
 
 @dataclass
+class HostBatch:
+    """One step's batch on the host, as numpy arrays: what the engine process sends to the
+    tensor-parallel workers (picklable, no Request objects), and what every rank turns into
+    device tensors the same way."""
+    input_ids: np.ndarray        # [T] int64
+    positions: np.ndarray        # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int64
+    seq_lens: np.ndarray         # [B] int64
+    block_tables: np.ndarray     # [B, max_blocks] int32
+    slot_mapping: np.ndarray     # [T] int64
+    num_decodes: int
+    rope_seq_lens: np.ndarray | None
+    logits_indices: np.ndarray   # [rows that sample] int64
+    num_prompt_tokens: int
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs for one step: KV block moves, then the batch (if any)."""
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
+    batch: HostBatch | None
+
+
+@dataclass
 class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     rope_seq_lens: torch.Tensor | None
     logits_indices: torch.Tensor
-    sample_rows: list[Request]
     num_prompt_tokens: int
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, sampler: Sampler, block_size: int,
-                 device: torch.device, host_cache: KVCache | None = None) -> None:
+    """On rank 0 (the engine process) `execute` prepares the step, sends it to the
+    tensor-parallel workers (if any), runs this rank's shard and samples; a worker runs
+    `run` on what it received."""
+
+    def __init__(self, model, kv_cache: KVCache, sampler: Sampler | None, block_size: int,
+                 device: torch.device, host_cache: KVCache | None = None,
+                 workers=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.host_cache = host_cache  # swap space
@@ -47,29 +77,48 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dynamic_rope = model.rope.rope_type == "dynamic"
+        self.workers = workers  # quire.distributed.workers.Workers, at tensor-parallel size > 1
+        if workers is not None:  # they allocate the same blocks for their KV heads
+            workers.allocate_kv_cache(kv_cache.num_blocks,
+                                      host_cache.num_blocks if host_cache else 0)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        if out.swap_out or out.swap_in:
-            self.kv_cache.swap(self.host_cache, out.swap_out, out.swap_in)
-        self.kv_cache.copy_blocks(out.block_copies)
-        if not out.requests:
+        batch, sample_rows = self._prepare(out) if out.requests else (None, [])
+        inputs = StepInputs(out.swap_out, out.swap_in, out.block_copies, batch)
+        if self.workers is not None:
+            logits = self.workers.run_step(inputs, self.run)
+        else:
+            logits = self.run(inputs)
+        if batch is None:
             return StepResult({}, {}, 0, 0)
-        batch = self._prepare(out)
-        self.model.prepare(batch.meta)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
-                            batch.rope_seq_lens)
         sampled, logprobs = {}, {}
-        if batch.sample_rows:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            result: SamplerOutput = self.sampler(logits, batch.sample_rows)
-            for req, tok, lp in zip(batch.sample_rows, result.token_ids, result.logprobs):
+        if sample_rows:
+            result: SamplerOutput = self.sampler(logits, sample_rows)
+            for req, tok, lp in zip(sample_rows, result.token_ids, result.logprobs):
                 sampled[req.request_id] = tok
                 if lp is not None:
                     logprobs[req.request_id] = lp
         return StepResult(sampled, logprobs, batch.num_prompt_tokens, len(batch.input_ids))
 
-    def _prepare(self, out: SchedulerOutput) -> _Batch:
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This rank's part of a step: block moves, the forward, the logits of the rows that
+        sample (on rank 0; None elsewhere, and when no row samples)."""
+        if inputs.swap_out or inputs.swap_in:
+            self.kv_cache.swap(self.host_cache, inputs.swap_out, inputs.swap_in)
+        self.kv_cache.copy_blocks(inputs.block_copies)
+        if inputs.batch is None:
+            return None
+        batch = self._to_device(inputs.batch)
+        self.model.prepare(batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
+                            batch.rope_seq_lens)
+        if not len(batch.logits_indices):
+            return None
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[HostBatch, list[Request]]:
         reqs, counts = out.requests, out.num_new_tokens
         # decodes (one query token) first: backends batch them
         order = [i for i, n in enumerate(counts) if n == 1]
@@ -109,28 +158,38 @@ class ModelRunner:
         seq_lens = starts_a + ns_a
         prompt_a = np.asarray(prompt_lens, dtype=np.int64)
         num_prompt_tokens = int(np.minimum(np.maximum(prompt_a - starts_a, 0), ns_a).sum())
+        rope_seq_lens = None
+        if self.dynamic_rope:  # what transformers' dynamic NTK sees: the prompt, then growth
+            rope_seq_lens = np.maximum(positions + 1, prompt_a[seq_idx])
+        batch = HostBatch(
+            input_ids=np.asarray(tokens, dtype=np.int64), positions=positions,
+            query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
+            num_decodes=num_decodes, rope_seq_lens=rope_seq_lens,
+            logits_indices=np.asarray(logits_indices, dtype=np.int64),
+            num_prompt_tokens=num_prompt_tokens)
+        return batch, sample_rows
+
+    def _to_device(self, b: HostBatch) -> _Batch:
         dev = self.device
+        qsl, seq_lens = b.query_start_loc, b.seq_lens
         meta = AttentionMetadata(
-            num_decodes=num_decodes,
+            num_decodes=b.num_decodes,
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(bt).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(ns_a.max()),
+            block_tables=torch.from_numpy(b.block_tables).to(dev),
+            slot_mapping=torch.from_numpy(b.slot_mapping).to(dev),
+            max_query_len=int(np.diff(qsl).max()),
             max_seq_len=int(seq_lens.max()),
-            block_size=bs,
+            block_size=self.block_size,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        rope_seq_lens = None
-        if self.dynamic_rope:  # what transformers' dynamic NTK sees: the prompt, then growth
-            rope_seq_lens = torch.from_numpy(np.maximum(positions + 1, prompt_a[seq_idx]))
+        rope_seq_lens = None if b.rope_seq_lens is None else torch.from_numpy(b.rope_seq_lens)
         return _Batch(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=torch.from_numpy(b.input_ids).to(dev),
+            positions=torch.from_numpy(b.positions).to(dev),
             meta=meta,
             rope_seq_lens=rope_seq_lens,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            sample_rows=sample_rows,
-            num_prompt_tokens=num_prompt_tokens,
+            logits_indices=torch.from_numpy(b.logits_indices).to(dev),
+            num_prompt_tokens=b.num_prompt_tokens,
         )

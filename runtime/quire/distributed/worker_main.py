@@ -1,0 +1,107 @@
+"""A tensor-parallel worker process (ranks 1..N-1): join the group, build and load this
+rank's shard, allocate its KV cache, then run every step the engine process sends.
+
+It never outlives the engine process: a thread waits on the parent's sentinel and exits the
+moment the parent is gone (however it went: SIGKILL included), and a closed pipe or a failed
+collective ends it too. Any error exits non-zero, which the engine sees as a dead worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from quire.config import EngineArgs
+from quire.models.config import ModelConfig
+from quire.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    size: int
+    init_method: str
+    args: EngineArgs
+    source: ModelSource
+    cfg: ModelConfig
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    device_type: str
+    max_model_len: int
+    num_threads: int | None
+    log_level: int
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)  # the engine is gone; nothing here is worth a clean exit
+
+    threading.Thread(target=watch, name="quire-parent-watch", daemon=True).start()
+
+
+def main(spec: WorkerSpec, conn) -> None:
+    _exit_with_parent()
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: "
+                               "%(message)s")
+    try:
+        _serve(spec, conn)
+    except EOFError:  # the engine closed the pipe without a goodbye
+        os._exit(0)
+    except BaseException:  # noqa: BLE001 - any failure: say why, then die (the engine sees it)
+        logger.exception("tensor-parallel worker rank %d failed", spec.rank)
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve(spec: WorkerSpec, conn) -> None:
+    from quire.distributed import parallel_state as ps
+    from quire.worker.kv_cache import KVCache
+    from quire.worker.model_builder import build_model, parameter_bytes
+    from quire.worker.model_runner import ModelRunner
+
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(spec.rank)
+        device = torch.device("cuda", spec.rank)
+    else:
+        device = torch.device("cpu")
+    conn.send(("joining",))  # imports done: a failure before this is seen at once
+    ps.init_process_group(spec.rank, spec.size, spec.init_method, device)
+    cfg = spec.cfg
+    model = build_model(spec.args, spec.source, cfg, spec.dtype, device, spec.max_model_len,
+                        spec.rank, spec.size)
+    kv_heads = ps.kv_heads_per_rank(cfg.num_kv_heads, spec.size)
+    conn.send(("loaded", parameter_bytes(model)))
+
+    num_blocks, num_host_blocks = conn.recv()
+    block_size = spec.args.block_size
+    kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim,
+                       spec.kv_dtype, device)
+    host_cache = None
+    if num_host_blocks:
+        host_cache = KVCache(cfg.num_layers, num_host_blocks, block_size, kv_heads,
+                             cfg.head_dim, spec.kv_dtype, torch.device("cpu"),
+                             pin_memory=device.type == "cuda")
+    runner = ModelRunner(model, kv_cache, None, block_size, device, host_cache)
+    conn.send(("ready", kv_cache.nbytes))
+    while True:
+        inputs = conn.recv()
+        if inputs is None:  # shutdown
+            break
+        runner.run(inputs)
+    ps.destroy_process_group()

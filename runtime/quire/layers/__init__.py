@@ -1,0 +1,1 @@
+"""Layers that own their weights: format (quant method), tensor-parallel shard, loading."""

@@ -1,0 +1,42 @@
+"""Builds one rank's shard of the model and loads its weights: the same code in the engine
+process (rank 0, and the whole model at tensor-parallel size 1) and in each worker."""
+
+from __future__ import annotations
+
+import torch
+
+from quire.config import EngineArgs
+from quire.distributed import parallel_state as ps
+from quire.models.config import ModelConfig
+from quire.models.llama import LlamaForCausalLM
+from quire.models.loader import ModelSource, default_dtype, iter_weights
+from quire.platform import attention_backend_class
+
+
+def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
+                device: torch.device, max_model_len: int, rank: int = 0,
+                size: int = 1) -> LlamaForCausalLM:
+    backend_cls = attention_backend_class(args.attention_backend, device)
+    scale = cfg.head_dim ** -0.5
+    num_heads = ps.heads_per_rank(cfg.num_heads, size)          # this rank's heads
+    num_kv_heads = ps.kv_heads_per_rank(cfg.num_kv_heads, size)
+
+    def make_backend(window):
+        return backend_cls(num_heads, num_kv_heads, cfg.head_dim, scale, window)
+
+    with ps.shard_as(rank, size), default_dtype(dtype), device:
+        model = LlamaForCausalLM(cfg, make_backend, max_model_len, dtype, device)
+    model.load_weights(iter_weights(source, cfg))  # each layer keeps only its shard
+    model.pack_weights()
+    return model.eval()
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """What this rank holds of the weights (a tied embedding counted once, packed copies
+    included)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            total += packed.numel() * packed.element_size()
+    return total

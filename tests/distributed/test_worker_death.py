@@ -1,0 +1,78 @@
+"""A worker's death fails a tensor-parallel engine cleanly: a clear error within a bounded
+time, no hang, and no process left behind, whether the worker dies mid-run or the engine
+process itself is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from quire.config import EngineArgs
+from quire.distributed.errors import TensorParallelError
+from quire.engine.engine import LLMEngine
+from quire.sampling_params import SamplingParams
+
+from tp_helpers import ROOT, TP, alive, spawned_children, wait_gone
+
+DEATH_NOTICED_S = 60.0  # generous: gloo fails at once when a peer's sockets close
+
+
+def _engine(path: str) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=path, dtype="float32", kv_cache_memory=4 << 20,
+                                tensor_parallel_size=TP, num_threads=1))
+
+
+def test_killing_a_worker_mid_run_fails_the_engine_within_a_bounded_time(tp_models):
+    engine = _engine(tp_models["llama"])
+    try:
+        [worker] = engine.workers.pids
+        assert spawned_children(os.getpid()) == [worker]
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        for i in range(4):
+            engine.add_request(str(i), list(range(3, 60 + i)), params)
+        for _ in range(3):
+            engine.step()  # running normally
+        killed_at = []
+        killer = threading.Timer(0.2, lambda: (killed_at.append(time.monotonic()),
+                                               os.kill(worker, signal.SIGKILL)))
+        killer.start()
+        with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {worker}\) died"):
+            deadline = time.monotonic() + 300  # far more steps than the kill needs
+            while time.monotonic() < deadline and engine.has_unfinished_requests():
+                engine.step()
+        killer.join()
+        noticed = time.monotonic() - killed_at[0]
+        print(f"worker death noticed {noticed:.2f} s after the kill")
+        assert noticed < DEATH_NOTICED_S
+        with pytest.raises(TensorParallelError):  # and it stays dead
+            engine.step()
+        assert not alive(worker)
+    finally:
+        engine.shutdown()
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tp_models, tmp_path):
+    """SIGKILL of the engine process runs no cleanup of its own: the workers notice and go."""
+    script = tmp_path / "engine_then_die.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from quire.config import EngineArgs\n"
+        "from quire.engine.engine import LLMEngine\n"
+        "if __name__ == '__main__':\n"
+        f"    e = LLMEngine(EngineArgs(model={tp_models['llama']!r}, dtype='float32',\n"
+        f"                            kv_cache_memory=1 << 20, tensor_parallel_size={TP},\n"
+        "                            num_threads=1))\n"
+        "    print(*e.workers.pids, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == TP - 1
+    assert not wait_gone(pids, timeout=30), "workers outlived the engine process"

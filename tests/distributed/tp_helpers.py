@@ -1,0 +1,76 @@
+"""Helpers for the tensor-parallel tests: the runtime tests' tiny models (loaded by path, as
+tests/server does), the KV budget for a number of blocks per rank, and /proc scans for the
+processes a test must not leave behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TP = 2
+
+# family -> tiny config overrides: qwen2 with one KV head, so two ranks replicate it
+FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {"num_key_value_heads": 1}}
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+runtime_helpers = _load("runtime_helpers", ROOT / "tests" / "runtime" / "runtime_helpers.py")
+
+
+def kv_budget_for(hf_config, num_blocks: int, tp: int, block_size: int = 16) -> int:
+    """kv_cache_memory (per rank) that holds num_blocks blocks of this rank's KV heads."""
+    from quire.distributed.parallel_state import kv_heads_per_rank
+    from quire.worker.kv_cache import bytes_per_block
+    head_dim = (getattr(hf_config, "head_dim", None)
+                or hf_config.hidden_size // hf_config.num_attention_heads)
+    kv_heads = kv_heads_per_rank(hf_config.num_key_value_heads, tp)
+    return num_blocks * bytes_per_block(hf_config.num_hidden_layers, block_size, kv_heads,
+                                        head_dim, torch.float32)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids, timeout: float) -> list[int]:
+    """Polls until none of pids runs; returns those still running at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def spawned_children(parent: int) -> list[int]:
+    """multiprocessing-spawned children of `parent` (workers, not the resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline and alive(int(entry)):
+            found.append(int(entry))
+    return found
