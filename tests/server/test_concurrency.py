@@ -42,7 +42,9 @@ async def _stream_completion(client: httpx.AsyncClient, url: str, prompt: str) -
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            payload = json.loads(line[6:])
+            assert "choices" in payload, payload  # an error event instead of a chunk
+            choice = payload["choices"][0]
             text += choice["text"]
             chunks += 1
             finish = choice["finish_reason"] or finish
