@@ -51,6 +51,15 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads for torch; default: torch's own choice"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT format) on top of the base model"})
+    max_loras: int = field(default=1, metadata={
+        "help": "adapters in device slots at once: distinct adapters in one batch at most"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank served"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "adapters kept read on the host (LRU); default: max_loras"})
+    lora_modules: dict[str, str] | None = field(default=None, metadata={
+        "help": "adapters loaded at start: name -> PEFT folder"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +87,7 @@ class EngineArgs:
                 raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
         if self.num_threads is not None:
             _int("num_threads", self.num_threads, minimum=1)
+        _check_lora(self)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("swap_space must be > 0 bytes when preemption_mode is 'swap'")
 
@@ -94,3 +104,23 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 def _int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_lora(args: EngineArgs) -> None:
+    if not isinstance(args.enable_lora, bool):
+        raise ValueError(f"enable_lora must be a boolean, got {args.enable_lora!r}")
+    _int("max_loras", args.max_loras, minimum=1)
+    _int("max_lora_rank", args.max_lora_rank, minimum=1)
+    if args.max_cpu_loras is not None:
+        _int("max_cpu_loras", args.max_cpu_loras, minimum=1)
+        if args.max_cpu_loras < args.max_loras:
+            raise ValueError(f"max_cpu_loras must be >= max_loras ({args.max_loras}), "
+                             f"got {args.max_cpu_loras}")
+    if args.lora_modules is not None:
+        if not isinstance(args.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v
+                for k, v in args.lora_modules.items()):
+            raise ValueError(f"lora_modules must map adapter names to PEFT folders "
+                             f"({{name: path}}), got {args.lora_modules!r}")
+        if args.lora_modules and not args.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")

@@ -33,7 +33,7 @@ class KVCacheManager:
         hashes, bs, tokens = request.block_hashes, self.block_size, request.token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

@@ -71,6 +71,8 @@ class Request:
         self.block_hashes: list[int] = []       # chained hashes of this request's full blocks
         self.num_preemptions = 0
         self.beam = None  # the BeamSearchGroup this sequence is a beam of, if any
+        self.lora = None        # the AdapterHandle it computes with (quire/lora); None: base
+        self.cache_salt = None  # seeds its block-hash chain: blocks of other salts never match
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property

@@ -29,6 +29,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     preempted: list[Request] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)  # per scheduled request
+    lora_keys_in_use: frozenset[int] = frozenset()  # adapters of running requests (pinned)
 
     @property
     def total_tokens(self) -> int:
@@ -41,8 +42,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swapper=None) -> None:
+                 swapper=None, lora_admission=None) -> None:
         self.kv = kv
+        self.lora_admission = lora_admission  # quire.lora.admission, when LoRA is on
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.swapper = swapper  # a SwapManager when preemption_mode == 'swap'
@@ -125,11 +127,15 @@ class Scheduler:
                     continue
                 add(req, n, copies)
 
+        lora = self.lora_admission
+        if lora is not None:
+            lora.start_step(self.running)
         # 3) swapped requests come back before waiting ones
         while self.swapped and budget > 0:
             req = self.swapped[0]
             n = min(req.num_tokens_to_compute, budget)
             if (self.num_running_seqs + req.group_size > self.max_num_seqs
+                    or (lora is not None and not lora.try_admit(req))
                     or not self.swapper.try_swap_in(req, n, out)):
                 break
             self.swapped.popleft()
@@ -139,8 +145,12 @@ class Scheduler:
 
         # 4) waiting requests, first come first served
         if not self.swapped:
+            skipped = []  # their adapter would exceed max_loras: they keep their place
             while self.waiting and budget > 0:
                 req = self.waiting[0]
+                if lora is not None and not lora.try_admit(req):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if self.num_running_seqs + req.group_size > self.max_num_seqs:
                     break
                 computed, num_computed = self.kv.get_computed_blocks(req)
@@ -158,7 +168,10 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 add(req, n, copies)
+            self.waiting.extendleft(reversed(skipped))
 
+        if lora is not None:
+            out.lora_keys_in_use = lora.in_use(self.running)
         for req, n in zip(out.requests, out.num_new_tokens):
             out.block_tables.append(self.kv.block_ids(req))
             if req.pending_forks and req.num_computed_tokens + n == req.num_tokens:
