@@ -146,7 +146,7 @@ class LoRAManager:
         slots = np.asarray([-1 if h is None else self.slot_of(h, needed, in_use)
                             for h in adapters], dtype=np.int64)
         self.context.batch = build_lora_batch(np.repeat(slots, num_tokens), self.device,
-                                              self.use_triton)
+                                              self.use_triton, self.max_loras)
 
     @property
     def loaded_keys(self) -> list[int]:

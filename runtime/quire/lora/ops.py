@@ -27,7 +27,16 @@ def add_lora_torch(y, x, lora_a, lora_b, batch: LoRABatch) -> torch.Tensor:
         slot = batch.segments[0][0]
         y += (x @ lora_a[slot]) @ lora_b[slot]
         return y
-    for slot, start, end in batch.segments:
+    p = batch.padded
+    if p is not None:  # the short segments, padded to one length: two bmm for all of them
+        a = lora_a if p.slots is None else lora_a.index_select(0, p.slots)
+        b = lora_b if p.slots is None else lora_b.index_select(0, p.slots)
+        xp = x.new_zeros(p.groups * p.pad, x.shape[1])
+        xp.index_copy_(0, p.flat_pos, x.index_select(0, p.rows))
+        d = torch.bmm(torch.bmm(xp.view(p.groups, p.pad, -1), a), b)
+        y.index_add_(0, p.rows, d.view(p.groups * p.pad, -1).index_select(0, p.flat_pos))
+    loop = batch.segments if batch.long_segments is None else batch.long_segments
+    for slot, start, end in loop:
         rows = batch.perm[start:end]
         y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a[slot]) @ lora_b[slot])
     return y
