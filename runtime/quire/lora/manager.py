@@ -113,8 +113,8 @@ class LoRAManager:
         if slot is not None:
             self.slot_use.move_to_end(handle.key)
             return slot
+        packed = self.load(handle)  # first: a slot is given up only for a readable adapter
         slot = self._free_slot(needed | in_use)
-        packed = self.load(handle)
         for prefix, lora in self.linears.items():
             lora.set_slot(slot, packed.get(prefix))
         self.slots[slot] = handle.key

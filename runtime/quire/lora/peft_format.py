@@ -131,11 +131,10 @@ def _check_config(name: str, config: dict, max_lora_rank: int) -> None:
         if unknown:
             raise bad("target_modules", f"has {unknown}; quire serves LoRA on "
                                         f"{', '.join(SUPPORTED_TARGETS)}")
-    for field, pattern in (("rank_pattern", config.get("rank_pattern") or {}),):
-        for key, value in pattern.items():
-            if isinstance(value, int) and value > max_lora_rank:
-                raise bad(field, f"gives {key!r} rank {value}, more than max_lora_rank "
-                                 f"({max_lora_rank})")
+    for key, value in (config.get("rank_pattern") or {}).items():
+        if isinstance(value, int) and value > max_lora_rank:
+            raise bad("rank_pattern", f"gives {key!r} rank {value}, more than max_lora_rank "
+                                      f"({max_lora_rank})")
 
 
 def _pattern_value(patterns: dict, module: str):

@@ -32,7 +32,7 @@ class AdapterRegistry:
 
     def remove(self, name_or_id: str | int) -> AdapterHandle | None:
         for name, h in self.by_name.items():
-            if name_or_id in (name, h.request.id) and not isinstance(name_or_id, bool):
+            if name_or_id == (name if isinstance(name_or_id, str) else h.request.id):
                 return self.by_name.pop(name)
         return None
 
