@@ -5,10 +5,12 @@ prefix cache never shares KV blocks between adapters."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import MAX_NEW_TOKENS
 from lora_helpers import random_prompts
 from quire import LLM, LoRARequest, SamplingParams
+from quire.worker.kv_cache import bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
@@ -117,3 +119,18 @@ def test_scheduler_keeps_to_max_loras_and_outputs_still_match(tiny_llama, adapte
         assert out.outputs[0].token_ids == references[name][i]
     assert max(seen) == min(max_loras, 2)
     assert engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_preemption_with_adapters_still_matches(tiny_llama, adapters, prompts, references):
+    """A KV cache of ten blocks: requests are preempted and recomputed, and come back with
+    their own adapter."""
+    block = bytes_per_block(3, 16, 2, 16, torch.float32)  # the tiny Llama, fp32
+    llm = make_llm(tiny_llama, kv_cache_memory=10 * block, max_num_batched_tokens=512)
+    loras = lora_requests(adapters)
+    names = ["a", "b", None, "b", "a", None]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                        lora_request=[loras.get(n) for n in names])
+    for i, (name, out) in enumerate(zip(names, outs)):
+        assert out.outputs[0].token_ids == references[name][i]
+    assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
