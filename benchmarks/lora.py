@@ -5,6 +5,8 @@ Random rank-16 adapters on all seven targets (q/k/v/o/gate/up/down) of the defau
 (random-token prompts, greedy, ignore_eos) run: on an engine without LoRA; on the LoRA engine
 for the base model only; and on it with the requests spread round-robin over k adapters. The
 LoRA engine has max_loras = the largest k, so every adapter holds a slot (loaded in a warm-up).
+Prefix caching is off, so no run reuses another's prompts. On a shared machine, compare only
+figures taken back to back with little steal and load (the output says the steal).
 
     python benchmarks/lora.py --num-requests 64 --input-len 128 --output-len 64
     python benchmarks/lora.py --num-requests 8 --output-len 8 --adapters 1,4   # a quick check
@@ -85,7 +87,8 @@ def main() -> None:
                for _ in range(args.num_requests)]
     params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
               ] * args.num_requests
-    common = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    # no prefix caching: a later run would find an earlier one's prompts (same adapter) cached
+    common = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
     if args.num_threads:
         common["num_threads"] = args.num_threads
 
