@@ -3,10 +3,11 @@
 from quire.config import EngineArgs
 from quire.engine.beam_search import BeamSearchParams
 from quire.entrypoints.llm import LLM
+from quire.lora.request import LoRARequest
 from quire.outputs import CompletionOutput, Logprob, RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
-           "CompletionOutput", "Logprob", "__version__"]
+           "CompletionOutput", "Logprob", "LoRARequest", "__version__"]

@@ -57,6 +57,15 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks one model is split across (one process and device each); the model's "
                 "attention heads must divide evenly, KV heads too (or be replicated)"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT format) on top of the base model"})
+    max_loras: int = field(default=1, metadata={
+        "help": "adapters in device slots at once: distinct adapters in one batch at most"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank served"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "adapters kept read on the host (LRU); default: max_loras"})
+    lora_modules: dict[str, str] | None = field(default=None, metadata={
+        "help": "adapters loaded at start: name -> PEFT folder"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +95,7 @@ class EngineArgs:
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, lo=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        _check_lora(self)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("swap_space must be > 0 bytes when preemption_mode is 'swap'")
 
@@ -98,3 +108,25 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
+
+def _check_lora(args: EngineArgs) -> None:
+    if not isinstance(args.enable_lora, bool):
+        raise ValueError(f"enable_lora must be a boolean, got {args.enable_lora!r}")
+    check_int("max_loras", args.max_loras, lo=1)
+    check_int("max_lora_rank", args.max_lora_rank, lo=1)
+    if args.max_cpu_loras is not None:
+        check_int("max_cpu_loras", args.max_cpu_loras, lo=1)
+        if args.max_cpu_loras < args.max_loras:
+            raise ValueError(f"max_cpu_loras must be >= max_loras ({args.max_loras}), "
+                             f"got {args.max_cpu_loras}")
+    if args.lora_modules is not None:
+        if not isinstance(args.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v
+                for k, v in args.lora_modules.items()):
+            raise ValueError(f"lora_modules must map adapter names to PEFT folders "
+                             f"({{name: path}}), got {args.lora_modules!r}")
+        if args.lora_modules and not args.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
+    if args.enable_lora and args.tensor_parallel_size > 1:
+        # the adapters' slot mapping is prepared on rank 0 only; the workers would not see it
+        raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")

@@ -33,6 +33,8 @@ from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
+from quire.lora.adapters import EngineAdapters, tag_request
+from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
 from quire.outputs import RequestOutput, TokenLogprobs
@@ -73,19 +75,25 @@ class LLMEngine:
         self.model = build_model(args, source, cfg, self.dtype, self.device,
                                  self.max_model_len, 0, args.tensor_parallel_size)
         self.attention_backend = next(iter(self.model.backends.values())).name
+        self.lora = None  # LoRA adapters: registry, device slots, the scheduler's rule
+        if args.enable_lora:
+            self.lora = EngineAdapters(args, self.model, self.dtype, self.device,
+                                       use_triton=self.attention_backend == "triton")
 
         self.kv_cache = self._allocate_kv_cache(cfg)
         pool = BlockPool(self.kv_cache.num_blocks, args.enable_prefix_caching)
         self.kv_manager = KVCacheManager(pool, self.block_size)
         self.swap_manager, host_cache = self._swap_space(cfg)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
-                                   args.max_num_batched_tokens, self.swap_manager)
+                                   args.max_num_batched_tokens, self.swap_manager,
+                                   self.lora.admission if self.lora else None)
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self.eos_token_ids)  # guided decoding
         self.sampler = Sampler(cfg.vocab_size, self.device, args.seed, self.structured)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
-                                  self.device, host_cache, self.workers)
+                                  self.device, host_cache, self.workers,
+                                  self.lora.manager if self.lora else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
@@ -161,8 +169,10 @@ class LLMEngine:
     # --- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue one request; raises ValueError naming what is wrong."""
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Validate and queue one request; raises ValueError naming what is wrong.
+        lora_request: the adapter it runs with (read on first use); None: the base model."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.group_of(request_id) is not None:
@@ -172,6 +182,7 @@ class LLMEngine:
                              f"samples run side by side; got {params.n}")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
+        adapter = None if lora_request is None else self._adapters().resolve(lora_request)
         seqs = []
         for i in range(params.n):  # sample i draws with seed + i: one single run reproduces it
             seq_params = params if params.n == 1 else params.clone(
@@ -180,6 +191,7 @@ class LLMEngine:
                 request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
                 self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
                 sample_index=i)
+            tag_request(seq, adapter)
             if seq_params.seed is not None and not seq_params.greedy:
                 seq.generator = self.sampler.make_generator(seq_params.seed)
             seqs.append(seq)
@@ -290,6 +302,28 @@ class LLMEngine:
                     self.events.e2e_latency.append(seq.metrics.finished_time
                                                    - seq.metrics.arrival_time)
             self._aborted_outputs.extend(self.output_processor.outputs({rid}))
+
+    # --- LoRA adapters (quire/lora) -------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and register an adapter; False if it is registered already. ValueError
+        names what is wrong (a bad folder, rank > max_lora_rank, a name or id in use)."""
+        return self._adapters().add(lora_request)
+
+    def remove_lora(self, name_or_id: str | int) -> bool:
+        """Unregister an adapter (running requests finish with it); False if unknown."""
+        return self._adapters().remove(name_or_id, self.scheduler.running)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora.list() if self.lora else []
+
+    def get_lora(self, name: str) -> LoRARequest | None:
+        """The registered adapter a request's `model` names, if any."""
+        return self.lora.get(name) if self.lora else None
+
+    def _adapters(self) -> EngineAdapters:
+        if self.lora is None:
+            raise ValueError("lora_request needs an engine with enable_lora=True")
+        return self.lora
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted_outputs)

@@ -101,7 +101,8 @@ class KVCacheManager:
 
     def _extend_hashes(self, seq: Request, num_full_blocks: int) -> None:
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        salt = None if self.enable_caching else hash(("client", seq.client_request_id))
+        salt = (seq.cache_salt if self.enable_caching  # an adapter salts its chain
+                else hash(("client", seq.client_request_id, seq.cache_salt)))
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else salt

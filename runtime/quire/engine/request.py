@@ -81,6 +81,8 @@ class Request:
         self.num_preemptions = 0
         self.beam_group = None  # the BeamSearchGroup this sequence is a beam of, if any
         self.structured = None  # its GrammarState under guided decoding (quire/structured)
+        self.lora = None        # the AdapterHandle it computes with (quire/lora); None: base
+        self.cache_salt = None  # seeds its block-hash chain: blocks of other salts never match
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property

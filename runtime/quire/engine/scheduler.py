@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, swapper=None) -> None:
+                 max_num_batched_tokens: int, swapper=None, lora_admission=None) -> None:
         self.kv_manager = kv_manager
+        self.lora_admission = lora_admission  # quire.lora.admission, when LoRA is on
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.swapper = swapper  # a SwapManager when preemption_mode == 'swap'
@@ -92,6 +93,8 @@ class Scheduler:
                     self._serve(unit, units, decoding, out)
         if not out.preempted:  # a step that had to preempt has no room to bring any back
             self._swap_in_and_admit(out)
+        if self.lora_admission is not None:  # adapters of running sequences stay pinned
+            out.lora_keys_in_use = self.lora_admission.in_use(self.running)
         for seq, n in zip(out.requests, out.num_new_tokens):
             out.block_tables.append(self.kv_manager.block_ids(seq))
             if seq.pending_siblings and seq.num_computed_tokens + n == seq.num_tokens:
@@ -140,11 +143,15 @@ class Scheduler:
                 return
 
     def _swap_in_and_admit(self, out: SchedulerOutput) -> None:
+        lora = self.lora_admission  # distinct adapters of running sequences <= max_loras
+        if lora is not None:
+            lora.start_step(self.running)
         # swapped sequences come back before waiting ones
         while self.swapped and self._budget > 0:
             seq = self.swapped[0]
             n = min(seq.num_tokens_to_compute, self._budget)
             if (self.num_running_seqs + seq.num_seqs > self.max_num_seqs
+                    or (lora is not None and not lora.try_admit(seq))
                     or not self.swapper.try_swap_in(seq, n, out)):
                 break
             self.swapped.popleft()
@@ -153,10 +160,14 @@ class Scheduler:
             self._add(seq, n, self.kv_manager.allocate_slots(seq, n), out)
         # waiting sequences, first come first served; admission never preempts
         compiling = []  # structured output: sequences whose grammar is still compiling
+        skipped = []    # LoRA: their adapter would exceed max_loras this step
         while not self.swapped and self.waiting and self._budget > 0:
             seq = self.waiting[0]
             if seq.structured is not None and not seq.structured.ready:
                 compiling.append(self.waiting.popleft())  # let the others go past
+                continue
+            if lora is not None and not lora.try_admit(seq):
+                skipped.append(self.waiting.popleft())  # no adapter slot: keeps its place
                 continue
             if self.num_running_seqs + seq.num_seqs > self.max_num_seqs:
                 break
@@ -170,7 +181,9 @@ class Scheduler:
             seq.start_running(num_computed)
             self.running.append(seq)
             self._add(seq, n, copies, out)
-        self.waiting.extendleft(reversed(compiling))
+        if compiling or skipped:  # back in front, in their order of arrival
+            self.waiting.extendleft(sorted(compiling + skipped,
+                                           key=lambda s: s.metrics.arrival_time, reverse=True))
         self._num_compiling = len(compiling)
 
     def _add(self, seq: Request, n: int, copies: list[tuple[int, int]],

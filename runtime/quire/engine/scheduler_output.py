@@ -19,6 +19,7 @@ class SchedulerOutput:
     block_tables: list[list[int]] = field(default_factory=list)  # per sequence in `requests`
     stuck: list[Request] = field(default_factory=list)  # failed by the liveness guard
     stuck_reason: str | None = None
+    lora_keys_in_use: frozenset[int] = frozenset()  # adapters of running sequences (pinned)
 
     @property
     def total_tokens(self) -> int:

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from quire.config import EngineArgs
 from quire.engine.beam_search import BeamSearchParams
 from quire.engine.engine import LLMEngine, PromptType
+from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,9 +33,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Outputs in input order. `prompts`: a string, a list of token ids, a dict with
-        'prompt' or 'prompt_token_ids', or a list of those."""
+        'prompt' or 'prompt_token_ids', or a list of those. `lora_request`: one adapter for
+        all prompts, or one (or None: the base model) per prompt."""
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -43,11 +47,12 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts; give one, or one per prompt")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, lora in zip(prompts, sampling_params, loras):
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(self.engine.add_request(None, prompt, params))
+                ids.append(self.engine.add_request(None, prompt, params, lora_request=lora))
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             while self.engine.has_unfinished_requests():
@@ -122,3 +127,13 @@ def _as_list(prompts) -> list:
     if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
         return [list(prompts)]  # one prompt of token ids
     return list(prompts)
+
+
+def _per_prompt_loras(lora_request, n: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts; give one, "
+                         f"or one per prompt")
+    return loras

@@ -69,8 +69,9 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler | None, block_size: int,
                  device: torch.device, host_cache: KVCache | None = None,
-                 workers=None) -> None:
+                 workers=None, lora=None) -> None:
         self.model = model
+        self.lora = lora  # a quire.lora LoRAManager, when LoRA is on
         self.kv_cache = kv_cache
         self.host_cache = host_cache  # swap space
         self.sampler = sampler
@@ -156,6 +157,8 @@ class ModelRunner:
         bs = self.block_size
         slots = bt[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts_a + ns_a
+        if self.lora is not None:  # slots for the step's adapters, and each token's slot
+            self.lora.prepare([reqs[i].lora for i in order], ns_a, out.lora_keys_in_use)
         prompt_a = np.asarray(prompt_lens, dtype=np.int64)
         num_prompt_tokens = int(np.minimum(np.maximum(prompt_a - starts_a, 0), ns_a).sum())
         rope_seq_lens = None

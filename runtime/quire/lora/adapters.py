@@ -1,0 +1,70 @@
+"""EngineAdapters: what the engine holds when LoRA is on (registry, slot manager, scheduler
+rule), behind the few calls the engine makes. The engine's add_lora / remove_lora /
+list_loras are thin wrappers over this."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from quire.lora.admission import AdapterAdmission
+from quire.lora.manager import LoRAManager
+from quire.lora.registry import AdapterRegistry
+from quire.lora.request import AdapterHandle, LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineAdapters:
+    def __init__(self, args, model, dtype: torch.dtype, device: torch.device,
+                 use_triton: bool) -> None:
+        self.registry = AdapterRegistry()
+        self.manager = LoRAManager(model, args.max_loras, args.max_lora_rank,
+                                   args.max_cpu_loras or args.max_loras, dtype, device,
+                                   use_triton)
+        self.admission = AdapterAdmission(args.max_loras)
+        for i, (name, path) in enumerate((args.lora_modules or {}).items(), start=1):
+            self.add(LoRARequest(name, i, path))
+
+    def add(self, req: LoRARequest) -> bool:
+        """Registers and reads the adapter (raising ValueError if it can't be served).
+        False if this very adapter is registered already."""
+        if not isinstance(req, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(req).__name__}")
+        old = self.registry.get(req.name)
+        if old is not None and old.request == req:
+            return False
+        handle = self.registry.new_handle(req)
+        self.manager.load(handle)
+        self.registry.add(handle)
+        return True
+
+    def remove(self, name_or_id: str | int, running) -> bool:
+        """New requests can no longer ask for it; requests already running finish with it."""
+        handle = self.registry.remove(name_or_id)
+        if handle is None:
+            return False
+        self.manager.forget(handle.key, self.admission.in_use(running))
+        logger.info("removed LoRA adapter %r", handle.name)
+        return True
+
+    def resolve(self, req: LoRARequest) -> AdapterHandle:
+        """The handle a request runs with; an adapter not registered yet is added (as
+        LLM.generate(..., lora_request=...) expects)."""
+        self.add(req)
+        return self.registry.get(req.name)
+
+    def get(self, name: str) -> LoRARequest | None:
+        handle = self.registry.get(name)
+        return None if handle is None else handle.request
+
+    def list(self) -> list[LoRARequest]:
+        return self.registry.requests()
+
+
+def tag_request(seq, handle: AdapterHandle | None) -> None:
+    """The request computes with this adapter, and its prefix-cache hashes are salted with
+    the adapter's registration, so no two adapters (nor base and adapter) share KV blocks."""
+    seq.lora = handle
+    seq.cache_salt = None if handle is None else ("lora", handle.key)
