@@ -24,7 +24,7 @@ from .defaults import default_image
 from .housekeeping import Housekeeping, Key, Polled
 from .kube import ApiError, kube, load_config
 from .reconcile import Announce, reconcile, repair
-from .router_children import ROUTER_LABEL
+from .router_children import ROUTER_LABEL, ROUTER_PORT_NAME
 from .scaling import PodRef, poll
 from .spec import SpecError, parse_spec
 from .zero_poll import POLL_SECONDS_AT_ZERO, poll_zero
@@ -135,12 +135,21 @@ def pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: 
 
 @kopf.index(*PODS, labels=OURS)
 def router_pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta,
-                                 status: kopf.Status, **_: Any) -> dict:
+                                 spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
     """(namespace, LLMDeployment) → its router pods' IPs and readiness (spec.router)."""
     parent = labels.get(ROUTER_LABEL)
     if not parent or meta.get("deletionTimestamp"):
         return {}
-    return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=_ready(status))}
+    return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=_ready(status),
+                                        port=_http_port(spec))}
+
+
+def _http_port(spec: kopf.Spec) -> int | None:
+    for container in spec.get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == ROUTER_PORT_NAME:
+                return port.get("containerPort")
+    return None
 
 
 def _ready(status: kopf.Status) -> bool:

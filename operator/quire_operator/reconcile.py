@@ -11,7 +11,6 @@ one Warning Event, and no further writes until the spec changes.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from collections import defaultdict
@@ -27,7 +26,7 @@ from .children import (
     owner_of,
     with_hash,
 )
-from .drift import drift_of
+from .drift import drift_of, patch_for
 from .kube import ApiError, Kube
 from .router_children import desired_router_service, router_child_names, router_children
 from .spec import LLMSpec, SpecError, check_name, parse_spec
@@ -48,9 +47,6 @@ KINDS = {
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
-# Maps that the operator owns whole: a key it no longer sets is removed, not left behind by the
-# merge patch (the main Service's selector moves between the runtime and the router pods).
-OWNED_MAPS = {"Service": (("spec", "selector"),)}
 # 4xx answers that say "not now" rather than "never": a race with another writer, or throttling.
 TRANSIENT_CLIENT_ERRORS = (404, 408, 409, 429)
 _KEEP = object()  # "leave the reported blocking problem as it is"
@@ -96,24 +92,11 @@ def apply(kube: Kube, namespace: str, desired: dict) -> tuple[str, dict]:
         ours = (live.get("metadata", {}).get("annotations") or {}).get(names.HASH_ANNOTATION)
         action = "restored" if ours == desired["metadata"]["annotations"][names.HASH_ANNOTATION] else "updated"
         log.debug("%s/%s: the %s differs in %s", namespace, name, kind, drift)
-        return action, kube.patch(group, version, plural, namespace, name, _dropping_stale_keys(live, desired))
+        return action, kube.patch(group, version, plural, namespace, name, patch_for(live, desired))
     except ApiError as e:
         if is_permanent(e):
             raise ChildRejected(kind, name, e) from e
         raise
-
-
-def _dropping_stale_keys(live: Mapping[str, Any], desired: dict) -> dict:
-    """The merge patch for `desired`, with null for the keys of owned maps that it no longer sets."""
-    patch = copy.deepcopy(desired)
-    for path in OWNED_MAPS.get(desired["kind"], ()):
-        have, want = live, patch
-        for key in path:
-            have = have.get(key) if isinstance(have, Mapping) else None
-            want = want.get(key) if isinstance(want, Mapping) else None
-        if isinstance(have, Mapping) and isinstance(want, dict):
-            want.update({key: None for key in have if key not in want})
-    return patch
 
 
 def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce: Announce) -> None:

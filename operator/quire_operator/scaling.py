@@ -22,6 +22,7 @@ class PodRef:
     name: str
     ip: str | None
     ready: bool
+    port: int | None = None  # router pods: the port of their `http` container port
 
 
 def policy_of(spec: AutoscalingSpec) -> Policy:

@@ -64,7 +64,3 @@ def _all(ips: Iterable[str], get: Callable[[str], Any]) -> dict[str, Any]:
 
 def scrape_all(ips: Iterable[str], port: int) -> dict[str, Mapping[str, float] | None]:
     return _all(ips, lambda ip: scrape(ip, port))
-
-
-def fetch_all(ips: Iterable[str], port: int) -> dict[str, str | None]:
-    return _all(ips, lambda ip: fetch(ip, port))

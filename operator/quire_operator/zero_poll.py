@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -30,7 +31,7 @@ from .scale_to_zero import (
     router_signal_from_metrics,
 )
 from .scaling import PodRef
-from .scrape import fetch_all
+from .scrape import MAX_PARALLEL_SCRAPES, fetch
 from .spec import LLMSpec
 from .status_writer import update_status
 
@@ -50,19 +51,22 @@ class ZeroPoll:
         return self.decision.replicas != self.current
 
 
-def router_signal(router_pods: Iterable[PodRef], port: int = ROUTER_PORT) -> RouterSignal | None:
+def router_signal(router_pods: Iterable[PodRef]) -> RouterSignal | None:
     """All ready router pods' figures together; None if there is none, or one did not answer."""
     ready = [p for p in router_pods if p.ready and p.ip]
-    texts = fetch_all([p.ip for p in ready], port)
 
-    def signal(text: str | None) -> RouterSignal | None:
+    def signal(pod: PodRef) -> RouterSignal | None:
+        text = fetch(pod.ip, pod.port or ROUTER_PORT)
         try:
             return None if text is None else router_signal_from_metrics(text)
         except ValueError as e:
-            log.debug("unusable router metrics: %s", e)
+            log.debug("unusable metrics from router pod %s: %s", pod.name, e)
             return None
 
-    return combine_router_signals(signal(texts.get(p.ip)) for p in ready)
+    if not ready:
+        return None
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(ready))) as pool:
+        return combine_router_signals(pool.map(signal, ready))
 
 
 def poll_zero(kube: Kube, namespace: str, name: str, spec: LLMSpec, router_pods: Iterable[PodRef],
