@@ -7,7 +7,7 @@ import pytest
 
 from quire_operator import names
 from quire_operator.children import desired_deployment, owner_of, with_hash
-from quire_operator.drift import covers, drift_of
+from quire_operator.drift import covers, drift_of, patch_for
 from quire_operator.spec import parse_spec
 
 OWNER = owner_of({"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
@@ -57,7 +57,6 @@ def test_quantities_compare_by_value():
 
 
 def test_an_extra_key_in_a_services_selector_is_drift_and_the_patch_removes_it():
-    from quire_operator.drift import drift_of, patch_for
     desired = {"kind": "Service", "spec": {"selector": {"quire.dev/router": "chat"}}}
     live = {"kind": "Service", "spec": {"selector": {"quire.dev/router": "chat", "quire.dev/llmdeployment": "chat"},
                                         "clusterIP": "10.0.0.1"}}
