@@ -79,9 +79,11 @@ class Housekeeping:
             if poll:
                 clock.next_poll = now + poll_seconds
             if resync or poll:
-                self._start(loop, key, clock, lambda k=key, e=entry, c=clock, r=resync, p=poll: self._job(k, e, c, r, p))
+                self._start(loop, key, clock,
+                            lambda k=key, e=entry, c=clock, r=resync, p=poll: self._job(k, e, c, r, p, now))
 
-    def _job(self, key: Key, entry: Mapping[str, Any], clock: _Clock, resync: bool, poll: bool) -> None:
+    def _job(self, key: Key, entry: Mapping[str, Any], clock: _Clock, resync: bool, poll: bool,
+             started: float) -> None:
         if resync:
             self.resync(key)
         if poll:
@@ -89,7 +91,7 @@ class Housekeeping:
             if isinstance(result, Polled):
                 clock.history = result.history
                 if result.next_poll_seconds is not None:
-                    clock.next_poll = min(clock.next_poll, time.monotonic() + result.next_poll_seconds)
+                    clock.next_poll = min(clock.next_poll, started + result.next_poll_seconds)
             else:
                 clock.history = result
 
