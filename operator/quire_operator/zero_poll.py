@@ -102,20 +102,21 @@ def _record(kube: Kube, namespace: str, name: str, result: ZeroPoll, signal: Rou
         decision = result.decision
         fields: dict = {"reason": decision.reason, "message": decision.message,
                         "desiredReplicas": decision.replicas}
+        if not result.scaled and old.get("reason") == decision.reason:
+            del fields["message"]  # e.g. "last request 12s ago": not worth a write every poll
         if result.scaled:
             fields["lastScaleTime"] = status.now_iso()
         if result.scaled and decision.replicas > result.current:
-            fields["coldStart"] = cold_start_status(ColdStart(now))
-            fields["coldStart"]["decidedAtTime"] = _iso(now)
+            # A new cold start: the last one's figures go (a merge patch would keep them).
+            fields["coldStart"] = {"firstTokenAt": None, "seconds": None, "message": None,
+                                   **cold_start_status(ColdStart(now)), "decidedAtTime": _iso(now)}
         elif (started := old.get("coldStart")) and "seconds" not in started:
             cold = cold_start_finished(ColdStart(float(started["decidedAt"])), signal)
             if cold.seconds is not None:
                 ended.append(cold)
                 fields["coldStart"] = {**cold_start_status(cold), "decidedAtTime": started.get("decidedAtTime")}
                 fields["coldStartSeconds"] = fields["coldStart"]["seconds"]
-        if all(old.get(k) == v for k, v in fields.items()):
-            return None  # nothing new: no write
-        return {"scaleToZero": fields}
+        return {"scaleToZero": fields}  # update_status writes only what is new
 
     update_status(kube, namespace, name, change)
     return ended[0] if ended else None

@@ -100,6 +100,14 @@ def test_scales_from_zero_on_held_requests_and_back_after_the_idle_window(cluste
                 assert wait_for(lambda: "ScaledToZero" in reasons(cluster), timeout=TIMEOUT, what="the Event")
                 wait_for(lambda: not controller.pods(), timeout=TIMEOUT, what="the pod to go")
                 assert controller.replica_history[-3:] == [0, 1, 0] or controller.replica_history[-2:] == [1, 0]
+
+                # And again: a fresh cold start, without the last one's figures.
+                figures.pending, figures.last_request = 1, time.time()
+                wait_for(lambda: cluster.llmd("chat")["spec"]["replicas"] == 1, timeout=TIMEOUT,
+                         what="the second scale from zero")
+                fresh = wait_for(lambda: (c := scale_to_zero_status(cluster).get("coldStart") or {})
+                                 .get("decidedAt", 0) > decided and c, timeout=TIMEOUT, what="a new cold start")
+                assert "seconds" not in fresh and "firstTokenAt" not in fresh
         finally:
             pod.stop()
 
