@@ -21,11 +21,13 @@ import kubernetes
 
 from . import names
 from .defaults import default_image
-from .housekeeping import Housekeeping, Key
+from .housekeeping import Housekeeping, Key, Polled
 from .kube import ApiError, kube, load_config
 from .reconcile import Announce, reconcile, repair
+from .router_children import ROUTER_LABEL, ROUTER_PORT_NAME
 from .scaling import PodRef, poll
 from .spec import SpecError, parse_spec
+from .zero_poll import POLL_SECONDS_AT_ZERO, poll_zero
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,10 @@ OURS = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
 OURS_SELECTOR = f"{names.MANAGED_BY_LABEL}={names.MANAGED_BY}"
 # What the operator watches besides LLMDeployments: only what it made, filtered by the API server.
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
-                   ("policy", "v1", "poddisruptionbudgets")]
+                   ("policy", "v1", "poddisruptionbudgets"),
+                   # spec.router's identity (its Deployment and Services are above)
+                   ("", "v1", "serviceaccounts"), ("rbac.authorization.k8s.io", "v1", "roles"),
+                   ("rbac.authorization.k8s.io", "v1", "rolebindings")]
 PODS = ("", "v1", "pods")
 
 
@@ -101,6 +106,9 @@ def _parent(body: kopf.Body) -> str | None:
 @kopf.on.event(*CHILD_RESOURCES[0], labels=OURS)
 @kopf.on.event(*CHILD_RESOURCES[1], labels=OURS)
 @kopf.on.event(*CHILD_RESOURCES[2], labels=OURS)
+@kopf.on.event(*CHILD_RESOURCES[3], labels=OURS)
+@kopf.on.event(*CHILD_RESOURCES[4], labels=OURS)
+@kopf.on.event(*CHILD_RESOURCES[5], labels=OURS)
 def child_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -> None:
     """A child changed (its status, or someone edited or deleted it): put the spec back if needed.
     Also how the Deployment's rollout reaches the LLMDeployment's status."""
@@ -122,9 +130,31 @@ def pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: 
     parent = labels.get(names.SELECTOR_LABEL)
     if not parent or meta.get("deletionTimestamp"):
         return {}
-    ready = status.get("phase") == "Running" and any(
+    return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=_ready(status))}
+
+
+@kopf.index(*PODS, labels=OURS)
+def router_pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta,
+                                 spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
+    """(namespace, LLMDeployment) → its router pods' IPs and readiness (spec.router)."""
+    parent = labels.get(ROUTER_LABEL)
+    if not parent or meta.get("deletionTimestamp"):
+        return {}
+    return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=_ready(status),
+                                        port=_http_port(spec))}
+
+
+def _http_port(spec: kopf.Spec) -> int | None:
+    for container in spec.get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == ROUTER_PORT_NAME:
+                return port.get("containerPort")
+    return None
+
+
+def _ready(status: kopf.Status) -> bool:
+    return status.get("phase") == "Running" and any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=ready)}
 
 
 @kopf.index(*LLMD)
@@ -143,7 +173,7 @@ def llmdeployments(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, 
                                 "poll_seconds": poll_seconds}}
 
 
-def _autoscale(pods_index: kopf.Index, key: Key, entry: dict, history: Any) -> Any:
+def _autoscale(pods_index: kopf.Index, router_index: kopf.Index, key: Key, entry: dict, history: Any) -> Any:
     namespace, name = key
     parsed = parse_spec(entry["spec"])
     target = entry["target"]
@@ -154,8 +184,16 @@ def _autoscale(pods_index: kopf.Index, key: Key, entry: dict, history: Any) -> A
     def warn(reason: str, message: str) -> None:
         kopf.event(target, type="Warning", reason=reason, message=message[:1024])
 
+    pods = list(pods_index.get(key, []))
     try:
-        return poll(kube, namespace, name, parsed.autoscaling, parsed.port, list(pods_index.get(key, [])),
+        if parsed.scale_to_zero.enabled:
+            # The 0 <-> 1 edge first; the load autoscaler only while replicas run and it did not scale.
+            zero = poll_zero(kube, namespace, name, parsed, list(router_index.get(key, [])),
+                             sum(p.ready for p in pods), time.time(), announce)
+            if zero.scaled or zero.current == 0:
+                faster = POLL_SECONDS_AT_ZERO if zero.decision.replicas == 0 else None
+                return Polled(history, faster)
+        return poll(kube, namespace, name, parsed.autoscaling, parsed.port, pods,
                     history, time.time(), announce, warn).history
     except ApiError as e:
         log.warning("%s/%s: autoscaler poll failed, the next poll retries: %s", namespace, name, e)
@@ -176,9 +214,10 @@ def _entries(index: kopf.Index) -> list[tuple[Key, dict]]:
 
 @kopf.on.startup()
 async def start_housekeeping(memo: kopf.Memo, llmdeployments: kopf.Index, pods_by_llmdeployment: kopf.Index,
-                             **_: Any) -> None:
+                             router_pods_by_llmdeployment: kopf.Index, **_: Any) -> None:
     holder = memo["handler_context"] = {}  # filled by the first index call (shared: memos are shallow copies)
-    keeper = Housekeeping(poll=lambda key, entry, history: _autoscale(pods_by_llmdeployment, key, entry, history),
+    keeper = Housekeeping(poll=lambda key, entry, history: _autoscale(pods_by_llmdeployment, router_pods_by_llmdeployment,
+                                                                 key, entry, history),
                           resync=_resync, resync_seconds=float(memo.get("resync_seconds") or RESYNC_SECONDS),
                           tick_seconds=TICK_SECONDS, context=lambda: holder.get("context"))
     memo["housekeeping"] = asyncio.create_task(keeper.run(lambda: _entries(llmdeployments)), name="housekeeping")

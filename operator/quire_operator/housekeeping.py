@@ -33,9 +33,17 @@ class _Clock:
     busy: bool = False
 
 
+@dataclass(frozen=True)
+class Polled:
+    """What a poll may return instead of the bare history: the history, and when to poll next
+    if not at the entry's poll_seconds (faster while a scaled-to-zero object holds requests)."""
+    history: Any
+    next_poll_seconds: float | None = None
+
+
 @dataclass
 class Housekeeping:
-    # poll(key, entry, history) → the history for the next poll; called when entry["poll"] is due
+    # poll(key, entry, history) → the history for the next poll (or a Polled); called when due
     poll: Callable[[Key, Mapping[str, Any], Any], Any]
     # resync(key): re-apply the spec
     resync: Callable[[Key], None]
@@ -71,13 +79,21 @@ class Housekeeping:
             if poll:
                 clock.next_poll = now + poll_seconds
             if resync or poll:
-                self._start(loop, key, clock, lambda k=key, e=entry, c=clock, r=resync, p=poll: self._job(k, e, c, r, p))
+                self._start(loop, key, clock,
+                            lambda k=key, e=entry, c=clock, r=resync, p=poll: self._job(k, e, c, r, p, now))
 
-    def _job(self, key: Key, entry: Mapping[str, Any], clock: _Clock, resync: bool, poll: bool) -> None:
+    def _job(self, key: Key, entry: Mapping[str, Any], clock: _Clock, resync: bool, poll: bool,
+             started: float) -> None:
         if resync:
             self.resync(key)
         if poll:
-            clock.history = self.poll(key, entry, clock.history)
+            result = self.poll(key, entry, clock.history)
+            if isinstance(result, Polled):
+                clock.history = result.history
+                if result.next_poll_seconds is not None:
+                    clock.next_poll = min(clock.next_poll, started + result.next_poll_seconds)
+            else:
+                clock.history = result
 
     def _start(self, loop: asyncio.AbstractEventLoop, key: Key, clock: _Clock, job: Callable[[], None]) -> None:
         clock.busy = True

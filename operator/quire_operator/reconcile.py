@@ -26,8 +26,9 @@ from .children import (
     owner_of,
     with_hash,
 )
-from .drift import drift_of
+from .drift import drift_of, patch_for
 from .kube import ApiError, Kube
+from .router_children import desired_router_service, router_child_names, router_children
 from .spec import LLMSpec, SpecError, check_name, parse_spec
 from .status import Blocked
 from .status_writer import update_status
@@ -42,6 +43,9 @@ KINDS = {
     "Deployment": ("apps", "v1", "deployments"),
     "Service": ("", "v1", "services"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "ServiceAccount": ("", "v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
 # 4xx answers that say "not now" rather than "never": a race with another writer, or throttling.
 TRANSIENT_CLIENT_ERRORS = (404, 408, 409, 429)
@@ -88,7 +92,7 @@ def apply(kube: Kube, namespace: str, desired: dict) -> tuple[str, dict]:
         ours = (live.get("metadata", {}).get("annotations") or {}).get(names.HASH_ANNOTATION)
         action = "restored" if ours == desired["metadata"]["annotations"][names.HASH_ANNOTATION] else "updated"
         log.debug("%s/%s: the %s differs in %s", namespace, name, kind, drift)
-        return action, kube.patch(group, version, plural, namespace, name, desired)
+        return action, kube.patch(group, version, plural, namespace, name, patch_for(live, desired))
     except ApiError as e:
         if is_permanent(e):
             raise ChildRejected(kind, name, e) from e
@@ -139,21 +143,39 @@ def repair(kube: Kube, namespace: str, name: str, default_image: str, announce_f
 def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, default_image: str,
                     announce: Announce) -> dict:
     name = owner["metadata"]["name"]
+    image = spec.image or default_image
     deployment = _apply_announced(kube, namespace, desired_deployment(owner, spec, default_image), announce)
-    _apply_announced(kube, namespace, desired_service(owner, spec), announce)
+    router = router_children(owner, spec.router, image)
+    for child in router:  # identity and the headless Service before the router pods
+        _apply_announced(kube, namespace, child, announce)
+    main_service = desired_router_service(owner, spec.router) if spec.router.enabled else desired_service(owner, spec)
+    _apply_announced(kube, namespace, main_service, announce)
+    if not router:  # turned off (or never on): nothing of the router may stay behind
+        for kind, child_name in reversed(router_child_names(name)):
+            _delete_child(kube, namespace, kind, child_name, announce, "spec.router is off")
     pdb = desired_pdb(owner, spec)
     if pdb is not None:
         _apply_announced(kube, namespace, pdb, announce)
-    elif kube.get("policy", "v1", "poddisruptionbudgets", namespace, name) is not None:
-        try:
-            kube.delete("policy", "v1", "poddisruptionbudgets", namespace, name)
-        except ApiError as e:
-            if is_permanent(e):
-                raise ChildRejected("PodDisruptionBudget", name, e) from e
-            raise
-        log.info("%s/%s: deleted the PodDisruptionBudget: spec.podDisruptionBudget is off", namespace, name)
-        announce("Normal", "Deleted", "PodDisruptionBudget deleted: spec.podDisruptionBudget is off")
+    else:
+        _delete_child(kube, namespace, "PodDisruptionBudget", name, announce, "spec.podDisruptionBudget is off")
     return deployment
+
+
+def _delete_child(kube: Kube, namespace: str, kind: str, name: str, announce: Announce, why: str) -> None:
+    """Delete a child the spec no longer asks for, if it exists (one GET when it does not)."""
+    group, version, plural = KINDS[kind]
+    try:
+        if kube.get(group, version, plural, namespace, name) is None:
+            return
+        kube.delete(group, version, plural, namespace, name)
+    except ApiError as e:
+        if e.status == 404:
+            return
+        if is_permanent(e):
+            raise ChildRejected(kind, name, e) from e
+        raise
+    log.info("%s/%s: deleted the %s %s: %s", namespace, name, kind, name, why)
+    announce("Normal", "Deleted", f"{kind} {name} deleted: {why}")
 
 
 _SAID = {

@@ -195,3 +195,11 @@ def router_children(owner: Mapping[str, Any], spec: RouterSpec, image: str) -> l
     return [desired_router_service_account(owner), desired_router_role(owner),
             desired_router_role_binding(owner), desired_headless_service(owner, spec),
             desired_router_deployment(owner, spec, image)]
+
+
+def router_child_names(name: str) -> list[tuple[str, str]]:
+    """(kind, name) of what router_children makes, in the same order: what to delete when the
+    router is turned off."""
+    return [("ServiceAccount", router_name(name)), ("Role", router_name(name)),
+            ("RoleBinding", router_name(name)), ("Service", headless_service_name(name)),
+            ("Deployment", router_name(name))]

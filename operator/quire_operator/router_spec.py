@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import SpecError
+from .spec_error import SpecError
 
 ROUTING_POLICIES = ("round-robin", "least-load", "prefix-aware")
 DEFAULT_BLOCK_SIZE = 16  # the runtime's default (EngineArgs.block_size)

@@ -22,12 +22,14 @@ class PodRef:
     name: str
     ip: str | None
     ready: bool
+    port: int | None = None  # router pods: the port of their `http` container port
 
 
 def policy_of(spec: AutoscalingSpec) -> Policy:
     assert spec.max_replicas is not None  # parse_spec requires it when autoscaling is on
     return Policy(
-        min_replicas=spec.min_replicas,
+        # Scaling to zero is scale_to_zero's decision (idle time), never the load's.
+        min_replicas=max(1, spec.min_replicas),
         max_replicas=spec.max_replicas,
         targets={autoscaler.QUEUE_DEPTH: spec.target_queue_depth,
                  autoscaler.KV_CACHE: spec.target_kv_cache_utilization},

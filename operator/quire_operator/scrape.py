@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,20 +31,36 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def scrape(ip: str, port: int, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> dict[str, float] | None:
-    """A pod's metrics, or None if it does not answer well (counted as missing, not as zero)."""
+def fetch(ip: str, port: int, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> str | None:
+    """A pod's /metrics text, or None if it does not answer well."""
     host = f"[{ip}]" if ":" in ip else ip
     try:
         with _opener.open(f"http://{host}:{port}/metrics", timeout=timeout) as response:
-            return parse_metrics(response.read().decode("utf-8", errors="replace"))
+            return response.read().decode("utf-8", errors="replace")
     except Exception as e:  # any failure means "no data from this pod", never a crash
         log.debug("scraping %s:%s failed: %s", ip, port, e)
         return None
 
 
-def scrape_all(ips: Iterable[str], port: int) -> dict[str, Mapping[str, float] | None]:
+def scrape(ip: str, port: int, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> dict[str, float] | None:
+    """A pod's metrics, or None if it does not answer well (counted as missing, not as zero)."""
+    text = fetch(ip, port, timeout)
+    if text is None:
+        return None
+    try:
+        return parse_metrics(text)
+    except Exception as e:
+        log.debug("unparsable metrics from %s:%s: %s", ip, port, e)
+        return None
+
+
+def _all(ips: Iterable[str], get: Callable[[str], Any]) -> dict[str, Any]:
     ips = list(ips)
     if not ips:
         return {}
     with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(ips))) as pool:
-        return dict(zip(ips, pool.map(lambda ip: scrape(ip, port), ips)))
+        return dict(zip(ips, pool.map(get, ips)))
+
+
+def scrape_all(ips: Iterable[str], port: int) -> dict[str, Mapping[str, float] | None]:
+    return _all(ips, lambda ip: scrape(ip, port))

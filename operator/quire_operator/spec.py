@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import names, quantity
+from .router_spec import RouterSpec, ScaleToZeroSpec, parse_router_spec, parse_scale_to_zero
+from .spec_error import SpecError
+
+__all__ = ["SpecError"]  # re-exported: callers import it from here
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
@@ -24,14 +28,6 @@ MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tenso
 MAX_TENSOR_PARALLEL = 16
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
-
-
-class SpecError(ValueError):
-    """An invalid spec; `field` is the path of the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -106,6 +102,8 @@ class LLMSpec:
     pdb_enabled: bool = False
     pdb_max_unavailable: int = 1
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    scale_to_zero: ScaleToZeroSpec = field(default_factory=ScaleToZeroSpec)
 
 
 def check_name(name: str) -> None:
@@ -145,8 +143,9 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         pdb_enabled=pdb.boolean("enabled", False),
         pdb_max_unavailable=pdb.integer("maxUnavailable", 1, minimum=0),
         autoscaling=_parse_autoscaling(scaling),
+        router=parse_router_spec(raw),
     )
-    return parsed
+    return replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router))
 
 
 def _parse_model(model: _Reader) -> ModelSpec:
@@ -246,7 +245,8 @@ def _parse_autoscaling(scaling: _Reader) -> AutoscalingSpec:
     enabled = bool(scaling.boolean("enabled", False))
     parsed = AutoscalingSpec(
         enabled=enabled,
-        min_replicas=scaling.integer("minReplicas", 1, minimum=1),
+        # 0 is scale to zero: parse_scale_to_zero says when it is allowed.
+        min_replicas=scaling.integer("minReplicas", 1, minimum=0),
         max_replicas=scaling.integer("maxReplicas", None, minimum=1),
         target_queue_depth=scaling.number("targetQueueDepth", 4.0, above=0.0),
         target_kv_cache_utilization=scaling.number("targetKVCacheUtilization", 0.8, above=0.0, maximum=1.0),

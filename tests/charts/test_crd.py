@@ -114,7 +114,10 @@ GOOD = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment", "metadata":
     {"runtime": {"dtype": "fp64"}},
     {"runtime": {"kvCacheMemoryFraction": 0}},
     {"autoscaling": {"targetKVCacheUtilization": 1.5}},
-    {"autoscaling": {"minReplicas": 0}},
+    {"autoscaling": {"minReplicas": -1}},
+    {"autoscaling": {"idleWindowSeconds": 5}},
+    {"router": {"routing": "random"}},
+    {"router": {"replicas": 0}},
     {"imagePullPolicy": "Sometimes"},
     {"env": [{"value": "no name"}]},
     {"parallelism": {"tensor": 0}},
@@ -147,6 +150,7 @@ REFUSED_BECAUSE = {
     "name-with-a-dot.yaml": "does not match",
     "shm-size-zero.yaml": "must be greater than 0",
     "tensor-32.yaml": "is greater than the maximum",
+    "zero-without-router.yaml": "autoscaling.minReplicas 0 (scale to zero) needs router.enabled",
 }
 
 
@@ -221,6 +225,34 @@ def test_gpu_rule_means_what_it_says(spec, allowed):
     resource = copy.deepcopy(GOOD)
     resource["spec"].update(copy.deepcopy(spec))
     assert (crd_rules.violations(resource, CRD) == []) is allowed
+    # The operator agrees with the CRD.
+    try:
+        parse_spec(spec)
+        operator_allows = True
+    except SpecError:
+        operator_allows = False
+    assert operator_allows is allowed
+
+
+ON = {"enabled": True, "maxReplicas": 3}
+
+
+@pytest.mark.parametrize("spec, allowed", [
+    ({"autoscaling": {**ON, "minReplicas": 0}, "router": {"enabled": True}}, True),
+    ({"autoscaling": {**ON, "minReplicas": 0, "idleWindowSeconds": 60}, "router": {"enabled": True}}, True),
+    ({"autoscaling": {**ON, "minReplicas": 1}, "router": {"enabled": True}}, True),
+    ({"autoscaling": {**ON, "minReplicas": 0}}, False),  # nothing would hold the requests
+    ({"autoscaling": {**ON, "minReplicas": 0}, "router": {"enabled": False}}, False),
+    ({"autoscaling": {"maxReplicas": 3, "minReplicas": 0}, "router": {"enabled": True}}, False),  # nothing scales up
+    ({"router": {"enabled": True, "routing": "least-load", "replicas": 2}}, True),
+])
+def test_scale_to_zero_rule_means_what_it_says(spec, allowed):
+    resource = copy.deepcopy(GOOD)
+    resource["spec"].update(copy.deepcopy(spec))
+    found = crd_rules.violations(resource, CRD)
+    assert (found == []) is allowed, found
+    if not allowed:
+        assert any("minReplicas 0" in v for v in found), found
     # The operator agrees with the CRD.
     try:
         parse_spec(spec)

@@ -3,6 +3,7 @@
 import pytest
 
 from quire_operator.api_calls import API_CALLS
+from quire_operator.router_children import ROUTER_RULES
 
 from chart_render import NAMESPACE, RELEASE, by_kind, render
 
@@ -75,3 +76,9 @@ def test_no_wildcards():
     for obj in render():
         for rule in obj.get("rules", []):
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+
+
+def test_the_operator_holds_what_the_router_role_grants():
+    """RBAC lets the operator create the router's Role only with every permission in it."""
+    (role,) = by_kind(render({"watch": {"clusterWide": True}}), "ClusterRole")
+    assert granted(ROUTER_RULES) <= granted(role["rules"])

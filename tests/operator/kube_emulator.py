@@ -199,6 +199,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.register("policy", "v1", "poddisruptionbudgets", ResourceType(
             "PodDisruptionBudget", status_subresource=True))
         self.register("coordination.k8s.io", "v1", "leases", ResourceType("Lease"))
+        # spec.router's children, and what its router watches
+        self.register("", "v1", "serviceaccounts", ResourceType("ServiceAccount"))
+        self.register("rbac.authorization.k8s.io", "v1", "roles", ResourceType("Role"))
+        self.register("rbac.authorization.k8s.io", "v1", "rolebindings", ResourceType("RoleBinding"))
+        self.register("discovery.k8s.io", "v1", "endpointslices", ResourceType("EndpointSlice"))
         self.register("apiextensions.k8s.io", "v1", "customresourcedefinitions",
                       ResourceType("CustomResourceDefinition", namespaced=False, status_subresource=True))
 

@@ -123,7 +123,7 @@ class Cluster:
 
 
 PLURALS = {"LLMDeployment": names.PLURAL, "Pod": "pods", "Deployment": "deployments", "Service": "services",
-           "CustomResourceDefinition": "customresourcedefinitions"}
+           "CustomResourceDefinition": "customresourcedefinitions", "EndpointSlice": "endpointslices"}
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 15.0, interval: float = 0.1, what: str = "") -> Any:

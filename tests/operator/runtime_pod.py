@@ -97,7 +97,25 @@ class FixedMetrics:
         return "\n".join(lines) + "\n"
 
 
-def _handler(engine: FakeEngine | FixedMetrics) -> type[BaseHTTPRequestHandler]:
+class FixedRouterMetrics:
+    """A router stand-in: the figures the operator's scale-to-zero poll reads, as the test sets
+    them (`quire router`'s names; unix times)."""
+
+    def __init__(self, pending: int = 0, last_request: float | None = None, last_first_byte: float = 0.0) -> None:
+        self.pending = pending
+        self.last_request = time.time() if last_request is None else last_request
+        self.last_first_byte = last_first_byte
+
+    def metrics(self) -> str:
+        lines = []
+        for name, value in (("quire_router:pending_requests", self.pending),
+                            ("quire_router:last_request_timestamp_seconds", self.last_request),
+                            ("quire_router:last_first_byte_timestamp_seconds", self.last_first_byte)):
+            lines += [f"# TYPE {name} gauge", f"{name} {float(value)!r}"]
+        return "\n".join(lines) + "\n"
+
+
+def _handler(engine: FakeEngine | FixedMetrics | FixedRouterMetrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:  # quiet: the test's output stays readable
             pass
@@ -131,7 +149,7 @@ def _handler(engine: FakeEngine | FixedMetrics) -> type[BaseHTTPRequestHandler]:
 
 
 class RuntimePod:
-    def __init__(self, ip: str, port: int, engine: FakeEngine | FixedMetrics | None = None) -> None:
+    def __init__(self, ip: str, port: int, engine: FakeEngine | FixedMetrics | FixedRouterMetrics | None = None) -> None:
         self.ip, self.port = ip, port
         self.url = f"http://{ip}:{port}"
         self.engine = engine or FakeEngine()
@@ -197,6 +215,44 @@ def fixed_metrics_pod(ip: str, port: int, waiting: float, kv_usage: float) -> It
         yield pod
     finally:
         pod.stop()
+
+
+@contextmanager
+def fixed_router_pod(ip: str, port: int, pending: int = 0) -> Iterator[RuntimePod]:
+    """A stand-in router pod: /metrics says what `pod.engine` (a FixedRouterMetrics) holds."""
+    pod = RuntimePod(ip, port, FixedRouterMetrics(pending))
+    try:
+        yield pod
+    finally:
+        pod.stop()
+
+
+@contextmanager
+def real_router(ip: str, port: int, *args: str, ready_timeout: float = 120) -> Iterator[subprocess.Popen]:
+    """`python -m quire.router` at ip:port with these arguments, until the block ends."""
+    process = subprocess.Popen([sys.executable, "-m", "quire.router", "--host", ip, "--port", str(port), *args])
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"quire router exited with {process.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://{ip}:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"quire router on {ip}:{port} did not answer in {ready_timeout}s")
+            time.sleep(0.2)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def free_port(*ips: str) -> int:

@@ -7,7 +7,7 @@ import pytest
 
 from quire_operator import names
 from quire_operator.children import desired_deployment, owner_of, with_hash
-from quire_operator.drift import covers, drift_of
+from quire_operator.drift import covers, drift_of, patch_for
 from quire_operator.spec import parse_spec
 
 OWNER = owner_of({"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
@@ -54,3 +54,12 @@ def test_a_change_to_what_the_operator_set_is_drift(change, part):
 def test_quantities_compare_by_value():
     assert covers({"cpu": "500m"}, {"cpu": "0.5"}) and covers({"gpu": "1"}, {"gpu": 1})
     assert not covers({"cpu": "400m"}, {"cpu": "0.5"})
+
+
+def test_an_extra_key_in_a_services_selector_is_drift_and_the_patch_removes_it():
+    desired = {"kind": "Service", "spec": {"selector": {"quire.dev/router": "chat"}}}
+    live = {"kind": "Service", "spec": {"selector": {"quire.dev/router": "chat", "quire.dev/llmdeployment": "chat"},
+                                        "clusterIP": "10.0.0.1"}}
+    assert drift_of(live, desired) == "spec.selector"
+    assert patch_for(live, desired)["spec"]["selector"] == {"quire.dev/router": "chat", "quire.dev/llmdeployment": None}
+    assert drift_of({"kind": "Service", "spec": {"selector": {"quire.dev/router": "chat"}}}, desired) is None

@@ -1,7 +1,7 @@
 """The housekeeping loop's schedule on its own: polls at each object's interval, resyncs every
 period, one job per object at a time, a deleted object forgotten (issue 13, items 2 and 5)."""
 
-from quire_operator.housekeeping import Housekeeping
+from quire_operator.housekeeping import Housekeeping, Polled
 
 
 class Inline:
@@ -83,3 +83,19 @@ def test_a_deleted_object_is_forgotten():
     k.start_due_jobs(loop, [], 1)
     k.start_due_jobs(loop, [(A, {"poll_seconds": 1})], 2)  # recreated: a fresh history
     assert calls == [("poll", A, None), ("poll", A, None)]
+
+
+def test_a_poll_may_ask_to_be_polled_sooner():
+    """Scale to zero: while no replica runs, a held request should not wait a whole interval."""
+    calls = []
+
+    def poll(key, entry, history):
+        calls.append(history)
+        return Polled((history or 0) + 1, next_poll_seconds=2 if (history or 0) < 2 else None)
+
+    k = Housekeeping(poll=poll, resync=lambda key: None, resync_seconds=300)
+    loop = Inline()
+    for now in range(0, 31):
+        k.start_due_jobs(loop, [(A, {"poll_seconds": 15})], now)
+    # at 0 and 2 (asked for 2 s), then at 4 it asks for nothing: the interval again (19, 34...)
+    assert calls == [None, 1, 2, 3]
