@@ -163,3 +163,33 @@ def test_auto_reads_calls_out_of_the_text():
     assert "".join(tc.function.arguments or "" for tc in streamed) == \
         calls[0].function.arguments
     assert pieces[-1][2] == "tool_calls"
+
+
+def test_serve_flag_lists_every_parser():
+    from quire.entrypoints.serve import TOOL_PARSER_NAMES
+    from quire.entrypoints.tool_calls import TOOL_PARSERS
+    assert set(TOOL_PARSER_NAMES) == set(TOOL_PARSERS)
+
+
+# A request's own template in the Llama 3.1 style: `auto` detects the llama3_json family, so the
+# grammar asks for {"name", "parameters"} and that parser reads it back. On the tiny random
+# model the grammar decides every token.
+LLAMA3_TEMPLATE = (
+    "{% if tools %}Environment: ipython\n{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{{ m.content }}<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_auto_parser_follows_a_llama3_template_on_the_tiny_model():
+    tiny = server("tiny")
+    r = requests.post(tiny.url + "/v1/chat/completions", headers=tiny.headers, timeout=120,
+                      json={"messages": ASK, "tools": TOOLS, "chat_template": LLAMA3_TEMPLATE,
+                            "tool_choice": {"type": "function",
+                                            "function": {"name": "get_weather"}},
+                            "max_tokens": 120, "temperature": 1.0, "seed": 7})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    call, = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
