@@ -48,7 +48,7 @@ def step(self):
     slow = getattr(self, "slow_requests", None)
     if slow:
         slow.intersection_update(self.output_processor.groups)  # forget finished ones
-        if any(r.group_id in slow for r in self.scheduler.running):
+        if any(r.client_request_id in slow for r in self.scheduler.running):
             time.sleep(SLOW_STEP)
     return _step(self)
 
