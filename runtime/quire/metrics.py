@@ -32,6 +32,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# seconds filling one step's grammar masks: ~70 us a sequence, more for big batches
+GRAMMAR_MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                        0.1, 0.25, 0.5, 1.0)
+
 
 @dataclass(frozen=True)
 class _Spec:
@@ -81,6 +85,12 @@ SPECS = (
     _Spec("queue", Histogram, "quire:request_queue_time_seconds",
           ("vllm:request_queue_time_seconds",), "Arrival to first scheduling.",
           REQUEST_BUCKETS),
+    _Spec("structured_requests", Counter, "quire:structured_output_requests", (),
+          "Requests with a grammar (response_format, guided_*, tool_choice required or "
+          "named)."),
+    _Spec("grammar_mask", Histogram, "quire:grammar_mask_time_seconds", (),
+          "Time one step spent computing its sequences' grammar masks.",
+          GRAMMAR_MASK_BUCKETS),
 )
 
 
@@ -136,8 +146,10 @@ class ServerMetrics:
         self._advance("prefix_hits", snap.prefix_hits)
         self._inc("prompt_tokens", ev.prompt_tokens)
         self._inc("generation_tokens", ev.generation_tokens)
+        self._inc("structured_requests", ev.structured_requests)
         for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),
-                            ("e2e", ev.e2e_latency), ("queue", ev.queue_time)):
+                            ("e2e", ev.e2e_latency), ("queue", ev.queue_time),
+                            ("grammar_mask", ev.grammar_mask_time)):
             for v in values:
                 if v is not None and math.isfinite(v):
                     for child in self._children[key]:

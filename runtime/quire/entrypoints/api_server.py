@@ -33,6 +33,7 @@ from quire.entrypoints.limits import ServerLimits
 from quire.entrypoints.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from quire.entrypoints.routers import chat, completions, generate, models, probes, tokenizer
 from quire.entrypoints.serving import Serving
+from quire.entrypoints.tool_calls import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,14 @@ ROUTERS = (probes, models, completions, chat, generate, tokenizer)
 
 def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
               log_requests: bool = False, limits: ServerLimits | None = None,
-              trim_memory: bool = True) -> FastAPI:
+              trim_memory: bool = True, tool_call_parser: str = "auto") -> FastAPI:
     """The app; its lifespan starts the engine (loading the model in the background) and
-    shuts it down. `metrics` should be the engine's stats sink."""
-    serving = Serving(engine, limits or ServerLimits(), metrics, log_requests)
+    shuts it down. `metrics` should be the engine's stats sink; `tool_call_parser` a
+    TOOL_PARSERS name or "auto" (detected from the chat template)."""
+    if tool_call_parser != "auto":
+        get_tool_parser(tool_call_parser)  # ValueError naming the choices
+    serving = Serving(engine, limits or ServerLimits(), metrics, log_requests,
+                      tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -9,6 +9,7 @@ Every refusal is a 4xx in OpenAI's shape naming the field and the allowed range.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 
 from quire.entrypoints.engine_args import byte_size
@@ -34,6 +35,9 @@ class ServerLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    # --- structured output and tools -----------------------------------------------------
+    max_schema_bytes: int = 64 << 10      # one structured-output spec; all tools together
+    max_tools: int = 128
     # --- CPU work off the event loop -----------------------------------------------------
     tokenizer_pool_size: int = 2
     tokenizer_pool_queue: int = 64
@@ -66,6 +70,10 @@ HELP = {
     "max_stop_strings": "strings in 'stop'",
     "max_stop_string_chars": "characters of one stop string",
     "max_stop_token_ids": "ids in 'stop_token_ids'",
+    "max_schema_bytes": "bytes (as JSON) of a request's structured-output spec "
+                        "(response_format's schema, guided_json / regex / choice / grammar, "
+                        "structured_outputs), and of its tools together (K/M suffixes)",
+    "max_tools": "functions in one chat request's 'tools'",
     "tokenizer_pool_size": "threads that tokenize, detokenize and render chat templates",
     "tokenizer_pool_queue": "tokenizer jobs waiting beyond which requests get 503",
     "allow_request_chat_template": "accept a request's own 'chat_template' (rendered in a "
@@ -122,6 +130,16 @@ def check_stop(stop, stop_token_ids, limits: ServerLimits) -> None:
                               f"characters (--max-stop-string-chars), got {len(s)}", "stop")
     check_count("stop_token_ids", stop_token_ids, limits.max_stop_token_ids,
                 "max-stop-token-ids")
+
+
+def check_schema_bytes(name: str, value, limit: int) -> None:
+    """A schema, grammar or tool list no bigger than --max-schema-bytes (measured as JSON;
+    called in the tokenizer pool: a big one takes a while to encode)."""
+    size = len(value.encode()) if isinstance(value, str) else len(
+        json.dumps(value, separators=(",", ":")).encode())
+    if size > limit:
+        raise bad_request(f"{name} is {size} bytes as JSON; at most {limit} are accepted "
+                          f"(--max-schema-bytes)", name)
 
 
 def check_prompt_chars(param: str, num_chars: int, limit: int) -> None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serial
 
 from quire.entrypoints.errors import OpenAIError, bad_request, param_of
 from quire.sampling_params import MAX_LOGPROBS, MAX_SEED, RequestOutputKind, SamplingParams
+from quire.structured.params import GuidedDecodingParams
 
 
 # --- parsing --------------------------------------------------------------------------------
@@ -77,7 +78,8 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                        stream: bool, max_n: int | None = None) -> SamplingParams:
+                        stream: bool, max_n: int | None = None,
+                        guided_decoding: GuidedDecodingParams | None = None) -> SamplingParams:
         """SamplingParams, or OpenAIError 400 naming the parameter that is out of range."""
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise bad_request(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}",
@@ -93,7 +95,7 @@ class SamplingFields(_Request):
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs,
-                                  output_kind=kind)
+                                  output_kind=kind, guided_decoding=guided_decoding)
         except ValueError as e:
             raise bad_request(str(e), param_of(str(e), SAMPLING_PARAM_NAMES)) from None
 
@@ -105,8 +107,30 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# --- structured output, on /v1/completions and /v1/chat/completions -----------------------
+class StructuredOutputFields(_Request):
+    """OpenAI's response_format and vLLM's extra-body spellings; request_formats.py checks
+    their shapes (a 400 naming the field) when it builds the GuidedDecodingParams."""
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+    disable_any_whitespace: bool | None = None
+
+    def structured_output_fields(self) -> dict:
+        """The fields that were given, as request_formats.guided_decoding_from_request
+        takes them."""
+        return {k: getattr(self, k) for k in STRUCTURED_OUTPUT_FIELDS
+                if getattr(self, k) is not None}
+
+
+STRUCTURED_OUTPUT_FIELDS = tuple(StructuredOutputFields.model_fields)
+
+
 # --- /v1/completions ------------------------------------------------------------------------
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredOutputFields):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
@@ -128,11 +152,25 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant message made (sent back with the conversation)."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = Field(
         None, description="a string or a list of {'type': 'text', 'text': ...} parts")
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None   # an assistant's calls
+    tool_call_id: str | None = None              # a tool message: the call it answers
 
     def as_template_message(self) -> dict:
         content = self.content
@@ -147,17 +185,28 @@ class ChatMessage(_Request):
         msg = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+    def has_tool_parts(self) -> bool:
+        return bool(self.tool_calls) or self.role == "tool"
 
     def num_chars(self) -> int:
         if isinstance(self.content, list):
             n = sum(len(p.text or "") for p in self.content)
         else:
             n = len(self.content or "")
-        return n + len(self.name or "")
+        for call in self.tool_calls or ():
+            args = call.function.arguments
+            n += len(call.function.name) + (len(args) if isinstance(args, str) else
+                                             len(str(args)))
+        return n + len(self.name or "") + len(self.tool_call_id or "")
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(
         description="a non-empty list of {'role', 'content'} messages")
@@ -171,7 +220,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     logit_bias: dict[str, float] | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None
+    tool_choice: str | dict | None = Field(
+        None, description="'none', 'auto', 'required' or {'type': 'function', 'function': "
+                          "{'name': ...}}")
+    parallel_tool_calls: bool = True
     user: str | None = None
 
 
@@ -249,9 +301,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(BaseModel):
@@ -289,13 +353,29 @@ class CompletionStreamChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
+class _Sparse(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_missing(self, handler):  # a delta holds only what it carries
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
+    """A piece of a streamed call: index, id, type and name first, then argument pieces."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class ChatDelta(_Sparse):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -123,8 +123,10 @@ def _raise(message: str):
 
 
 def render(template: str, conversation: list[dict], add_generation_prompt: bool,
-           special_tokens: dict[str, str], timeout: float, max_chars: int) -> str:
-    """The rendered prompt, or OpenAIError 400 naming chat_template."""
+           special_tokens: dict[str, str], timeout: float, max_chars: int,
+           extra: dict | None = None) -> str:
+    """The rendered prompt, or OpenAIError 400 naming chat_template. `extra`: more template
+    variables (the request's `tools`)."""
     env = _BudgetedSandbox(time.monotonic() + timeout, max_chars)
     tracer = _Tracer(env)
     previous = sys.gettrace()
@@ -134,7 +136,7 @@ def render(template: str, conversation: list[dict], add_generation_prompt: bool,
         pieces, size = [], 0
         for piece in compiled.generate(messages=conversation,
                                        add_generation_prompt=add_generation_prompt,
-                                       **special_tokens):
+                                       **special_tokens, **(extra or {})):
             size += len(piece)
             if size > max_chars:
                 raise BudgetExceeded("its output is past its size budget")

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "QUIRE_API_KEY"
 SERVER_PACKAGES = ("fastapi", "uvicorn", "h11", "prometheus_client", "jinja2")
 DEFAULT_MALLOC_ARENAS = 2
+TOOL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_calls/registry.py's, without importing it
 
 
 class MissingDependency(RuntimeError):
@@ -59,6 +60,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trim-idle-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="return free heap pages to the kernel (malloc_trim) when the server "
                         "goes idle after serving")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=("auto", *TOOL_PARSER_NAMES),
+                   help="how tool calls look in the model's text: 'hermes' (<tool_call> "
+                        "JSON, Qwen2 / SmolLM2), 'llama3_json' (Llama 3.x), or 'auto': "
+                        "detected from the chat template")
     add_limit_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -103,7 +109,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = AsyncLLMEngine(args, served_model_name=ns.served_model_name,
                             max_queue_len=ns.max_queue_len, stats=metrics)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
-                    limits=limits, trim_memory=ns.trim_idle_memory)
+                    limits=limits, trim_memory=ns.trim_idle_memory,
+                    tool_call_parser=ns.tool_call_parser)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits)
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, http://%s:%d (API key %s)",

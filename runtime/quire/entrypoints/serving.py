@@ -41,6 +41,7 @@ class Serving:
     limits: ServerLimits
     metrics: object | None = None          # ServerMetrics, or None
     log_requests: bool = False
+    tool_call_parser: str = "auto"         # --tool-call-parser: a family, or auto-detected
     _pool: TokenizerPool | None = None
 
     @property
@@ -87,16 +88,21 @@ class Serving:
 
     async def chat_prompt_ids(self, messages, add_generation_prompt: bool, info: ModelInfo,
                               chat_template: str | None = None,
-                              check_length: bool = True) -> list[int]:
+                              check_length: bool = True,
+                              tools: list[dict] | None = None) -> list[int]:
         check_messages(messages, self.limits, info.max_model_len)
         check_chat_template(chat_template, self.limits)
         conversation = [m.as_template_message() for m in messages]
         ids = await self.pool.chat(conversation, add_generation_prompt, chat_template,
                                    self.limits.chat_template_timeout,
-                                   self.limits.prompt_chars(info.max_model_len))
+                                   self.limits.prompt_chars(info.max_model_len), tools)
         if check_length:
             check_prompt_tokens("messages", len(ids), info.max_model_len)
         return ids
+
+    def chat_template(self, request_template: str | None) -> str | None:
+        """The template a chat prompt is rendered with: the request's own, or the model's."""
+        return request_template or getattr(self.engine.tokenizer, "chat_template", None)
 
     # --- engine requests -----------------------------------------------------------------
     async def submit(self, request_id: str, prompts: Sequence[list[int]],

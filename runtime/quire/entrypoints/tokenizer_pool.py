@@ -19,6 +19,7 @@ import threading
 
 from quire.entrypoints import request_chat_template
 from quire.entrypoints.errors import bad_request, server_busy
+from quire.entrypoints.tool_calls.render import template_inputs
 
 
 class TokenizerPool:
@@ -72,11 +73,12 @@ class TokenizerPool:
 
     async def chat(self, conversation: list[dict], add_generation_prompt: bool,
                    request_template: str | None = None, timeout: float = 1.0,
-                   max_chars: int = 1 << 20) -> list[int]:
+                   max_chars: int = 1 << 20, tools: list[dict] | None = None) -> list[int]:
         """The prompt's token ids: the model's own template (trusted), or a request's own
-        (sandboxed, within `timeout` seconds and `max_chars` characters)."""
+        (sandboxed, within `timeout` seconds and `max_chars` characters). Tools, assistant
+        tool calls and tool results go through the template as tool_calls/render.py says."""
         return await self.run(_chat, conversation, add_generation_prompt, request_template,
-                              timeout, max_chars)
+                              timeout, max_chars, tools)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -88,19 +90,27 @@ def _decode(tokenizer, token_ids: list[int]) -> str:
 
 
 def _chat(tokenizer, conversation, add_generation_prompt, request_template, timeout,
-          max_chars) -> list[int]:
+          max_chars, tools=None) -> list[int]:
+    template = request_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions",
+                          "messages")
+    extra = {}
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in conversation):
+        try:
+            conversation, extra = template_inputs(template, conversation, tools)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
     if request_template is not None:
         special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
         text = request_chat_template.render(request_template, conversation,
-                                            add_generation_prompt, special, timeout, max_chars)
+                                            add_generation_prompt, special, timeout, max_chars,
+                                            extra)
         return _encode(tokenizer, text, add_special_tokens=False)
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions",
-                          "messages")
     try:
         ids = tokenizer.apply_chat_template(conversation,
                                             add_generation_prompt=add_generation_prompt,
-                                            tokenize=True, return_dict=False)
+                                            tokenize=True, return_dict=False, **extra)
     except Exception as e:  # noqa: BLE001 - templates raise on conversations they reject
         raise bad_request(f"the chat template rejected these messages: {e}",
                           "messages") from None

@@ -1,5 +1,6 @@
-"""/v1/chat/completions: the messages rendered by the chat template (in the tokenizer pool),
-one engine request with n samples, answered whole or streamed."""
+"""/v1/chat/completions: the messages (and tools) rendered by the chat template in the
+tokenizer pool, one engine request with n samples, its grammar from response_format /
+guided_* / tool_choice, answered whole or streamed, with tool calls read out of the text."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
 from quire.entrypoints.errors import OpenAIError, bad_request, renamed
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.logprobs import chat_logprobs
@@ -30,6 +32,7 @@ from quire.entrypoints.routers.common import (
 )
 from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard, sse_events
+from quire.entrypoints.structured_output import guided_decoding
 from quire.outputs import CompletionOutput, RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -48,19 +51,27 @@ async def chat_completions(request: Request):
     renames = {"prompt": "messages", "logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
+    template = serving.chat_template(req.chat_template)
+    tools = await tool_use(serving, req, template)
+    guided = await guided_decoding(serving, req)
+    if tools.guided is not None and guided is not None:
+        raise bad_request("tool_choice 'required' or a named function constrains the answer "
+                          "already; it can't be combined with response_format or guided_* "
+                          "fields", "tool_choice")
     try:
         params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                     stream=req.stream, max_n=info.max_num_seqs)
+                                     stream=req.stream, max_n=info.max_num_seqs,
+                                     guided_decoding=tools.guided or guided)
     except OpenAIError as e:
         raise renamed(e, renames) from None
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
-                                           req.chat_template)
+                                           req.chat_template, tools=tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.submit(request_id, [prompt], params, renames)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatChunks(request_id, info.served_name, params)
+        fmt = ChatChunks(request_id, info.served_name, params, tools)
         return GuardedStreamingResponse(
             sse_events(serving, request_id, guard, params.n, fmt, include_usage), guard,
             "text/event-stream")
@@ -71,10 +82,11 @@ async def chat_completions(request: Request):
     choices, completion_tokens = [], 0
     for c in sorted(out.outputs, key=lambda c: c.index):
         completion_tokens += len(c.token_ids)
+        content, tool_calls, finish_reason = message_parts(tools, c.text, c.finish_reason)
         choices.append(ChatChoice(
-            index=c.index, message=ChatMessageOut(content=c.text),
+            index=c.index, message=ChatMessageOut(content=content, tool_calls=tool_calls),
             logprobs=chat_logprobs(c, params.logprobs),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            finish_reason=finish_reason, stop_reason=c.stop_reason))
     serving.log_done(request_id, completion_tokens)
     return json_response(ChatCompletionResponse(
         id=request_id, model=info.served_name, choices=choices,
@@ -82,11 +94,14 @@ async def chat_completions(request: Request):
 
 
 class ChatChunks:
-    """The ChunkFormat of chat streams: the role first, then content deltas."""
+    """The ChunkFormat of chat streams: the role first, then content deltas (and, when the
+    answer is read for tool calls, delta.tool_calls pieces)."""
 
-    def __init__(self, request_id: str, model: str, params: SamplingParams) -> None:
+    def __init__(self, request_id: str, model: str, params: SamplingParams,
+                 tools: ToolUse) -> None:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}
         self.params = params
+        self.tool_calls = ToolCallDeltas(tools.parser) if tools.parser is not None else None
 
     def opening(self) -> list[ChatCompletionChunk]:
         return [ChatCompletionChunk(**self.head, choices=[ChatStreamChoice(
@@ -96,11 +111,14 @@ class ChatChunks:
     def choice(self, index: int, prompt_index: int, out: RequestOutput,
                c: CompletionOutput) -> ChatCompletionChunk | None:
         lps = chat_logprobs(c, self.params.logprobs)
-        if not c.text and lps is None and c.finish_reason is None:
+        content, calls, finish_reason = c.text or None, None, c.finish_reason
+        if self.tool_calls is not None:
+            content, calls, finish_reason = self.tool_calls.feed(index, c.text, finish_reason)
+        if not content and not calls and lps is None and finish_reason is None:
             return None
         return ChatCompletionChunk(**self.head, choices=[ChatStreamChoice(
-            index=index, delta=ChatDelta(content=c.text or None), logprobs=lps,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            index=index, delta=ChatDelta(content=content, tool_calls=calls), logprobs=lps,
+            finish_reason=finish_reason, stop_reason=c.stop_reason)])
 
     def usage(self, usage: UsageInfo) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self.head, choices=[], usage=usage)
@@ -109,11 +127,6 @@ class ChatChunks:
 def _check(req: ChatCompletionRequest, limits) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
-    if req.tools:
-        raise bad_request("tools is not supported by this server", "tools")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request("response_format other than {'type': 'text'} is not supported",
-                          "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.stream_options is not None and not req.stream:

@@ -1,4 +1,5 @@
-"""/v1/completions: one engine request per prompt, answered whole or streamed."""
+"""/v1/completions: one engine request per prompt (its grammar from response_format or
+guided_*), answered whole or streamed."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from quire.entrypoints.routers.common import (
 )
 from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard, sse_events
+from quire.entrypoints.structured_output import guided_decoding
 from quire.outputs import CompletionOutput, RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -41,7 +43,8 @@ async def completions(request: Request):
     _check(req, serving.limits)
     prompts = _prompts(req.prompt)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                 stream=req.stream, max_n=info.max_num_seqs)
+                                 stream=req.stream, max_n=info.max_num_seqs,
+                                 guided_decoding=await guided_decoding(serving, req))
     prompt_ids = [await serving.prompt_ids(p, info) for p in prompts]
     # echo needs each prompt's text: the client's own, or its token ids decoded
     echoes = [(p if isinstance(p, str) else await serving.pool.decode(ids)) if req.echo

@@ -21,8 +21,9 @@ from quire.entrypoints.tool_calls.grammar import (
                                                validate_tools,
 )
 from quire.entrypoints.tool_calls.registry import TOOL_PARSERS, detect_tool_parser, get_tool_parser
-from quire.entrypoints.tool_calls.render import render_chat_prompt
+from quire.entrypoints.tool_calls.render import render_chat_prompt, template_inputs
 
 __all__ = ["DeltaMessage", "ExtractedToolCalls", "ToolCall", "ToolCallStreamer", "ToolParser",
            "TOOL_PARSERS", "chosen_tools", "detect_tool_parser", "get_tool_parser",
-           "render_chat_prompt", "tool_choice_guided_decoding", "validate_tools"]
+           "render_chat_prompt", "template_inputs", "tool_choice_guided_decoding",
+           "validate_tools"]

@@ -29,17 +29,21 @@ def render_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template")
-    messages = _normalize(messages)
-    kwargs = {}
-    if template_knows_tools(template):
-        if tools:
-            kwargs["tools"] = tools
-    else:
-        messages = _hermes_messages(messages, tools)
+    messages, kwargs = template_inputs(template, messages, tools)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                         tokenize=True, chat_template=chat_template,
                                         return_dict=False, **kwargs)
     return list(ids)
+
+
+def template_inputs(template: str, messages: list[dict],
+                    tools: list[dict] | None) -> tuple[list[dict], dict]:
+    """(messages, extra template variables) for `template`: its own tool rendering when it
+    knows tools, else the Hermes-style messages. ValueError names the bad message."""
+    messages = _normalize(messages)
+    if template_knows_tools(template):
+        return messages, ({"tools": tools} if tools else {})
+    return _hermes_messages(messages, tools), {}
 
 
 def _normalize(messages: list[dict]) -> list[dict]:

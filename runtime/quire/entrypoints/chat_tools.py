@@ -1,0 +1,114 @@
+"""Tool calling on /v1/chat/completions: what a request's `tools` and `tool_choice` mean for
+its prompt, its grammar and its answer.
+
+    tool_choice       tools in the prompt   grammar                   calls read from the text
+    none              no                    response_format, if any   no: plain content
+    auto (default)    yes                   response_format, if any   by the family's parser
+    required          yes                   one or more calls         yes (they always parse)
+    {named function}  yes                   exactly that call         yes (it always parses)
+
+The family (`--tool-call-parser`, or detected from the chat template) decides both the call
+format the grammar enforces and the parser that reads it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quire.entrypoints.errors import bad_request, param_of
+from quire.entrypoints.limits import check_count, check_schema_bytes
+from quire.entrypoints.openai_protocol import (
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
+)
+from quire.entrypoints.tool_calls import (
+    DeltaMessage,
+    ToolCallStreamer,
+    ToolParser,
+    detect_tool_parser,
+    get_tool_parser,
+    tool_choice_guided_decoding,
+)
+from quire.structured.params import GuidedDecodingParams
+
+TOOL_CALLS = "tool_calls"  # the finish_reason of an answer that calls tools
+
+
+@dataclass
+class ToolUse:
+    tools: list[dict] | None = None                # what the chat template gets
+    parser: ToolParser | None = None               # reads calls out of the text
+    guided: GuidedDecodingParams | None = None     # tool_choice required / named
+
+
+def parser_name(configured: str, chat_template: str | None) -> str:
+    """--tool-call-parser, with `auto` read from the template that renders the prompt."""
+    return detect_tool_parser(chat_template) if configured == "auto" else configured
+
+
+async def tool_use(serving, req, template: str | None) -> ToolUse:
+    """The request's ToolUse; a 400 naming tools or tool_choice for anything wrong."""
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools
+                                                                   else "none")
+    if not req.tools and choice in ("none", "auto"):
+        return ToolUse()
+    check_count("tools", req.tools, serving.limits.max_tools, "max-tools")
+    family = parser_name(serving.tool_call_parser, template)
+    guided = await serving.pool.run(_grammar, req.tools, choice, req.parallel_tool_calls,
+                                    family, serving.limits.max_schema_bytes)
+    if choice == "none":
+        return ToolUse()  # the model answers in words: it isn't even told of the tools
+    return ToolUse(req.tools, get_tool_parser(family), guided)
+
+
+def _grammar(tokenizer, tools, choice, parallel: bool, family: str,
+             max_schema_bytes: int) -> GuidedDecodingParams | None:
+    """Validates the tools (and compiles-checks their schemas when the grammar needs them):
+    in the tokenizer pool, as schemas can be big."""
+    if tools is not None:
+        check_schema_bytes("tools", tools, max_schema_bytes)
+    try:
+        return tool_choice_guided_decoding(tools, choice, parallel, family)
+    except ValueError as e:  # "tools[2].function..." / "tool_choice ..." / a schema's error
+        message = str(e)
+        param = param_of(message, {"tools", "tool_choice"})
+        if param is None:  # a parameters schema the grammar library refused
+            param, message = "tools", f"tools: a function's parameters schema: {message}"
+        raise bad_request(message, param) from None
+
+
+# --- answers ----------------------------------------------------------------------------
+def message_parts(use: ToolUse, text: str, finish_reason: str | None
+                  ) -> tuple[str | None, list[ToolCallOut], str | None]:
+    """(content, tool_calls, finish_reason) of a whole answer."""
+    if use.parser is None:
+        return text, [], finish_reason
+    parsed = use.parser.parse(text)
+    if not parsed.tools_called:
+        return text, [], finish_reason
+    calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+             for c in parsed.tool_calls]
+    return parsed.content, calls, TOOL_CALLS
+
+
+class ToolCallDeltas:
+    """A streamed answer's tool calls, per choice: text deltas in, content and
+    delta.tool_calls pieces out (the name first, then the arguments as they arrive)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.streamers: dict[int, ToolCallStreamer] = {}
+
+    def feed(self, index: int, text: str, finish_reason: str | None
+             ) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
+        s = self.streamers.setdefault(index, self.parser.streamer())
+        delta = s.feed(text)
+        if finish_reason is not None:  # nothing more comes: release what was held back
+            rest = s.finish()
+            delta = DeltaMessage((delta.content or "") + (rest.content or "") or None,
+                                 delta.tool_calls + rest.tool_calls)
+            if s.tools_called:
+                finish_reason = TOOL_CALLS
+        calls = [DeltaToolCall.model_validate(c) for c in delta.tool_calls] or None
+        return delta.content, calls, finish_reason

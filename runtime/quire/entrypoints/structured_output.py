@@ -1,0 +1,37 @@
+"""A request's structured-output fields (response_format, guided_*, structured_outputs) ->
+GuidedDecodingParams, within the server's bounds.
+
+Building GuidedDecodingParams validates the schema or grammar with the grammar library, and
+a big schema takes a while to encode and check: it runs in the tokenizer pool, never on the
+event loop (the engine then compiles it on its own compile thread, cached by schema).
+"""
+
+from __future__ import annotations
+
+from quire.entrypoints.errors import bad_request, param_of
+from quire.entrypoints.limits import check_schema_bytes
+from quire.entrypoints.openai_protocol import STRUCTURED_OUTPUT_FIELDS
+from quire.structured.params import GuidedDecodingParams
+from quire.structured.request_formats import guided_decoding_from_request
+
+
+async def guided_decoding(serving, req) -> GuidedDecodingParams | None:
+    """The request's grammar, or None; a 400 naming the field for anything wrong."""
+    fields = req.structured_output_fields()
+    if not fields or fields == {"response_format": {"type": "text"}}:
+        return None  # nothing to check: no thread hop
+    return await serving.pool.run(_build, fields, serving.limits.max_schema_bytes)
+
+
+def _build(tokenizer, fields: dict, max_schema_bytes: int) -> GuidedDecodingParams | None:
+    for name, value in fields.items():
+        if name != "disable_any_whitespace":
+            check_schema_bytes(name, value, max_schema_bytes)
+    try:
+        return guided_decoding_from_request(fields)
+    except ValueError as e:
+        message = str(e)
+        # request_formats' messages start with the field's name; a clash names the last one
+        param = param_of(message, set(STRUCTURED_OUTPUT_FIELDS)) or [
+            f for f in fields if f != "disable_any_whitespace"][-1]
+        raise bad_request(message, param) from None
