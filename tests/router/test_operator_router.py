@@ -33,7 +33,7 @@ from quire_operator.spec import SpecError
 
 OWNER = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
          "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}
-FRAGMENT = Path(__file__).resolve().parents[2] / "operator" / "quire_operator" / "router_crd_fragment.yaml"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "llmdeployments.quire.dev.yaml"
 
 
 def test_router_spec_defaults_and_the_runtime_fields_it_borrows():
@@ -72,8 +72,9 @@ def test_min_replicas_zero_needs_the_autoscaler_and_the_router():
         parse_scale_to_zero({"autoscaling": {"minReplicas": 0}}, on)
 
 
-def test_the_crd_fragment_has_the_parsers_defaults():
-    fragment = yaml.safe_load(FRAGMENT.read_text())
+def test_the_crd_has_the_parsers_defaults():
+    schema = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]
+    fragment = schema["openAPIV3Schema"]["properties"]["spec"]["properties"]
     props = fragment["router"]["properties"]
     defaults = RouterSpec()
     assert props["routing"]["enum"] == ["round-robin", "least-load", "prefix-aware"]

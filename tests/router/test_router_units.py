@@ -23,7 +23,8 @@ def test_block_hashes_are_the_engines_own():
     assert prompt_hashing.hash_block_tokens is block_pool.hash_block_tokens  # imported, not copied
     tokens = list(range(1000, 1000 + 70))
     manager = KVCacheManager(BlockPool(8, enable_caching=True), block_size=16)
-    request = SimpleNamespace(block_hashes=[], token_ids=tokens)
+    request = SimpleNamespace(block_hashes=[], token_ids=tokens, cache_salt=None,
+                              client_request_id="r")  # base model: no salt
     manager._extend_hashes(request, len(tokens) // 16)
     assert block_hashes(tokens, 16) == request.block_hashes
     assert len(block_hashes(tokens, 16)) == 4  # full blocks only
