@@ -112,3 +112,21 @@ def step_limit(engine, max_steps: int):
         yield count
     finally:
         engine.step = step
+
+
+def run_triton_interpreter_suite(suite, tmp_path) -> None:
+    """Run a Triton kernel suite under TRITON_INTERPRET=1 in a child pytest (the interpreter
+    must be on before triton is imported) and fail with its output if any case fails."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider",
+         f"--basetemp={tmp_path / 'suite'}", "--durations=5"],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+        timeout=900)
+    print(child.stdout[-4000:])
+    assert child.returncode == 0, f"interpreter suite failed:\n{child.stdout[-12000:]}\n" \
+                                  f"{child.stderr[-3000:]}"

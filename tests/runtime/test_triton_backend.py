@@ -11,9 +11,6 @@ also keeps TRITON_INTERPRET out of every other test's environment.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +18,9 @@ import torch
 
 from quire.platform import attention_backend_class
 
+from runtime_helpers import run_triton_interpreter_suite
+
 SUITE = Path(__file__).with_name("triton_interpreter_suite.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_auto_picks_torch_on_cpu():
@@ -40,11 +38,4 @@ def test_kernels_match_torch_backend_in_the_interpreter(tmp_path):
     extend kernels against the torch backend, then whole engine runs. Run the suite itself
     for per-case results and timings:
         TRITON_INTERPRET=1 python -m pytest tests/runtime/triton_interpreter_suite.py"""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "no:cacheprovider",
-         f"--basetemp={tmp_path / 'suite'}", "--durations=5"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    print(child.stdout[-4000:])
-    assert child.returncode == 0, f"interpreter suite failed:\n{child.stdout[-12000:]}\n" \
-                                  f"{child.stderr[-3000:]}"
+    run_triton_interpreter_suite(SUITE, tmp_path)

@@ -280,3 +280,10 @@ def metric(samples: dict, name: str, **labels) -> float:
     if not found:
         raise KeyError(f"no sample {name} {labels}")
     return total
+
+
+def openai_client(srv):
+    """The official client on a test server: no retries (a failure must show), long timeout."""
+    import openai
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)

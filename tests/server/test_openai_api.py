@@ -3,12 +3,11 @@ streaming, n > 1, logprobs, echo, stop, usage. Greedy text must equal LLM.genera
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from quire import SamplingParams
 
-from server_harness import SMOLLM_NAME, reference_llm, server
+from server_harness import SMOLLM_NAME, openai_client, reference_llm, server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village by the sea,"]
@@ -23,8 +22,7 @@ def srv():
 
 @pytest.fixture(scope="module")
 def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return openai_client(srv)
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
-import openai
 import pydantic
 import pytest
 import requests
 
-from server_harness import SMOLLM_NAME, metric, metrics_of, server
+from server_harness import SMOLLM_NAME, metric, metrics_of, openai_client, server
 
 PERSON = {
     "type": "object",
@@ -48,8 +47,7 @@ def srv():
 
 @pytest.fixture(scope="module")
 def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return openai_client(srv)
 
 
 def _person(client, i: int):

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 import requests
 
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts
 from quire.entrypoints.tool_calls import get_tool_parser
 
-from server_harness import SMOLLM_NAME, server
+from server_harness import SMOLLM_NAME, openai_client, server
 
 
 def _tool(name: str, description: str, properties: dict) -> dict:
@@ -41,8 +40,7 @@ def srv():
 
 @pytest.fixture(scope="module")
 def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return openai_client(srv)
 
 
 def _required(client, **kwargs):
