@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from . import names
+from . import names, quiet_indexers
 from .defaults import default_image
 from .housekeeping import Housekeeping, Key, Polled
 from .kube import ApiError, kube, load_config
@@ -67,6 +67,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # posted (Warning and above); our handlers post their state changes explicitly.
     settings.posting.loggers = True
     settings.posting.level = logging.WARNING
+    quiet_indexers.install()
     load_config()
     kube.use(kubernetes.client.ApiClient())
     log.info("quire-operator started; serving image by default: %s", default_image())

@@ -4,7 +4,7 @@
 import logging
 import time
 
-from quire_operator import handlers, names
+from quire_operator import handlers, names, quiet_indexers
 
 from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
@@ -60,3 +60,21 @@ def test_a_steady_autoscaler_logs_nothing_above_debug(cluster, caplog):
         debug = [r for r in caplog.records if r.name == "quire_operator.scaling" and r.levelno == logging.DEBUG]
     assert loud == []
     assert debug  # the ticks are still there at DEBUG
+
+
+def test_indexer_successes_are_debug_and_their_failures_stay_loud(caplog):
+    # kopf re-runs every indexer on every watch event; its per-event success line is noise.
+    quiet_indexers.install()
+    kopf_objects = logging.getLogger("kopf.objects")
+    caplog.set_level(logging.INFO)
+    kopf_objects.info("Indexer 'llmdeployments' succeeded.")
+    kopf_objects.info("Handler 'reconcile_llmdeployment' succeeded.")
+    kopf_objects.error("Indexer 'llmdeployments' failed with an exception.")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "Handler 'reconcile_llmdeployment' succeeded."),
+        ("ERROR", "Indexer 'llmdeployments' failed with an exception.")]
+    caplog.clear()
+    caplog.set_level(logging.DEBUG)
+    kopf_objects.info("Indexer 'pods_by_llmdeployment' succeeded.")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("DEBUG", "Indexer 'pods_by_llmdeployment' succeeded.")]
