@@ -60,12 +60,14 @@ def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, mon
     expected = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("QUIRE_CPU_KERNELS", "0")
     cpu_kernels._library.cache_clear()
+    cpu_kernels.load_library.cache_clear()
     try:
         fallback = LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory=8 << 20)
         assert not cpu_kernels.native_decode_supported(torch.zeros(1), torch.zeros(1))
         got = [o.outputs[0].token_ids for o in fallback.generate(prompts, params, use_tqdm=False)]
     finally:
         cpu_kernels._library.cache_clear()
+        cpu_kernels.load_library.cache_clear()
     assert got == expected
     assert_no_blocks_in_use(fallback)
 

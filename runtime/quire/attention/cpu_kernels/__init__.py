@@ -1,6 +1,10 @@
 """Native CPU kernels: plain C++ compiled on first use with the system's C++ compiler (about a
 second), cached under ~/.cache/quire/kernels (QUIRE_CACHE_DIR), called through ctypes.
 
+`load_library("name.cpp")` builds and loads any C++ source in this folder the same way (one
+cache entry per source, compiler and CPU); it returns None where there is no compiler, the
+build failed, or QUIRE_CPU_KERNELS=0, and each caller keeps a torch path for that case.
+
 Where there is no compiler the build fails once, a warning says so, and the torch backend
 keeps its pure-torch path. QUIRE_CPU_KERNELS=0 turns them off.
 """
@@ -20,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
+_HERE = os.path.dirname(__file__)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -53,20 +57,21 @@ def _cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
-def _build(compiler: str) -> str:
-    with open(_SOURCE, "rb") as f:
+def _build(compiler: str, source_path: str) -> str:
+    with open(source_path, "rb") as f:
         source = f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # -march=native code is only good on this CPU: a cache shared by nodes keys on it too
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"paged_decode-{key}.so")
+    stem = os.path.splitext(os.path.basename(source_path))[0]
+    target = os.path.join(_cache_dir(), f"{stem}-{key}.so")
     if not os.path.exists(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
         os.close(fd)
         try:
-            subprocess.run([compiler, *_FLAGS, _SOURCE, "-o", tmp], check=True,
+            subprocess.run([compiler, *_FLAGS, source_path, "-o", tmp], check=True,
                            capture_output=True, text=True)
             os.replace(tmp, target)  # atomic: concurrent builders are harmless
         finally:
@@ -76,19 +81,27 @@ def _build(compiler: str) -> str:
 
 
 @functools.cache
-def _library():
+def load_library(source: str) -> ctypes.CDLL | None:
+    """The compiled library of `source` (a .cpp file in this folder), or None (see above)."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.warning("no C++ compiler found; the CPU decode attention uses the pure-torch path")
+        logger.warning("no C++ compiler found; %s is not built and its torch path is used", source)
         return None
     try:
-        lib = ctypes.CDLL(_build(compiler))
+        return ctypes.CDLL(_build(compiler, os.path.join(_HERE, source)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("the native CPU decode-attention kernel could not be built; using the "
-                       "pure-torch path: %s", detail.strip().splitlines()[-1:] or detail)
+        logger.warning("the native CPU kernels in %s could not be built; using the torch path: %s",
+                       source, detail.strip().splitlines()[-1:] or detail)
+        return None
+
+
+@functools.cache
+def _library():
+    lib = load_library("paged_decode.cpp")
+    if lib is None:
         return None
     fn = lib.quire_paged_decode
     fn.restype = ctypes.c_int
