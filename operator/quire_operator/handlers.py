@@ -4,6 +4,8 @@ Three ways in, all ending in the same idempotent reconcile:
 - the LLMDeployment itself changes (create, update, resume after a restart);
 - one of its children changes or disappears (drift: watched by label, server-side);
 - the housekeeping loop's periodic resync.
+The housekeeping loop also runs the autoscaler and the adapter sync (spec.adapters), each from
+kopf's indexes of LLMDeployments and pods.
 No handler here needs a finalizer, so deleting an LLMDeployment never waits for the operator.
 """
 
@@ -20,6 +22,7 @@ import kopf
 import kubernetes
 
 from . import names, quiet_indexers
+from .adapter_sync import sync_adapters
 from .defaults import default_image
 from .housekeeping import Housekeeping, Key, Polled
 from .kube import ApiError, kube, load_config
@@ -166,12 +169,16 @@ def llmdeployments(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, 
     if "context" not in memo.setdefault("handler_context", {}):
         memo["handler_context"]["context"] = contextvars.copy_context()
     try:
-        scaling = parse_spec(spec).autoscaling
-        poll_seconds = scaling.poll_interval_seconds if scaling.enabled else None
+        parsed = parse_spec(spec)
+        poll_seconds = parsed.autoscaling.poll_interval_seconds if parsed.autoscaling.enabled else None
+        adapter_seconds = parsed.lora.sync_interval_seconds if parsed.lora.enabled else None
+        adapters = parsed.adapters
     except SpecError:
-        poll_seconds = None  # reconcile reports it; scaling waits for a valid spec
+        poll_seconds = adapter_seconds = None  # reconcile reports it; scaling waits for a valid spec
+        adapters = ()
     return {(namespace, name): {"target": _event_target(body), "spec": copy.deepcopy(dict(spec)),
-                                "poll_seconds": poll_seconds}}
+                                "poll_seconds": poll_seconds, "adapter_seconds": adapter_seconds,
+                                "adapters": adapters}}
 
 
 def _autoscale(pods_index: kopf.Index, router_index: kopf.Index, key: Key, entry: dict, history: Any) -> Any:
@@ -209,8 +216,32 @@ def _resync(key: Key) -> None:
         log.warning("%s/%s: resync failed, the next one retries: %s", namespace, name, e)
 
 
-def _entries(index: kopf.Index) -> list[tuple[Key, dict]]:
-    return [(key, entry) for key, store in index.items() for entry in store]
+def _sync_adapters(pods_index: kopf.Index, key: Key, entry: dict, announced: Any) -> Any:
+    namespace, name = key
+    target = entry["target"]
+
+    def announce(type_: str, reason: str, message: str) -> None:
+        kopf.event(target, type=type_, reason=reason, message=message[:1024])
+
+    try:
+        return sync_adapters(kube, namespace, name, parse_spec(entry["spec"]), list(pods_index.get(key, [])),
+                             announced, announce)
+    except ApiError as e:
+        log.warning("%s/%s: adapter sync failed, the next one retries: %s", namespace, name, e)
+        return announced
+
+
+def _entries(index: kopf.Index, pods_index: kopf.Index) -> list[tuple[Key, dict]]:
+    entries = []
+    for key, store in index.items():
+        for entry in store:
+            if entry.get("adapter_seconds") is not None:
+                # A sync comes at the next tick when the adapter list or the set of ready replicas
+                # changes: a new replica gets every adapter as soon as it is ready.
+                ready = tuple(sorted((p.name, p.ip) for p in pods_index.get(key, []) if p.ready and p.ip))
+                entry = {**entry, "adapter_trigger": (entry["adapters"], ready)}
+            entries.append((key, entry))
+    return entries
 
 
 @kopf.on.startup()
@@ -220,8 +251,11 @@ async def start_housekeeping(memo: kopf.Memo, llmdeployments: kopf.Index, pods_b
     keeper = Housekeeping(poll=lambda key, entry, history: _autoscale(pods_by_llmdeployment, router_pods_by_llmdeployment,
                                                                  key, entry, history),
                           resync=_resync, resync_seconds=float(memo.get("resync_seconds") or RESYNC_SECONDS),
-                          tick_seconds=TICK_SECONDS, context=lambda: holder.get("context"))
-    memo["housekeeping"] = asyncio.create_task(keeper.run(lambda: _entries(llmdeployments)), name="housekeeping")
+                          tick_seconds=TICK_SECONDS, context=lambda: holder.get("context"),
+                          sync_adapters=lambda key, entry, announced: _sync_adapters(pods_by_llmdeployment, key,
+                                                                                    entry, announced))
+    memo["housekeeping"] = asyncio.create_task(keeper.run(lambda: _entries(llmdeployments, pods_by_llmdeployment)),
+                                               name="housekeeping")
 
 
 @kopf.on.cleanup()

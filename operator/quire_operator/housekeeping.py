@@ -1,4 +1,4 @@
-"""The operator's own clock: autoscaler polls and the periodic resync of every LLMDeployment.
+"""The operator's own clock: autoscaler polls, adapter syncs and the periodic resync of every LLMDeployment.
 
 One loop for all objects rather than kopf timers: a kopf timer (or daemon) puts a finalizer on
 every object it runs for, and a finalizer blocks deleting the object whenever the operator is
@@ -7,7 +7,10 @@ polled at its own pollIntervalSeconds and re-applied every `resync_seconds` (a s
 the watches on the children, which repair drift as it happens).
 
 The work itself is blocking API calls and scrapes: it runs in worker threads, at most one job
-per object at a time, so a slow pod delays only its own LLMDeployment.
+per object at a time, so a slow pod delays only its own LLMDeployment. Adapter syncs (spec.adapters)
+run in a lane of their own, so that a slow adapter load never delays an autoscaler poll: one runs
+every `adapter_seconds`, and at the next tick whenever the entry's `adapter_trigger` changes (the
+adapter list was edited, or a replica became ready).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ class _Clock:
     next_poll: float = 0.0
     history: Any = None  # the autoscaler's recommendations, kept between polls
     busy: bool = False
+    # The adapter-sync lane: its own schedule, memory and busy flag.
+    next_adapter_sync: float = 0.0
+    adapter_trigger: Any = None  # the entry's adapter_trigger the last sync started with
+    adapter_history: Any = None
+    adapter_busy: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,9 @@ class Housekeeping:
     tick_seconds: float = 1.0
     # The context jobs run in (kopf.event() needs one of an object handler's); None: this one.
     context: Callable[[], contextvars.Context | None] = lambda: None
+    # sync_adapters(key, entry, history) → the history for the next sync; for entries whose
+    # "adapter_seconds" is not None.
+    sync_adapters: Callable[[Key, Mapping[str, Any], Any], Any] | None = None
     _clocks: dict[Hashable, _Clock] = field(default_factory=dict)
 
     async def run(self, entries: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]]) -> None:
@@ -69,6 +80,7 @@ class Housekeeping:
         for key, entry in entries:
             # The first resync of an object comes one period after the operator first saw it.
             clock = self._clocks.setdefault(key, _Clock(next_resync=now + self.resync_seconds))
+            self._start_adapter_sync_if_due(loop, key, entry, clock, now)
             if clock.busy:
                 continue
             resync = now >= clock.next_resync
@@ -81,6 +93,22 @@ class Housekeeping:
             if resync or poll:
                 self._start(loop, key, clock,
                             lambda k=key, e=entry, c=clock, r=resync, p=poll: self._job(k, e, c, r, p, now))
+
+    def _start_adapter_sync_if_due(self, loop: asyncio.AbstractEventLoop, key: Key, entry: Mapping[str, Any],
+                                   clock: _Clock, now: float) -> None:
+        seconds = entry.get("adapter_seconds")
+        if self.sync_adapters is None or seconds is None or clock.adapter_busy:
+            return
+        trigger = entry.get("adapter_trigger")
+        if now < clock.next_adapter_sync and trigger == clock.adapter_trigger:
+            return
+        clock.next_adapter_sync, clock.adapter_trigger = now + seconds, trigger
+        sync = self.sync_adapters
+
+        def job() -> None:
+            clock.adapter_history = sync(key, entry, clock.adapter_history)
+
+        self._run_in_thread(loop, key, job, lambda busy: setattr(clock, "adapter_busy", busy))
 
     def _job(self, key: Key, entry: Mapping[str, Any], clock: _Clock, resync: bool, poll: bool,
              started: float) -> None:
@@ -96,7 +124,11 @@ class Housekeeping:
                 clock.history = result
 
     def _start(self, loop: asyncio.AbstractEventLoop, key: Key, clock: _Clock, job: Callable[[], None]) -> None:
-        clock.busy = True
+        self._run_in_thread(loop, key, job, lambda busy: setattr(clock, "busy", busy))
+
+    def _run_in_thread(self, loop: asyncio.AbstractEventLoop, key: Key, job: Callable[[], None],
+                       set_busy: Callable[[bool], None]) -> None:
+        set_busy(True)
 
         def run() -> None:
             try:
@@ -104,7 +136,7 @@ class Housekeeping:
             except Exception:  # one object's failure is logged, never the loop's end
                 log.exception("%s/%s: housekeeping failed; the next tick tries again", *key)
             finally:
-                clock.busy = False
+                set_busy(False)
 
         # A fresh copy per job: one context cannot be entered by two threads at once.
         base = self.context() or contextvars.copy_context()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from . import names
+from .adapter_spec import ADAPTERS_MOUNT, adapter_claims, claim_volume_name, lora_flags
 from .spec import LLMSpec, RuntimeSpec
 
 # How often the startup probe asks /health while the model loads.
@@ -40,6 +41,9 @@ def server_args(spec: LLMSpec) -> list[str]:
     if spec.parallelism.tensor > 1:  # 1 is the runtime's default: single-worker pods keep their args
         args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
     args += _runtime_flags(spec.runtime)
+    # LoRA's switch and limits only: the adapters themselves are loaded through the API, so
+    # editing spec.adapters never changes (and never rolls) the pods.
+    args += lora_flags(spec.lora)
     args += list(spec.runtime.extra_args)
     return args
 
@@ -114,6 +118,10 @@ def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
     if spec.model.cache_claim:
         volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": spec.model.cache_claim}})
         mounts.append({"name": "cache", "mountPath": names.CACHE_MOUNT})
+    for claim in adapter_claims(spec.adapters):  # pvc:// adapter sources, read-only
+        volume = claim_volume_name(claim)
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": volume, "mountPath": f"{ADAPTERS_MOUNT}/{claim}", "readOnly": True})
     return volumes, mounts
 
 

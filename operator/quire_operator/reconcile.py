@@ -228,6 +228,8 @@ def refresh_status(kube: Kube, namespace: str, name: str, *, blocked: Any = _KEE
         }
         if spec is not None:
             fields["endpoint"] = endpoint(obj, spec)
+            if not spec.lora.enabled:  # LoRA turned off: the pods roll, and the adapter sync stops
+                fields.update(adapters=None, adaptersReady=None, managedAdapters=None)
         if generation is not None and problem is None:
             fields["observedGeneration"] = generation
         return fields

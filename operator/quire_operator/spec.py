@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import names, quantity
+from .adapter_spec import AdapterSpec, LoraSpec, lora_modules_in, parse_adapters, parse_lora
 from .router_spec import RouterSpec, ScaleToZeroSpec, parse_router_spec, parse_scale_to_zero
 from .spec_error import SpecError
 
@@ -104,6 +105,8 @@ class LLMSpec:
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     router: RouterSpec = field(default_factory=RouterSpec)
     scale_to_zero: ScaleToZeroSpec = field(default_factory=ScaleToZeroSpec)
+    adapters: tuple[AdapterSpec, ...] = ()
+    lora: LoraSpec = field(default_factory=LoraSpec)
 
 
 def check_name(name: str) -> None:
@@ -145,7 +148,22 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         autoscaling=_parse_autoscaling(scaling),
         router=parse_router_spec(raw),
     )
-    return replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router))
+    parsed = replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router))
+    return _with_lora(parsed, spec)
+
+
+def _with_lora(parsed: LLMSpec, spec: _Reader) -> LLMSpec:
+    reserved = {name: "--lora-modules in spec.runtime.extraArgs already serves it"
+                for name in lora_modules_in(parsed.runtime.extra_args)}
+    if parsed.model.served_name:
+        reserved[parsed.model.served_name] = "it is the base model's spec.model.servedName"
+    adapters = parse_adapters(spec.raw.get("adapters"), reserved=reserved)
+    lora = parse_lora(spec.raw.get("lora"), adapters)
+    if lora.enabled and parsed.parallelism.tensor > 1:
+        raise SpecError("spec.lora" if spec.has("lora") else "spec.adapters",
+                        f"LoRA is not supported with spec.parallelism.tensor {parsed.parallelism.tensor} yet "
+                        "(the runtime serves adapters on single-worker pods)")
+    return replace(parsed, adapters=adapters, lora=lora)
 
 
 def _parse_model(model: _Reader) -> ModelSpec:

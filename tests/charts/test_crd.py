@@ -43,7 +43,8 @@ def test_crd_is_well_formed():
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
     assert "status" in version["subresources"]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Replicas", "Ready", "Queue", "KV", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Replicas", "Ready", "Queue", "KV",
+                                                                            "Adapters", "Age"]
 
 
 def assert_structural(node, path="openAPIV3Schema"):
@@ -148,6 +149,8 @@ REFUSED_BECAUSE = {
     "min-over-max.yaml": "minReplicas must not be greater than maxReplicas",
     "name-too-long.yaml": "is too long",
     "name-with-a-dot.yaml": "does not match",
+    "adapter-source-oci.yaml": "oci:// and http(s):// sources are not supported yet",
+    "adapter-name-upper-case.yaml": "does not match",
     "shm-size-zero.yaml": "must be greater than 0",
     "tensor-32.yaml": "is greater than the maximum",
     "zero-without-router.yaml": "autoscaling.minReplicas 0 (scale to zero) needs router.enabled",
@@ -178,7 +181,8 @@ def test_examples_pass_every_rule(path):
 def test_every_cel_rule_parses_and_has_a_message():
     found = list(crd_rules.rules(schema_of(CRD)))
     assert {path for path, _, _ in found} == {".spec", ".spec.resources.cpu", ".spec.resources.memory",
-                                              ".spec.parallelism.shmSize", ".spec.autoscaling"}
+                                              ".spec.parallelism.shmSize", ".spec.autoscaling",
+                                              ".spec.adapters[]"}
     for path, rule, _ in found:
         crd_rules.compile_rule(rule["rule"])  # raises on a syntax error
         assert rule["message"], path

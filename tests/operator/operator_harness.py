@@ -122,7 +122,7 @@ class Cluster:
         return self.running.call(collect)
 
 
-PLURALS = {"LLMDeployment": names.PLURAL, "Pod": "pods", "Deployment": "deployments", "Service": "services",
+PLURALS = {"LLMDeployment": names.PLURAL, "Pod": "pods", "Secret": "secrets", "Deployment": "deployments", "Service": "services",
            "CustomResourceDefinition": "customresourcedefinitions", "EndpointSlice": "endpointslices"}
 
 

@@ -269,3 +269,112 @@ def free_port(*ips: str) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no port free on all of {ips}")
+
+
+# --- a replica with the runtime's adapter API (tests/operator/test_adapters.py) ---
+#
+#     GET  /v1/models               {"data": [{"id": base, "parent": null}, {"id": name, "root": path, "parent": base}]}
+#     POST /v1/load_lora_adapter    {"lora_name", "lora_path"} → 200 text; 400 "... has already been loaded"
+#                                   or 400 with the reason the adapter is bad
+#     POST /v1/unload_lora_adapter  {"lora_name"} → 200; 404 when not loaded
+#
+# exactly as `quire serve --enable-lora --allow-runtime-lora` (and vLLM) answer it. With an API
+# key, every /v1 call needs `Authorization: Bearer <key>` (401 otherwise).
+
+
+class FakeLoraRuntime:
+    def __init__(self, ip: str, port: int, api_key: str | None = None,
+                 preloaded: dict[str, str] | None = None) -> None:
+        self.ip, self.port, self.api_key = ip, port, api_key
+        self.lock = threading.Lock()
+        self.adapters: dict[str, str] = dict(preloaded or {})  # name → path
+        self.refuse: dict[str, str] = {}  # adapter name → the 400 message a load gets
+        self.calls: list[tuple[str, str]] = []  # (path, adapter name) of every load/unload
+        self.unauthorized = 0
+        self._server = ThreadingHTTPServer((ip, port), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name=f"lora-{ip}", daemon=True)
+        self._thread.start()
+
+    def loaded(self) -> dict[str, str]:
+        with self.lock:
+            return dict(self.adapters)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        runtime = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, status: int, body: str, content_type: str = "application/json") -> None:
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _error(self, status: int, message: str) -> None:
+                self._send(status, json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                                         "code": status}}))
+
+            def _authorized(self) -> bool:
+                if runtime.api_key and self.headers.get("Authorization") != f"Bearer {runtime.api_key}":
+                    runtime.unauthorized += 1
+                    self._error(401, "invalid API key")
+                    return False
+                return True
+
+            def do_GET(self) -> None:
+                if self.path in ("/health", "/ready"):
+                    self._send(200, '{"status": "ok"}')
+                elif self.path == "/v1/models":
+                    if not self._authorized():
+                        return
+                    data = [{"id": MODEL_NAME, "object": "model", "root": MODEL_NAME, "parent": None}]
+                    data += [{"id": name, "object": "model", "root": path, "parent": MODEL_NAME}
+                             for name, path in runtime.loaded().items()]
+                    self._send(200, json.dumps({"object": "list", "data": data}))
+                else:
+                    self._error(404, "not found")
+
+            def do_POST(self) -> None:
+                if self.path not in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                    self._error(404, "not found")
+                    return
+                if not self._authorized():
+                    return
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                name = body.get("lora_name")
+                with runtime.lock:
+                    runtime.calls.append((self.path, name))
+                    if self.path == "/v1/load_lora_adapter":
+                        if name in runtime.adapters:
+                            self._error(400, f"The lora adapter '{name}' has already been loaded.")
+                        elif name in runtime.refuse:
+                            self._error(400, runtime.refuse[name])
+                        else:
+                            runtime.adapters[name] = body["lora_path"]
+                            self._send(200, f"Success: LoRA adapter '{name}' added successfully.", "text/plain")
+                    elif name not in runtime.adapters:
+                        self._error(404, f"The lora adapter '{name}' cannot be found.")
+                    else:
+                        del runtime.adapters[name]
+                        self._send(200, f"Success: LoRA adapter '{name}' removed successfully.", "text/plain")
+
+        return Handler
+
+
+@contextmanager
+def fake_lora_runtimes(ips: list[str], port: int, **kwargs) -> Iterator[list[FakeLoraRuntime]]:
+    runtimes = [FakeLoraRuntime(ip, port, **kwargs) for ip in ips]
+    try:
+        yield runtimes
+    finally:
+        for runtime in runtimes:
+            runtime.stop()

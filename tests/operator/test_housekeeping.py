@@ -99,3 +99,42 @@ def test_a_poll_may_ask_to_be_polled_sooner():
         k.start_due_jobs(loop, [(A, {"poll_seconds": 15})], now)
     # at 0 and 2 (asked for 2 s), then at 4 it asks for nothing: the interval again (19, 34...)
     assert calls == [None, 1, 2, 3]
+
+
+def test_adapter_syncs_run_at_their_interval_and_at_once_when_the_trigger_changes():
+    calls = []
+
+    def sync(key, entry, history):
+        calls.append((key, history))
+        return (history or 0) + 1
+
+    k = Housekeeping(poll=lambda key, entry, history: None, resync=lambda key: None, resync_seconds=300,
+                     sync_adapters=sync)
+    loop = Inline()
+    two_pods = {"adapter_seconds": 10, "adapter_trigger": ("sql", "pod-0", "pod-1"), "poll_seconds": None}
+    for now in (0, 1, 5):
+        k.start_due_jobs(loop, [(A, two_pods), (B, {"poll_seconds": None, "adapter_seconds": None})], now)
+    assert calls == [(A, None)]  # at once, then not before the interval; B has no adapters
+    k.start_due_jobs(loop, [(A, {**two_pods, "adapter_trigger": ("sql", "pod-0", "pod-1", "pod-2")})], 6)
+    assert calls[-1] == (A, 1)  # a replica turned ready: synced at the next tick
+    k.start_due_jobs(loop, [(A, {**two_pods, "adapter_trigger": ("sql", "pod-0", "pod-1", "pod-2")})], 15)
+    assert len(calls) == 2
+    k.start_due_jobs(loop, [(A, {**two_pods, "adapter_trigger": ("sql", "pod-0", "pod-1", "pod-2")})], 16)
+    assert calls[-1] == (A, 2)  # the interval after the last sync
+
+
+def test_a_slow_adapter_sync_does_not_hold_up_the_autoscaler():
+    calls = []
+    k = Housekeeping(poll=lambda key, entry, history: calls.append("poll"), resync=lambda key: None,
+                     resync_seconds=300, sync_adapters=lambda key, entry, history: calls.append("sync"))
+    loop = Inline(hold=True)
+    entry = {"poll_seconds": 1, "adapter_seconds": 10, "adapter_trigger": "x"}
+    k.start_due_jobs(loop, [(A, entry)], 0)
+    sync_fn, sync_args = loop.held.pop(0)  # the adapter sync, still running
+    poll_fn, poll_args = loop.held.pop()
+    poll_fn(*poll_args)  # the first poll ends
+    k.start_due_jobs(loop, [(A, {**entry, "adapter_trigger": "y"})], 1)
+    assert len(loop.held) == 1  # the next poll starts; the second sync waits for the first to end
+    sync_fn(*sync_args)
+    k.start_due_jobs(loop, [(A, {**entry, "adapter_trigger": "y"})], 1.5)
+    assert len(loop.held) == 2

@@ -15,6 +15,8 @@ INVALID = {
     "block-size": ({"runtime": {"blockSize": 24}}, "spec.runtime.blockSize: 24 is not a power of two"),
     "gpus-vs-tensor": ({"parallelism": {"tensor": 2}, "resources": {"gpus": 1}},
                        "spec.resources.gpus: 1 does not match spec.parallelism.tensor 2"),
+    "adapter-source": ({"adapters": [{"name": "sql", "source": "oci://registry/sql:1"}]},
+                       "spec.adapters[0].source: 'oci://registry/sql:1': oci:// sources are not supported yet"),
 }
 
 

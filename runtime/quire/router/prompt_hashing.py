@@ -5,6 +5,10 @@ blocks of `block_size` tokens), so the router's notion of "this replica holds th
 is block for block the engine's prefix cache. Chat requests go through the tokenizer's chat
 template as the server does. Only the router compares these hashes with each other, so they
 need not equal the replica's own values (on Python < 3.12 hash(None) differs per process).
+
+The chain is salted with the request's `model`, as the engine salts it with the LoRA adapter:
+a prompt for adapter `sql` never shares KV blocks with the same prompt for the base model or
+another adapter, so the router must not count it as a prefix hit either.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from quire.engine.block_pool import hash_block_tokens
 logger = logging.getLogger(__name__)
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """One chained hash per *full* block, the way KVCacheManager hashes a prompt."""
+def block_hashes(token_ids: list[int], block_size: int, salt: Any = None) -> list[int]:
+    """One chained hash per *full* block, the way KVCacheManager hashes a prompt (`salt` seeds
+    the chain, as an adapter does in the engine)."""
     hashes: list[int] = []
-    parent = None
+    parent = salt
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
         hashes.append(parent)
@@ -91,4 +96,7 @@ class PromptHasher:
         except Exception as e:  # noqa: BLE001 - a bad body is the replica's to reject
             logger.debug("cannot tokenize the prompt for routing: %s", e)
             return []
-        return block_hashes(tokens, self.block_size) if tokens else []
+        if not tokens:
+            return []
+        model = body.get("model") if isinstance(body, dict) else None
+        return block_hashes(tokens, self.block_size, ("model", model) if isinstance(model, str) else None)
