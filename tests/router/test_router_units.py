@@ -121,3 +121,15 @@ def test_backend_set_keeps_the_figures_of_replicas_that_stay():
     backends.replace(["http://127.0.0.1:1", "http://127.0.0.1:3"])
     assert backends.get("http://127.0.0.1:1").in_flight == 3
     assert forgotten == ["http://127.0.0.1:2"]
+
+
+def test_prompt_hashes_are_salted_with_the_model_as_the_engine_salts_an_adapters_blocks():
+    tokenizer = lambda text: SimpleNamespace(input_ids=[ord(c) for c in text])  # noqa: E731
+    hasher = prompt_hashing.PromptHasher(tokenizer, 4)
+    prompt = "sixteen letters."
+    base = hasher.hashes("/v1/completions", {"model": "smollm2", "prompt": prompt})
+    adapter = hasher.hashes("/v1/completions", {"model": "sql", "prompt": prompt})
+    assert len(base) == len(adapter) == 4
+    assert not set(base) & set(adapter)  # no block of one is a prefix hit for the other
+    assert hasher.hashes("/v1/completions", {"model": "sql", "prompt": prompt}) == adapter
+    assert hasher.hashes("/v1/completions", {"prompt": prompt}) == block_hashes([ord(c) for c in prompt], 4)

@@ -205,3 +205,26 @@ def test_prefix_aware_sends_a_conversations_next_turn_to_the_same_replica(tokeni
             assert len({seen[0] for seen in replicas.values()}) > 1  # users spread out
         else:
             assert not all(sticky), replicas  # the baseline: turns wander
+
+
+def decisions(r, reason: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(r.url + "/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "quire_router:routing_decisions_total" and s.labels.get("reason") == reason)
+
+
+def test_an_adapters_requests_are_routed_and_never_match_the_base_models_prefix(tokenizer_model,
+                                                                                replicas):
+    """A LoRA adapter is just another `model` to the router: proxied as is. Its KV blocks are
+    salted in the engine, so the same prompt for the base model is no prefix hit for it."""
+    a, b = replicas["a"], replicas["b"]
+    with router("--routing", "prefix-aware", "--model", tokenizer_model, "--backend", a.url,
+                "--backend", b.url) as r:
+        prompt = "You are an assistant that writes SQL for the sales tables. " * 6
+        answers = [completion(r, prompt, model=model, max_tokens=2)
+                   for model in ("smollm2", "sql-lora", "sql-lora", "smollm2")]
+        assert [x.status_code for x in answers] == [200] * 4
+        backends = [x.json()["backend"] for x in answers]
+        assert backends[2] == backends[1] and backends[3] == backends[0]
+        assert (decisions(r, "prefix_miss"), decisions(r, "prefix_hit")) == (2, 2)
