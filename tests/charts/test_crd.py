@@ -99,6 +99,10 @@ def test_examples_cover_what_they_promise():
     qwen = yaml.safe_load((ROOT / "examples" / "qwen-tensor-parallel.yaml").read_text())
     assert qwen["spec"]["parallelism"]["tensor"] == 2 and "gpus" not in qwen["spec"]["resources"]
     assert parse_spec(qwen["spec"]).resources.gpus == 2  # gpus follows tensor
+    docs = list(yaml.safe_load_all((ROOT / "examples" / "smollm2-lora.yaml").read_text()))
+    (claim,) = [d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    (lora,) = [parse_spec(d["spec"]) for d in docs if d["kind"] == "LLMDeployment"]
+    assert len(lora.adapters) == 2 and {a.claim for a in lora.adapters} == {claim} and lora.lora.enabled
 
 
 GOOD = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment", "metadata": {"name": "x"},
