@@ -5,12 +5,21 @@ reads `quire:num_requests_waiting` and `quire:kv_cache_usage_perc`, so these nam
 contract. With `compat="vllm"` the same figures are also exported under vLLM's names (both
 `vllm:kv_cache_usage_perc` and the older `vllm:gpu_cache_usage_perc`), so dashboards and KEDA
 triggers written for vLLM work unchanged. Each ServerMetrics has its own CollectorRegistry.
+
+With LoRA on (the snapshot carries LoRAStats), three more families appear:
+`quire:lora_adapters_loaded`, and `quire:lora_requests_running` / `quire:lora_requests_waiting`
+with an `adapter` label (a series per loaded adapter, 0 when idle; an adapter's series goes
+once it is unloaded and nothing uses it). With compat="vllm" also vLLM's
+`vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` (names
+comma-joined, value the time of the update); unlike vLLM, only the current label set is
+exported, not one series per set ever seen.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -106,6 +115,8 @@ class ServerMetrics:
         self._families: dict[str, list] = {}
         self._children: dict[str, list] = {}
         self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self.compat = compat
+        self._lora: _LoRAMetrics | None = None  # made on the first snapshot with LoRA on
         # the server's own figure (not the engine's): clients that went away mid-request
         self.client_disconnects = Counter(
             "quire:client_disconnects", "Requests whose client went away before the answer "
@@ -147,6 +158,10 @@ class ServerMetrics:
         self._inc("prompt_tokens", ev.prompt_tokens)
         self._inc("generation_tokens", ev.generation_tokens)
         self._inc("structured_requests", ev.structured_requests)
+        if snap.lora is not None:
+            if self._lora is None:
+                self._lora = _LoRAMetrics(self.registry, self.model_name, self.compat)
+            self._lora.record(snap.lora)
         for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),
                             ("e2e", ev.e2e_latency), ("queue", ev.queue_time),
                             ("grammar_mask", ev.grammar_mask_time)):
@@ -182,3 +197,43 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LoRAMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str, compat: str) -> None:
+        self.model_name = model_name
+        self.loaded = Gauge("quire:lora_adapters_loaded", "LoRA adapters loaded (servable).",
+                            ("model_name",), registry=registry).labels(model_name=model_name)
+        self.by_adapter = {
+            key: Gauge(f"quire:lora_requests_{key}",
+                       f"Sequences {key} with each LoRA adapter.",
+                       ("model_name", "adapter"), registry=registry)
+            for key in ("running", "waiting")}
+        self.adapters: set[str] = set()  # the adapter label values exported
+        self.info = None
+        if compat == "vllm":
+            self.info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                              ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                              registry=registry)
+        self.info_labels: tuple[str, str, str] | None = None
+
+    def record(self, stats) -> None:
+        """stats: quire.lora.stats.LoRAStats."""
+        self.loaded.set(len(stats.loaded))
+        names = set(stats.loaded) | set(stats.running) | set(stats.waiting)
+        for gone in self.adapters - names:
+            for gauge in self.by_adapter.values():
+                gauge.remove(self.model_name, gone)
+        self.adapters = names
+        for name in names:
+            self.by_adapter["running"].labels(self.model_name, name).set(
+                stats.running.get(name, 0))
+            self.by_adapter["waiting"].labels(self.model_name, name).set(
+                stats.waiting.get(name, 0))
+        if self.info is not None:
+            labels = (str(stats.max_loras), ",".join(sorted(stats.waiting)),
+                      ",".join(sorted(stats.running)))
+            if self.info_labels is not None and labels != self.info_labels:
+                self.info.remove(*self.info_labels)
+            self.info_labels = labels
+            self.info.labels(*labels).set(time.time())

@@ -8,6 +8,12 @@ hands each request's outputs to that request's stream and publishes a snapshot f
     stream = await engine.add_request(request_id, prompt, params)   # ValueError: bad input
     async for output in stream: ...                                 # one output per step
     stream.abort()                                                  # the client went away
+    await engine.add_lora(name, path) / await engine.remove_lora(name)   # LoRA at runtime
+
+`lora_adapters` mirrors the engine's registered adapters on the event loop, so the server
+picks a request's adapter without waiting on the engine thread. An adapter is read and packed
+on a thread of its own (the engine keeps stepping) and registered between two steps; a
+request for an adapter removed after the server picked it fails with AdapterNotFound.
 
 A failure inside one request ends that request's stream with `RequestFailed`; a failure of
 the loop itself ends every stream with `EngineDeadError`, marks the engine dead and calls
@@ -27,6 +33,8 @@ from typing import Protocol
 
 from quire.config import EngineArgs
 from quire.engine.stats import EngineSnapshot, StepEvents
+from quire.lora.request import LoRARequest
+from quire.lora.stats import lora_stats
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -53,6 +61,18 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """This request failed on its own (RequestOutput.error); others go on."""
+
+
+class AdapterNotFound(LookupError):
+    """The LoRA adapter a request or an unload names is not loaded."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class AdapterExists(ValueError):
+    """A load names an adapter that is loaded (or being loaded) already."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,7 @@ class _PendingAdd:
     params: SamplingParams
     arrival_time: float
     future: asyncio.Future
+    lora_request: LoRARequest | None = None
 
 
 class AsyncLLMEngine:
@@ -144,10 +165,14 @@ class AsyncLLMEngine:
         self.loaded: asyncio.Event | None = None  # set once the load ended (either way)
         self.busy = False           # the worker thread is running engine code
         self.num_requests_added = 0  # lifetime count, so watchers can tell activity happened
+        self.lora_adapters: dict[str, LoRARequest] = {}  # the engine's, mirrored on the loop
+        self._lora_loading: set[str] = set()  # names being read or registered right now
+        self._next_lora_id = 1
 
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "quire-engine")
         self._streams: dict[str, RequestStream] = {}
         self._adds: list[_PendingAdd] = []
+        self._calls: list[tuple[Callable, tuple, asyncio.Future]] = []  # engine calls (LoRA)
         self._aborts: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -198,6 +223,8 @@ class AsyncLLMEngine:
                 name=e.model_name, served_name=self._served_model_name or e.model_name,
                 max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
                 max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens)
+            self.lora_adapters = {r.name: r for r in e.list_loras()}
+            self._next_lora_id = max((r.id for r in e.list_loras()), default=0) + 1
         except asyncio.CancelledError:  # shut down while loading
             self.loaded.set()
             raise
@@ -233,6 +260,8 @@ class AsyncLLMEngine:
         engine = self.engine
         idle_backoff = 0.0
         while True:
+            if self._calls:
+                await self._run_calls(loop)
             if self._adds or self._aborts:
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, set()
@@ -260,7 +289,7 @@ class AsyncLLMEngine:
                     await self._sleep_or_wake(idle_backoff)
             elif self._stopping:
                 return
-            elif not (self._adds or self._aborts):
+            elif not (self._adds or self._aborts or self._calls):
                 self._wake.clear()
                 await self._wake.wait()
 
@@ -276,9 +305,13 @@ class AsyncLLMEngine:
         errors: list[Exception | None] = []
         for add in adds:
             try:
-                self.engine.add_request(add.request_id, add.prompt, add.params, add.arrival_time)
+                lora = add.lora_request
+                if lora is not None and self.engine.get_lora(lora.name) != lora:
+                    raise AdapterNotFound(lora.name)  # unloaded since the server picked it
+                self.engine.add_request(add.request_id, add.prompt, add.params,
+                                        add.arrival_time, lora_request=lora)
                 errors.append(None)
-            except ValueError as e:
+            except (ValueError, AdapterNotFound) as e:
                 errors.append(e)
             except Exception as e:  # noqa: BLE001 - one odd request must not stop the loop
                 logger.exception("adding request %s failed", add.request_id)
@@ -286,6 +319,19 @@ class AsyncLLMEngine:
         if aborts:
             self.engine.abort_request(list(aborts))
         return errors
+
+    async def _run_calls(self, loop: asyncio.AbstractEventLoop) -> None:
+        calls, self._calls = self._calls, []
+        for fn, args, future in calls:
+            try:
+                result = await loop.run_in_executor(self._executor, self._in_worker, fn, *args)
+            except Exception as e:  # noqa: BLE001 - the caller gets it; the loop goes on
+                if not future.done():
+                    future.set_exception(e)
+                continue
+            if not future.done():
+                future.set_result(result)
+        self._publish_stats()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -300,6 +346,8 @@ class AsyncLLMEngine:
 
     def _publish_stats(self) -> None:
         self.last_snapshot = self.engine.snapshot()
+        if self.engine.lora is not None:
+            self.last_snapshot.lora = lora_stats(self.engine.lora, self.engine.scheduler)
         events = self.engine.drain_events()
         if self.stats is not None:
             self.stats.record(self.last_snapshot, events)
@@ -318,6 +366,10 @@ class AsyncLLMEngine:
             if not add.future.done():
                 add.future.set_exception(dead)
         self._adds.clear()
+        for _, _, future in self._calls:
+            if not future.done():
+                future.set_exception(dead)
+        self._calls.clear()
         for stream in self._streams.values():
             stream._put(dead)
         self._streams.clear()
@@ -326,11 +378,13 @@ class AsyncLLMEngine:
 
     # --- requests ------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it (between two steps).
+        lora_request: one of `lora_adapters`, or None for the base model.
 
-        Raises ValueError (bad input, naming the field), EngineNotReady, EngineOverloaded,
-        EngineShuttingDown or EngineDeadError."""
+        Raises ValueError (bad input, naming the field), AdapterNotFound, EngineNotReady,
+        EngineOverloaded, EngineShuttingDown or EngineDeadError."""
         arrival_time = time.time() if arrival_time is None else arrival_time
         self._check_admission()
         if request_id in self._streams:
@@ -339,7 +393,8 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self.num_requests_added += 1
-        self._adds.append(_PendingAdd(request_id, prompt, params, arrival_time, future))
+        self._adds.append(_PendingAdd(request_id, prompt, params, arrival_time, future,
+                                      lora_request))
         self._wake.set()
         try:
             await future
@@ -367,6 +422,55 @@ class AsyncLLMEngine:
         self._aborts.add(request_id)
         if self._wake is not None:
             self._wake.set()
+
+    # --- LoRA adapters at runtime ---------------------------------------------------------
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Read, check and register an adapter. Raises AdapterExists if the name is loaded or
+        being loaded (of two concurrent loads of one name, one wins), ValueError naming what
+        is wrong with the adapter, EngineNotReady / EngineDeadError."""
+        self._check_engine()
+        if self.engine.lora is None:
+            raise ValueError("LoRA is off: start the server with --enable-lora")
+        if name in self.lora_adapters or name in self._lora_loading:
+            raise AdapterExists(f"The lora adapter '{name}' has already been loaded.")
+        self._lora_loading.add(name)
+        try:
+            req = LoRARequest(name, self._next_lora_id, path)
+            self._next_lora_id += 1
+            # read and pack on a thread of its own: neither the loop nor the steps wait on it
+            packed = await asyncio.to_thread(self.engine.lora.manager.read, req)
+            self._check_engine()
+            await self._in_engine(self.engine.lora.add, req, packed)
+            self.lora_adapters[name] = req
+            return req
+        finally:
+            self._lora_loading.discard(name)
+
+    async def remove_lora(self, name: str) -> LoRARequest:
+        """Unregister an adapter: new requests can't ask for it, admitted ones finish with
+        it. Raises AdapterNotFound."""
+        self._check_engine()
+        req = self.lora_adapters.pop(name, None)
+        if req is None:
+            raise AdapterNotFound(name)
+        await self._in_engine(self.engine.remove_lora, name)
+        return req
+
+    def _check_engine(self) -> None:
+        if self.fatal_error is not None:
+            raise EngineDeadError(self.fatal_error)
+        if self._stopping:
+            raise EngineShuttingDown("the server is shutting down")
+        if self.engine is None or self.loaded is None or not self.loaded.is_set():
+            raise EngineNotReady("the model is still loading")
+
+    async def _in_engine(self, fn, *args):
+        """fn(*args) on the engine's worker thread, run by the loop between two steps (the
+        engine is never touched from two threads); the stats are republished after it."""
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, args, future))
+        self._wake.set()
+        return await future
 
     # --- shutdown ------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:

@@ -20,6 +20,7 @@ class EngineSnapshot:
     preemptions: dict[str, int]  # by kind: recompute, swap
     prefix_queries: int          # prompt tokens looked up in the prefix cache
     prefix_hits: int             # ... found there
+    lora: object | None = None   # quire.lora.stats.LoRAStats when LoRA is on (async engine)
 
 
 @dataclass

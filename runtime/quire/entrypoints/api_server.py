@@ -1,6 +1,8 @@
 """The HTTP server: a FastAPI app over one AsyncLLMEngine, one router per endpoint family.
 
-    /v1/completions  /v1/chat/completions  /v1/models      OpenAI-compatible
+    /v1/completions  /v1/chat/completions  /v1/models      OpenAI-compatible (`model` may
+                                                           name a loaded LoRA adapter)
+    /v1/load_lora_adapter  /v1/unload_lora_adapter         vLLM's, with --allow-runtime-lora
     /generate                                              vLLM's simple API (NUL-separated stream)
     /tokenize  /detokenize  /version
     /health   200 while the engine loop is alive (also while the model loads)
@@ -31,7 +33,15 @@ from quire.entrypoints import memory
 from quire.entrypoints.errors import OpenAIError, bad_request
 from quire.entrypoints.limits import ServerLimits
 from quire.entrypoints.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from quire.entrypoints.routers import chat, completions, generate, models, probes, tokenizer
+from quire.entrypoints.routers import (
+    chat,
+    completions,
+    generate,
+    lora,
+    models,
+    probes,
+    tokenizer,
+)
 from quire.entrypoints.serving import Serving
 from quire.entrypoints.tool_calls import get_tool_parser
 
@@ -42,14 +52,18 @@ ROUTERS = (probes, models, completions, chat, generate, tokenizer)
 
 def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
               log_requests: bool = False, limits: ServerLimits | None = None,
-              trim_memory: bool = True, tool_call_parser: str = "auto") -> FastAPI:
+              trim_memory: bool = True, tool_call_parser: str = "auto",
+              allow_runtime_lora: bool = False,
+              lora_parents: dict[str, str] | None = None) -> FastAPI:
     """The app; its lifespan starts the engine (loading the model in the background) and
     shuts it down. `metrics` should be the engine's stats sink; `tool_call_parser` a
-    TOOL_PARSERS name or "auto" (detected from the chat template)."""
+    TOOL_PARSERS name or "auto" (detected from the chat template). `allow_runtime_lora`
+    registers the LoRA load/unload routes; `lora_parents`: adapter -> the parent
+    /v1/models names (default: the base model's served name)."""
     if tool_call_parser != "auto":
         get_tool_parser(tool_call_parser)  # ValueError naming the choices
     serving = Serving(engine, limits or ServerLimits(), metrics, log_requests,
-                      tool_call_parser)
+                      tool_call_parser, dict(lora_parents or {}))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,6 +84,8 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
     app.state.started = int(time.time())
     for module in ROUTERS:
         app.include_router(module.router)
+    if allow_runtime_lora:  # without it the routes don't exist: 404, as in vLLM
+        app.include_router(lora.router)
     # the last added runs first: the key is checked before a byte of the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=serving.limits.max_request_body_bytes,
                        timeout=serving.limits.request_body_timeout)

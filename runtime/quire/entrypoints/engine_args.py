@@ -1,13 +1,22 @@
 """Engine flags for every subcommand: derived from EngineArgs' fields, so every knob is a flag
 with the same name (`max_num_seqs` -> `--max-num-seqs`) and the same validation. Both
 `quire generate` (cli.py) and `quire serve` (serve.py) use this module; neither imports the
-other's."""
+other's. A bad value's error names its flag (`--max-loras: max_loras must be ...`).
+
+--lora-modules takes vLLM's two spellings, any number of them:
+    name=path
+    '{"name": "...", "path": "...", "base_model_name": "..."}'   (base_model_name optional:
+                                                   the adapter's parent in /v1/models)
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import re
 import typing
+from typing import NamedTuple
 
 from quire.config import EngineArgs
 
@@ -17,6 +26,11 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         if f.name in skip:
+            continue
+        if f.name == "lora_modules":  # a dict in EngineArgs; a list of name=path here
+            group.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
+                               metavar="NAME=PATH", help=f.metadata["help"] + " (name=path, "
+                               "or vLLM's JSON {\"name\", \"path\", \"base_model_name\"})")
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
@@ -36,10 +50,72 @@ def model_help() -> str:
 
 
 def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
+    """EngineArgs from the flags; a ValueError names the flag at fault."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
               if hasattr(ns, f.name)}
     values["model"] = model
-    return EngineArgs(**values)
+    if values.get("lora_modules") is not None:
+        values["lora_modules"] = lora_modules_dict(values["lora_modules"])
+    try:
+        return EngineArgs(**values)
+    except ValueError as e:
+        raise ValueError(_name_flag(str(e), values)) from None
+
+
+def _name_flag(message: str, fields) -> str:
+    """"max_loras must be ..." -> "--max-loras: max_loras must be ..." (the field first)."""
+    m = re.match(r"'?([a-z_]+)'?\b", message)
+    if m and m.group(1) in fields:
+        return f"--{m.group(1).replace('_', '-')}: {message}"
+    return message
+
+
+class LoRAModule(NamedTuple):
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def lora_module(text: str) -> LoRAModule:
+    """One --lora-modules value: name=path, or vLLM's JSON object."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})") from None
+        if not isinstance(obj, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        unknown = set(obj) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown key {sorted(unknown)[0]!r} in {text!r}; the keys are name, path "
+                f"and base_model_name")
+        name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
+        for key, value in (("name", name), ("path", path)):
+            if not isinstance(value, str) or not value.strip():
+                raise argparse.ArgumentTypeError(
+                    f"{key!r} must be a non-empty string in {text!r}")
+        if base is not None and (not isinstance(base, str) or not base.strip()):
+            raise argparse.ArgumentTypeError(
+                f"'base_model_name' must be a non-empty string in {text!r}")
+        return LoRAModule(name.strip(), path.strip(), base and base.strip())
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected name=path or a JSON object {{\"name\": ..., \"path\": ...}}, got "
+            f"{text!r}")
+    return LoRAModule(name.strip(), path.strip())
+
+
+def lora_modules_dict(modules: list[LoRAModule]) -> dict[str, str]:
+    """name -> path, refusing a name given twice."""
+    out: dict[str, str] = {}
+    for m in modules:
+        if m.name in out:
+            raise ValueError(f"--lora-modules: the adapter name {m.name!r} is given twice")
+        out[m.name] = m.path
+    return out
 
 
 def byte_size(text: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from quire.engine.async_engine import (
+    AdapterNotFound,
     EngineDeadError,
     EngineNotReady,
     EngineOverloaded,
@@ -61,6 +62,8 @@ def engine_error(e: BaseException, renames: dict[str, str] | None = None) -> Ope
     """The HTTP answer to an exception from AsyncLLMEngine.add_request or a stream."""
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, AdapterNotFound):
+        return model_not_found(e.name)
     if isinstance(e, ValueError):
         return renamed(bad_request(str(e), param_of(str(e), ENGINE_PARAMS)), renames)
     if isinstance(e, EngineOverloaded):
@@ -77,6 +80,12 @@ def engine_error(e: BaseException, renames: dict[str, str] | None = None) -> Ope
         return OpenAIError(500, f"the request failed in the engine: {e}", "server_error",
                            None, "request_failed")
     raise e
+
+
+def model_not_found(name: str) -> OpenAIError:
+    """vLLM's answer to a `model` that is neither the base model nor a loaded adapter."""
+    return OpenAIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model",
+                       404)
 
 
 def engine_dead(reason: str) -> OpenAIError:

@@ -23,6 +23,7 @@ from quire.entrypoints.limits import add_limit_flags, limits_from
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "QUIRE_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch, honoured the same way
 SERVER_PACKAGES = ("fastapi", "uvicorn", "h11", "prometheus_client", "jinja2")
 DEFAULT_MALLOC_ARENAS = 2
 TOOL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_calls/registry.py's, without importing it
@@ -65,6 +66,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="how tool calls look in the model's text: 'hermes' (<tool_call> "
                         "JSON, Qwen2 / SmolLM2), 'llama3_json' (Llama 3.x), or 'auto': "
                         "detected from the chat template")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        f"(needs --enable-lora; also on with {RUNTIME_LORA_ENV}=true); "
+                        "without it they answer 404")
     add_limit_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -79,6 +84,22 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def runtime_lora_allowed(ns: argparse.Namespace, environ=os.environ) -> bool:
+    """--allow-runtime-lora, or vLLM's environment switch; either needs --enable-lora."""
+    allowed = ns.allow_runtime_lora or \
+        environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+    if allowed and not ns.enable_lora:
+        how = "--allow-runtime-lora" if ns.allow_runtime_lora else f"{RUNTIME_LORA_ENV}=true"
+        raise ValueError(f"{how} needs --enable-lora")
+    return allowed
+
+
+def lora_parents(ns: argparse.Namespace) -> dict[str, str]:
+    """The adapters whose --lora-modules JSON gave a base_model_name: their /v1/models
+    parent."""
+    return {m.name: m.base_model_name for m in (ns.lora_modules or []) if m.base_model_name}
 
 
 def require_server_packages() -> None:
@@ -103,6 +124,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.malloc_arena_max > 0:
         memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
     args = engine_args_from(ns, ns.model)
+    allow_runtime_lora = runtime_lora_allowed(ns)
     limits = limits_from(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     metrics = ServerMetrics(ns.metrics_compat)
@@ -110,7 +132,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                             max_queue_len=ns.max_queue_len, stats=metrics)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
                     limits=limits, trim_memory=ns.trim_idle_memory,
-                    tool_call_parser=ns.tool_call_parser)
+                    tool_call_parser=ns.tool_call_parser,
+                    allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns))
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits)
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, http://%s:%d (API key %s)",

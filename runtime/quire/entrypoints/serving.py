@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quire.engine.async_engine import (
     AsyncLLMEngine,
@@ -16,7 +16,7 @@ from quire.engine.async_engine import (
     ModelInfo,
     RequestStream,
 )
-from quire.entrypoints.errors import OpenAIError, bad_request, engine_error
+from quire.entrypoints.errors import bad_request, engine_error, model_not_found
 from quire.entrypoints.limits import (
     ServerLimits,
     check_chat_template,
@@ -25,6 +25,7 @@ from quire.entrypoints.limits import (
     check_prompt_tokens,
 )
 from quire.entrypoints.tokenizer_pool import TokenizerPool
+from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class Serving:
     metrics: object | None = None          # ServerMetrics, or None
     log_requests: bool = False
     tool_call_parser: str = "auto"         # --tool-call-parser: a family, or auto-detected
+    lora_parents: dict[str, str] = field(default_factory=dict)  # --lora-modules base_model_name
     _pool: TokenizerPool | None = None
 
     @property
@@ -59,17 +61,23 @@ class Serving:
 
     # --- the model -----------------------------------------------------------------------
     def check_model(self, name: str | None) -> ModelInfo:
-        """The loaded model's info; 503 while loading or dead, 404 for another model."""
+        """The loaded model's info; 503 while loading or dead, 404 for a `model` that is
+        neither the base model's served name nor a loaded LoRA adapter."""
+        return self.model_for(name)[0]
+
+    def model_for(self, name: str | None) -> tuple[ModelInfo, LoRARequest | None]:
+        """check_model, and the adapter `name` picks (None: the base model)."""
         if self.engine.fatal_error is not None:
             raise engine_error(EngineDeadError(self.engine.fatal_error))
         info = self.engine.model_info
         if info is None or not self.engine.loaded.is_set():
             raise engine_error(EngineNotReady("the model is still loading"))
-        if name is not None and name != info.served_name:
-            raise OpenAIError(404, f"the model '{name}' does not exist; this server serves "
-                                   f"'{info.served_name}' (see GET /v1/models)",
-                              "invalid_request_error", "model", "model_not_found")
-        return info
+        if name is None or name == info.served_name:
+            return info, None
+        lora = self.engine.lora_adapters.get(name)
+        if lora is None:
+            raise model_not_found(name)
+        return info, lora
 
     # --- prompts, by size first: characters, then tokens ---------------------------------
     async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
@@ -107,13 +115,15 @@ class Serving:
     # --- engine requests -----------------------------------------------------------------
     async def submit(self, request_id: str, prompts: Sequence[list[int]],
                      params: SamplingParams,
-                     renames: dict[str, str] | None = None) -> list[RequestStream]:
+                     renames: dict[str, str] | None = None,
+                     lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """One engine request per prompt (token ids), all or none: if one is refused, the
-        others are aborted."""
+        others are aborted. lora_request: the adapter model_for picked, or None."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
         results = await asyncio.gather(
-            *(self.engine.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
+            *(self.engine.add_request(rid, p, params, lora_request=lora_request)
+              for rid, p in zip(ids, prompts)),
             return_exceptions=True)  # added in the same step; every outcome retrieved
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if not isinstance(r, RequestStream)]

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from quire.lora.admission import AdapterAdmission
-from quire.lora.manager import LoRAManager
+from quire.lora.manager import LoRAManager, Packed
 from quire.lora.registry import AdapterRegistry
 from quire.lora.request import AdapterHandle, LoRARequest
 
@@ -27,16 +27,17 @@ class EngineAdapters:
         for i, (name, path) in enumerate((args.lora_modules or {}).items(), start=1):
             self.add(LoRARequest(name, i, path))
 
-    def add(self, req: LoRARequest) -> bool:
-        """Registers and reads the adapter (raising ValueError if it can't be served).
-        False if this very adapter is registered already."""
+    def add(self, req: LoRARequest, packed: Packed | None = None) -> bool:
+        """Registers and reads the adapter (raising ValueError if it can't be served), or
+        takes `packed` from manager.read(). False if this very adapter is registered
+        already."""
         if not isinstance(req, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(req).__name__}")
         old = self.registry.get(req.name)
         if old is not None and old.request == req:
             return False
         handle = self.registry.new_handle(req)
-        self.manager.load(handle)
+        self.manager.load(handle, packed)
         self.registry.add(handle)
         return True
 

@@ -70,14 +70,26 @@ class LoRAManager:
         self.num_slot_loads = 0
 
     # --- host cache ----------------------------------------------------------------------
-    def load(self, handle: AdapterHandle) -> Packed:
-        """Reads (and checks) the adapter unless the host cache has it; raises ValueError
+    def load(self, handle: AdapterHandle, packed: Packed | None = None) -> Packed:
+        """The adapter's packed weights, read (and checked) unless the host cache has them
+        or `packed` (from read(), done off the engine thread) is given; raises ValueError
         naming what is wrong with it."""
-        packed = self.host.get(handle.key)
-        if packed is not None:
+        cached = self.host.get(handle.key)
+        if cached is not None:
             self.host.move_to_end(handle.key)
-            return packed
-        req = handle.request
+            return cached
+        if packed is None:
+            packed = self.read(handle.request)
+        self.host[handle.key] = packed
+        while len(self.host) > self.max_cpu_loras:
+            key, _ = self.host.popitem(last=False)
+            logger.debug("adapter %d left the host cache", key)
+        return packed
+
+    def read(self, req) -> Packed:
+        """Reads, checks and packs an adapter into every layer's layout. Touches no state of
+        the manager or the layers, so the server runs it on a thread of its own while the
+        engine keeps stepping."""
         adapter = load_peft_adapter(req.name, req.path, self.max_lora_rank)
         packed = {}
         for prefix, lora in self.linears.items():
@@ -92,10 +104,6 @@ class LoRAManager:
                              f"which this model does not have")
         if self.device.type == "cuda":
             packed = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in packed.items()}
-        self.host[handle.key] = packed
-        while len(self.host) > self.max_cpu_loras:
-            key, _ = self.host.popitem(last=False)
-            logger.debug("adapter %d left the host cache", key)
         logger.info("loaded LoRA adapter %r (rank %d, %d modules) from %s", req.name,
                     adapter.rank, len(adapter.modules), req.path)
         return packed

@@ -43,7 +43,8 @@ router = APIRouter()
 async def chat_completions(request: Request):
     serving = serving_of(request)
     req = await read_body(request, ChatCompletionRequest)
-    info = serving.check_model(req.model)
+    info, lora = serving.model_for(req.model)
+    model = lora.name if lora else info.served_name
     _check(req, serving.limits)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
@@ -67,11 +68,11 @@ async def chat_completions(request: Request):
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await serving.submit(request_id, [prompt], params, renames)
+    streams = await serving.submit(request_id, [prompt], params, renames, lora)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatChunks(request_id, info.served_name, params, tools)
+        fmt = ChatChunks(request_id, model, params, tools)
         return GuardedStreamingResponse(
             sse_events(serving, request_id, guard, params.n, fmt, include_usage), guard,
             "text/event-stream")
@@ -89,7 +90,7 @@ async def chat_completions(request: Request):
             finish_reason=finish_reason, stop_reason=c.stop_reason))
     serving.log_done(request_id, completion_tokens)
     return json_response(ChatCompletionResponse(
-        id=request_id, model=info.served_name, choices=choices,
+        id=request_id, model=model, choices=choices,
         usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens)))
 
 

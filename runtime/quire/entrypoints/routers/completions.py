@@ -39,7 +39,8 @@ router = APIRouter()
 async def completions(request: Request):
     serving = serving_of(request)
     req = await read_body(request, CompletionRequest)
-    info = serving.check_model(req.model)
+    info, lora = serving.model_for(req.model)
+    model = lora.name if lora else info.served_name
     _check(req, serving.limits)
     prompts = _prompts(req.prompt)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
@@ -50,11 +51,11 @@ async def completions(request: Request):
     echoes = [(p if isinstance(p, str) else await serving.pool.decode(ids)) if req.echo
               else "" for p, ids in zip(prompts, prompt_ids)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await serving.submit(request_id, prompt_ids, params)
+    streams = await serving.submit(request_id, prompt_ids, params, lora_request=lora)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = CompletionChunks(request_id, info.served_name, params, echoes)
+        fmt = CompletionChunks(request_id, model, params, echoes)
         return GuardedStreamingResponse(
             sse_events(serving, request_id, guard, params.n, fmt, include_usage), guard,
             "text/event-stream")
@@ -73,7 +74,7 @@ async def completions(request: Request):
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     serving.log_done(request_id, completion_tokens)
     return json_response(CompletionResponse(
-        id=request_id, model=info.served_name, choices=choices,
+        id=request_id, model=model, choices=choices,
         usage=UsageInfo.of(prompt_tokens, completion_tokens)))
 
 

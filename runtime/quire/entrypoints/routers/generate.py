@@ -30,14 +30,14 @@ router = APIRouter()
 async def generate(request: Request):
     serving = serving_of(request)
     req = await read_body(request, GenerateRequest)
-    info = serving.check_model(req.model)
+    info, lora = serving.model_for(req.model)
     check_stop(req.stop, req.stop_token_ids, serving.limits)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  stream=req.stream, max_n=info.max_num_seqs)
     ids = await serving.prompt_ids(req.prompt, info)
     prefix = req.prompt if isinstance(req.prompt, str) else await serving.pool.decode(ids)
     request_id = f"gen-{uuid.uuid4().hex}"
-    streams = await serving.submit(request_id, [ids], params)
+    streams = await serving.submit(request_id, [ids], params, lora_request=lora)
     if req.stream:
         guard = StreamGuard(serving, streams)
         return GuardedStreamingResponse(_chunks(serving, request_id, guard, params.n, prefix),

@@ -1,4 +1,6 @@
-"""/v1/models: the one model this server serves."""
+"""/v1/models: the base model (parent null) and each loaded LoRA adapter (parent: the base
+model's served name, or the base_model_name --lora-modules gave it; root: its folder). The
+operator reads this list to see which adapters a replica has loaded."""
 
 from __future__ import annotations
 
@@ -11,8 +13,14 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(request: Request):
-    info = serving_of(request).check_model(None)
-    return {"object": "list", "data": [{
-        "id": info.served_name, "object": "model", "created": request.app.state.started,
-        "owned_by": "quire", "root": info.name, "parent": None,
-        "max_model_len": info.max_model_len}]}
+    serving = serving_of(request)
+    info = serving.check_model(None)
+    created = request.app.state.started
+    data = [{"id": info.served_name, "object": "model", "created": created,
+             "owned_by": "quire", "root": info.name, "parent": None,
+             "max_model_len": info.max_model_len}]
+    for lora in serving.engine.lora_adapters.values():
+        data.append({"id": lora.name, "object": "model", "created": created,
+                     "owned_by": "quire", "root": lora.path,
+                     "parent": serving.lora_parents.get(lora.name, info.served_name)})
+    return {"object": "list", "data": data}
