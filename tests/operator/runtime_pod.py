@@ -179,10 +179,18 @@ def start_runtime_pod(ip: str, port: int) -> Iterator[object]:
 
 @contextmanager
 def _real_server(ip: str, port: int, ready_timeout: float = 300) -> Iterator[subprocess.Popen]:
+    with quire_process(ip, port, ["serve", "--host", ip, "--port", str(port), "--served-model-name", MODEL_NAME,
+                                  "--max-num-seqs", str(MAX_NUM_SEQS), "--shutdown-timeout", "5"],
+                       ready_timeout=ready_timeout) as process:
+        yield process
+
+
+@contextmanager
+def quire_process(ip: str, port: int, args: list[str], env: dict[str, str] | None = None,
+                  ready_timeout: float = 300) -> Iterator[subprocess.Popen]:
+    """`quire ARGS` (listening on ip:port) until the block ends; /ready answers 200 when this yields."""
     quire = pathlib.Path(sys.executable).with_name("quire")
-    process = subprocess.Popen([str(quire), "serve", "--host", ip, "--port", str(port),
-                                "--served-model-name", MODEL_NAME, "--max-num-seqs", str(MAX_NUM_SEQS),
-                                "--shutdown-timeout", "5"])
+    process = subprocess.Popen([str(quire), *args], env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

@@ -1,15 +1,19 @@
 """spec.adapters end to end (issue 15): the operator loads every adapter on every ready replica
 through the runtime's API, unloads what the spec drops, reports per-adapter readiness, and never
 touches the pod template for it. Replicas are stand-ins with exactly the runtime's adapter API
-(runtime_pod.FakeLoraRuntime), each on its own loopback IP."""
+(runtime_pod.FakeLoraRuntime), each on its own loopback IP; the last test runs two real
+`quire serve` replicas (a tiny random Llama, random PEFT adapters) with the pod template's own
+arguments."""
 
 import base64
+
+import requests
 
 from quire_operator import names
 
 from deployment_controller import DeploymentController
 from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-from runtime_pod import fake_lora_runtimes, free_port
+from runtime_pod import fake_lora_runtimes, free_port, quire_process
 
 POD_IPS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 TIMEOUT = 30  # generous: the machine may be loaded; every wait polls until true
@@ -140,3 +144,63 @@ def test_lora_off_roll_is_once_and_a_new_claim_is_the_only_template_change(clust
         # No replica is ready: the sync reports that no replica serves it yet.
         wait_for(lambda: rows(cluster).get("b", {}).get("ready") == "0/0", timeout=TIMEOUT, what="b on 0/0")
         assert status(cluster)["adaptersReady"] == "0/2"
+
+
+def test_two_real_replicas_serve_the_adapters_of_the_spec(cluster):
+    from lora_helpers import save_random_adapter
+    from server_harness import tiny_model, tmp_root
+
+    base = tiny_model()
+    sql = save_random_adapter(base, f"{tmp_root()}/operator-loras/sql", r=8, lora_alpha=16, seed=21, std=0.06)
+    too_big = save_random_adapter(base, f"{tmp_root()}/operator-loras/big", r=32, seed=22)
+    ips, key = POD_IPS[:2], "real-key"
+    port = free_port(*ips)
+    spec = dict(model={"source": base, "servedName": "tiny-base"}, port=port, replicas=2,
+                runtime={"dtype": "float32", "apiKeySecret": {"name": "chat-key"},
+                         "extraArgs": ["--kv-cache-memory", "16M", "--num-threads", "1"]},
+                lora={"maxLoras": 2, "maxLoraRank": 16, "syncIntervalSeconds": 2},
+                adapters=[{"name": "sql", "source": sql}, {"name": "big", "source": too_big}])
+    with running_operator():
+        cluster.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chat-key"},
+                        "data": {"api-key": base64.b64encode(key.encode()).decode()}})
+        cluster.create(llmdeployment("chat", **spec))
+        container = wait_for(lambda: cluster.deployment("chat"), timeout=TIMEOUT)["spec"]["template"]["spec"]["containers"][0]
+        assert container["env"] == [{"name": "QUIRE_API_KEY",
+                                     "valueFrom": {"secretKeyRef": {"name": "chat-key", "key": "api-key"}}}]
+
+        def pod_args(ip: str) -> list[str]:  # what the kubelet runs, on this test's loopback IP
+            args = list(container["args"])
+            args[args.index("--host") + 1] = ip
+            return args
+
+        with quire_process(ips[0], port, pod_args(ips[0]), env={"QUIRE_API_KEY": key}), \
+                quire_process(ips[1], port, pod_args(ips[1]), env={"QUIRE_API_KEY": key}), \
+                DeploymentController(cluster, "chat", ips):
+            wait_for(lambda: rows(cluster).get("sql", {}).get("ready") == "2/2", timeout=TIMEOUT, what="sql on 2/2")
+            big = wait_for(lambda: rows(cluster).get("big", {}).get("message") and rows(cluster)["big"],
+                           timeout=TIMEOUT, what="big refused")
+            assert big["ready"] == "0/2" and "max_lora_rank" in big["message"], big
+            warnings = wait_for(lambda: len(events(cluster, "AdapterLoadFailed")) == 2 and events(cluster, "AdapterLoadFailed"),
+                                timeout=TIMEOUT, what="a Warning per replica")
+            assert {w["message"].split(": ")[0] for w in warnings} == {"adapter big failed on pod chat-0",
+                                                                     "adapter big failed on pod chat-1"}
+            # Both replicas answer for the adapter, with the key from the Secret.
+            for ip in ips:
+                answer = requests.post(f"http://{ip}:{port}/v1/completions", timeout=60,
+                                       headers={"Authorization": f"Bearer {key}"},
+                                       json={"model": "sql", "prompt": "SELECT", "max_tokens": 4})
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["model"] == "sql"
+
+            set_adapters(cluster, [{"name": "big", "source": too_big}])
+            wait_for(lambda: all(model_ids(ip, port, key) == {"tiny-base"} for ip in ips), timeout=TIMEOUT,
+                     what="sql unloaded from both replicas")
+            wait_for(lambda: status(cluster).get("managedAdapters") == ["big"], timeout=TIMEOUT)
+            # The runtime reports the folder it was given: no reload between syncs.
+            assert not [e for e in events(cluster, "AdapterUnloaded") if "source changed" in e["message"]]
+            assert len(events(cluster, "AdapterLoaded")) <= 2
+
+
+def model_ids(ip: str, port: int, key: str) -> set[str]:
+    answer = requests.get(f"http://{ip}:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return {m["id"] for m in answer.json()["data"]}
