@@ -86,6 +86,9 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    if spec.backend_api_key_secret:  # only for its own reads of the replicas' /v1/models (LoRA)
+        secret, key = spec.backend_api_key_secret
+        container["env"] = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
     volumes = []
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {

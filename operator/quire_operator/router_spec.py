@@ -43,6 +43,9 @@ class RouterSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     image: str | None = None
     image_pull_policy: str | None = None
+    # spec.runtime.apiKeySecret when LoRA is on: the router reads the replicas' /v1/models with
+    # it, to send an adapter's requests to the replicas that have it loaded.
+    backend_api_key_secret: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

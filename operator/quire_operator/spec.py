@@ -163,7 +163,10 @@ def _with_lora(parsed: LLMSpec, spec: _Reader) -> LLMSpec:
         raise SpecError("spec.lora" if spec.has("lora") else "spec.adapters",
                         f"LoRA is not supported with spec.parallelism.tensor {parsed.parallelism.tensor} yet "
                         "(the runtime serves adapters on single-worker pods)")
-    return replace(parsed, adapters=adapters, lora=lora)
+    router = parsed.router
+    if lora.enabled and router.enabled and parsed.runtime.api_key_secret:
+        router = replace(router, backend_api_key_secret=parsed.runtime.api_key_secret)
+    return replace(parsed, adapters=adapters, lora=lora, router=router)
 
 
 def _parse_model(model: _Reader) -> ModelSpec:

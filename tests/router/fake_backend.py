@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 ARGS = argparse.Namespace()
-STATE = {"running": 0, "waiting": 0.0, "kv": 0.0, "seen": [], "status": 200}
+STATE = {"running": 0, "waiting": 0.0, "kv": 0.0, "seen": [], "status": 200, "models": ["fake"]}
 
 
 def _prompt_text(body: dict) -> str:
@@ -82,8 +82,9 @@ def build() -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "fake", "backend": ARGS.name}]}
+    async def models():  # the base model, then the LoRA adapters POST /control says are loaded
+        return {"object": "list", "data": [{"id": m, "backend": ARGS.name, "parent": None if i == 0 else "fake"}
+                                           for i, m in enumerate(STATE["models"])]}
 
     @app.get("/metrics")
     async def metrics():

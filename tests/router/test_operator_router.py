@@ -29,7 +29,7 @@ from quire_operator.scale_to_zero import (
     decide_scale_to_zero,
     router_signal_from_metrics,
 )
-from quire_operator.spec import SpecError
+from quire_operator.spec import SpecError, parse_spec
 
 OWNER = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
          "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}
@@ -181,3 +181,17 @@ def test_cold_start_is_the_decision_to_the_first_token():
     status = cold_start_status(done)
     assert status["seconds"] == 42.5 and "42.5s" in status["message"]
     assert cold_start_status(cold) == {"decidedAt": 100.0}
+
+
+def test_with_lora_and_an_api_key_the_router_gets_the_key_to_read_the_replicas_models():
+    def router_env(**spec):
+        parsed = parse_spec({"router": {"enabled": True}, **spec})
+        return desired_router_deployment(OWNER, parsed.router, "quire:1")["spec"]["template"]["spec"][
+            "containers"][0].get("env")
+
+    key = {"runtime": {"apiKeySecret": {"name": "chat-key"}}}
+    assert router_env(adapters=[{"name": "sql", "source": "/m/sql"}], **key) == [
+        {"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "chat-key", "key": "api-key"}}}]
+    # Without LoRA the router's pods stay as they were (an upgrade rolls none).
+    assert router_env(**key) is None
+    assert router_env(adapters=[{"name": "sql", "source": "/m/sql"}]) is None

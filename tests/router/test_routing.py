@@ -31,7 +31,7 @@ def fakes():
 def replicas(fakes):
     for p in fakes.values():
         requests.post(p.url + "/control", timeout=5,
-                      json={"waiting": 0, "kv": 0.0, "status": 200, "seen": []})
+                      json={"waiting": 0, "kv": 0.0, "status": 200, "seen": [], "models": ["fake"]})
     return fakes
 
 
@@ -228,3 +228,21 @@ def test_an_adapters_requests_are_routed_and_never_match_the_base_models_prefix(
         backends = [x.json()["backend"] for x in answers]
         assert backends[2] == backends[1] and backends[3] == backends[0]
         assert (decisions(r, "prefix_miss"), decisions(r, "prefix_hit")) == (2, 2)
+
+
+def test_a_request_for_an_adapter_goes_to_the_replicas_that_have_it_loaded(replicas):
+    a, b, c = replicas["a"], replicas["b"], replicas["c"]
+    requests.post(b.url + "/control", json={"models": ["fake", "sql"]}, timeout=5)
+    with router("--routing", "round-robin", "--backend", a.url, "--backend", b.url,
+                "--backend", c.url) as r:
+        wait_until(lambda: all(x["models"] for x in router_state(r)["backends"]), 30,
+                   "the router to read every replica's /v1/models")
+        assert {completion(r, f"q {i}", model="sql").json()["backend"] for i in range(6)} == {"b"}
+        # The base model, and a model no replica lists (each replica answers for itself): all.
+        assert {completion(r, f"q {i}", model="fake").json()["backend"] for i in range(9)} == set("abc")
+        assert {completion(r, f"q {i}", model="other").json()["backend"] for i in range(9)} == set("abc")
+        # Loaded on a second replica: both share its requests from the next scrape on.
+        requests.post(c.url + "/control", json={"models": ["fake", "sql"]}, timeout=5)
+        wait_until(lambda: sum("sql" in x["models"] for x in router_state(r)["backends"]) == 2, 30,
+                   "the router to see sql on c")
+        assert {completion(r, f"q {i}", model="sql").json()["backend"] for i in range(6)} == {"b", "c"}

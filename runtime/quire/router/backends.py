@@ -35,6 +35,11 @@ class Backend:
     scraped_at: float | None = None
     added_at: float = field(default_factory=time.monotonic)
     cooling_until: float = 0.0    # monotonic time; see FAILURE_COOLDOWN
+    models: frozenset[str] | None = None  # ids its /v1/models listed (base + LoRA adapters); None: unknown
+
+    def may_serve(self, model: str) -> bool:
+        """False only when its last /v1/models said it does not serve this model (or adapter)."""
+        return self.models is None or model in self.models
 
     def failed(self) -> None:
         self.cooling_until = time.monotonic() + FAILURE_COOLDOWN

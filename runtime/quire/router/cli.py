@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from quire.router.policies import POLICIES
@@ -99,7 +100,9 @@ def build_state(ns: argparse.Namespace):
     state = RouterState(backends=backends, policy=policy, metrics=metrics, client=client,
                         holding=Holding(backends, metrics, ns.max_pending, ns.hold_timeout),
                         hasher=hasher, max_retries=ns.max_retries, retry_after=ns.retry_after)
-    background = [LoadScraper(backends, client, ns.scrape_interval).run]
+    # The replicas' API key (the operator sets it from spec.runtime.apiKeySecret): only for the
+    # router's own reads of /v1/models; clients' requests carry their own.
+    background = [LoadScraper(backends, client, ns.scrape_interval, api_key=os.environ.get("QUIRE_API_KEY")).run]
     if ns.k8s_service:
         background.append(_endpoint_slice_watch(ns, backends).run)
     return state, background

@@ -3,6 +3,10 @@
 The runtime's own names first; vLLM's as a fallback, so the router also balances replicas
 that are real vLLM servers. A replica that cannot be scraped keeps its last figures (its
 in-flight count still moves), and the failure is logged once per streak.
+
+It also reads each replica's /v1/models: the LoRA adapters a replica has loaded, so that a
+request for an adapter goes to a replica that serves it (proxy.py). A replica that requires an
+API key gets `api_key` (the router's QUIRE_API_KEY); one that does not answer keeps its last list.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ def parse_load(text: str) -> tuple[float, float, float]:
 
 class LoadScraper:
     def __init__(self, backends: BackendSet, client: httpx.AsyncClient, interval: float,
-                 timeout: float = 2.0) -> None:
+                 timeout: float = 2.0, api_key: str | None = None) -> None:
         self.backends = backends
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = client
         self.interval = interval
         self.timeout = timeout
@@ -52,6 +57,17 @@ class LoadScraper:
         await asyncio.gather(*(self._scrape(b) for b in self.backends.all()))
 
     async def _scrape(self, backend: Backend) -> None:
+        await asyncio.gather(self._scrape_load(backend), self._read_models(backend))
+
+    async def _read_models(self, backend: Backend) -> None:
+        try:
+            r = await self.client.get(backend.url + "/v1/models", headers=self.headers, timeout=self.timeout)
+            r.raise_for_status()
+            backend.models = frozenset(str(m["id"]) for m in r.json()["data"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            logger.debug("cannot read %s/v1/models: %s", backend.url, e)
+
+    async def _scrape_load(self, backend: Backend) -> None:
         try:
             r = await self.client.get(backend.url + "/metrics", timeout=self.timeout)
             r.raise_for_status()

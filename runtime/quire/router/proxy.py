@@ -93,6 +93,16 @@ class _Retry(Exception):
         self.response = response  # (status, headers, body) of a 503 to pass on if all fail
 
 
+def _json_of(scope, body: bytes):
+    """A POST's parsed body, or None (not JSON: the replica answers it with a 400)."""
+    if scope["method"] != "POST" or not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
 class ProxyEndpoint:
     """The ASGI app for every proxied path."""
 
@@ -129,7 +139,9 @@ class ProxyEndpoint:
     async def _handle(self, scope, body: bytes, send) -> None:
         st = self.state
         st.metrics.request_arrived()
-        hashes = await self._hashes(scope, body)
+        parsed = _json_of(scope, body)
+        model = parsed.get("model") if isinstance(parsed, dict) else None  # the base model or a LoRA adapter
+        hashes = await self._hashes(scope, parsed)
         tried: set[str] = set()
         last_503 = None
         for attempt in range(st.max_retries + 1):
@@ -142,6 +154,9 @@ class ProxyEndpoint:
             candidates = [b for b in st.backends.all() if b.url not in tried]
             if not candidates:
                 break
+            # A LoRA adapter only some replicas have loaded goes to those (when none has, a replica's 404 says so).
+            if isinstance(model, str):
+                candidates = [b for b in candidates if b.may_serve(model)] or candidates
             candidates = [b for b in candidates if not b.cooling()] or candidates
             choice = st.policy.pick(candidates, hashes)
             st.metrics.decisions.labels(policy=st.policy.name, reason=choice.reason).inc()
@@ -164,14 +179,10 @@ class ProxyEndpoint:
         await send_error(send, 502, f"no replica could take the request (tried "
                                     f"{len(tried)})", "upstream_failed", st.retry_after)
 
-    async def _hashes(self, scope, body: bytes) -> list[int]:
+    async def _hashes(self, scope, parsed) -> list[int]:
         hasher = self.state.hasher
-        if hasher is None or scope["method"] != "POST" or not body:
+        if hasher is None or parsed is None:
             return []
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return []  # the replica answers it with a 400
         return await asyncio.to_thread(hasher.hashes, scope["path"], parsed)
 
     async def _forward(self, backend: Backend, scope, body: bytes, send, hashes) -> None:
