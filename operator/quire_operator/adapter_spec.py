@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .names import CONTAINER_NAME
 from .spec_error import SpecError
 
 ADAPTERS_MOUNT = "/adapters"
@@ -33,6 +34,7 @@ MAX_ADAPTERS = 256
 # A PersistentVolumeClaim's name is a DNS-1123 subdomain.
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 SYNC_SECONDS_DEFAULT = 30
+RUNTIME_LORA_FLAG = "--allow-runtime-lora"  # the runtime's load/unload endpoints exist only with it
 
 
 @dataclass(frozen=True)
@@ -186,11 +188,18 @@ def parse_lora(raw: Any, adapters: Sequence[AdapterSpec]) -> LoraSpec:
     return parsed
 
 
+def runtime_lora(pod_spec: Mapping[str, Any]) -> bool:
+    """Whether a pod's runtime takes adapters through its API: while a rollout turns LoRA on,
+    the old pods do not, and the adapter sync leaves them out rather than fail on each."""
+    return any(c.get("name") == CONTAINER_NAME and RUNTIME_LORA_FLAG in (c.get("args") or [])
+               for c in pod_spec.get("containers") or [])
+
+
 def lora_flags(lora: LoraSpec) -> list[str]:
     """The runtime's flags (vLLM's names); none when LoRA is off, so such pods keep their args."""
     if not lora.enabled:
         return []
-    flags = ["--enable-lora", "--allow-runtime-lora"]
+    flags = ["--enable-lora", RUNTIME_LORA_FLAG]
     for flag, value in (("--max-loras", lora.max_loras), ("--max-lora-rank", lora.max_lora_rank),
                         ("--max-cpu-loras", lora.max_cpu_loras)):
         if value is not None:

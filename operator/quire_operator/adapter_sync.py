@@ -163,7 +163,9 @@ def sync_adapters(kube: Kube, namespace: str, name: str, spec: LLMSpec, pods: It
         log.warning("%s/%s: %s", namespace, name, problem[1])
         return frozenset({problem})
 
-    ready = [p for p in pods if p.ready and p.ip]
+    # Pods not started with --allow-runtime-lora (the old ones, while LoRA's rollout runs) are
+    # no replicas of an adapter: they go away.
+    ready = [p for p in pods if p.ready and p.ip and p.runtime_lora]
     desired = spec.adapters
 
     def one(pod: PodRef) -> ReplicaOutcome:

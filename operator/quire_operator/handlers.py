@@ -22,6 +22,7 @@ import kopf
 import kubernetes
 
 from . import names, quiet_indexers
+from .adapter_spec import runtime_lora
 from .adapter_sync import sync_adapters
 from .defaults import default_image
 from .housekeeping import Housekeeping, Key, Polled
@@ -129,12 +130,13 @@ def child_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -
 
 @kopf.index(*PODS, labels=OURS)
 def pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta,
-                          status: kopf.Status, **_: Any) -> dict:
+                          spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
     """(namespace, LLMDeployment) → its pods' IPs and readiness, kept current by the watch."""
     parent = labels.get(names.SELECTOR_LABEL)
     if not parent or meta.get("deletionTimestamp"):
         return {}
-    return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=_ready(status))}
+    return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=_ready(status),
+                                        runtime_lora=runtime_lora(spec))}
 
 
 @kopf.index(*PODS, labels=OURS)
@@ -238,7 +240,8 @@ def _entries(index: kopf.Index, pods_index: kopf.Index) -> list[tuple[Key, dict]
             if entry.get("adapter_seconds") is not None:
                 # A sync comes at the next tick when the adapter list or the set of ready replicas
                 # changes: a new replica gets every adapter as soon as it is ready.
-                ready = tuple(sorted((p.name, p.ip) for p in pods_index.get(key, []) if p.ready and p.ip))
+                ready = tuple(sorted((p.name, p.ip) for p in pods_index.get(key, [])
+                                     if p.ready and p.ip and p.runtime_lora))
                 entry = {**entry, "adapter_trigger": (entry["adapters"], ready)}
             entries.append((key, entry))
     return entries

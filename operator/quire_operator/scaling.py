@@ -23,6 +23,8 @@ class PodRef:
     ip: str | None
     ready: bool
     port: int | None = None  # router pods: the port of their `http` container port
+    # runtime pods: started with --allow-runtime-lora (pods of a rollout that turned LoRA on are not)
+    runtime_lora: bool = False
 
 
 def policy_of(spec: AutoscalingSpec) -> Policy:

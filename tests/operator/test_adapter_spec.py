@@ -3,7 +3,7 @@ claims mounted, a pod template that an adapter-list edit leaves alone, and one r
 
 import pytest
 
-from quire_operator.adapter_spec import AdapterSpec, lora_modules_in
+from quire_operator.adapter_spec import AdapterSpec, lora_modules_in, runtime_lora
 from quire_operator.adapter_sync import (
     ReplicaOutcome,
     adapter_rows,
@@ -152,3 +152,11 @@ def test_rows_summary_and_what_stays_managed():
     assert still_managed([SQL], {"old", "done"}, outcomes) == ["done", "old", "sql"]
     # All answered: "old" is still on chat-0, "done" is nowhere.
     assert still_managed([SQL], {"old", "done"}, outcomes[:2]) == ["old", "sql"]
+
+
+def test_only_pods_started_with_runtime_lora_are_synced():
+    def pod(spec):
+        return pod_template("chat", parse_spec(spec), "img")["spec"]
+
+    assert runtime_lora(pod({"adapters": adapters(("sql", "/x"))}))
+    assert not runtime_lora(pod({}))  # an old pod while the rollout that turns LoRA on runs
