@@ -113,7 +113,12 @@ def read_api_key(kube: Kube, namespace: str, secret_key: tuple[str, str] | None)
     data = (secret.get("data") or {}).get(key)
     if data is None:
         raise KeyError(f"Secret {secret_name!r} has no key {key!r}")
-    return base64.b64decode(data).decode().strip()
+    value = base64.b64decode(data).decode()
+    if value != value.strip():
+        # The runtime compares the key exactly, and no HTTP header can carry a newline.
+        raise ValueError(f"the key {key!r} of Secret {secret_name!r} starts or ends with whitespace (a newline "
+                         "from `echo`?): no client can send it; recreate it with --from-literal")
+    return value
 
 
 def adapter_rows(desired: Sequence[AdapterSpec], outcomes: Sequence[ReplicaOutcome]) -> list[dict]:

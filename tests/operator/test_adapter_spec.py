@@ -1,6 +1,8 @@
 """spec.adapters and spec.lora (issue 15): validation naming the field, the runtime flags, the
 claims mounted, a pod template that an adapter-list edit leaves alone, and one replica's plan."""
 
+import base64
+
 import pytest
 
 from quire_operator.adapter_spec import AdapterSpec, lora_modules_in, runtime_lora
@@ -8,6 +10,7 @@ from quire_operator.adapter_sync import (
     ReplicaOutcome,
     adapter_rows,
     plan_replica,
+    read_api_key,
     still_managed,
     summary,
 )
@@ -160,3 +163,27 @@ def test_only_pods_started_with_runtime_lora_are_synced():
 
     assert runtime_lora(pod({"adapters": adapters(("sql", "/x"))}))
     assert not runtime_lora(pod({}))  # an old pod while the rollout that turns LoRA on runs
+
+
+class SecretsOnly:
+    def __init__(self, secrets):
+        self.secrets = secrets
+
+    def get(self, group, version, plural, namespace, name):
+        assert (group, version, plural) == ("", "v1", "secrets")
+        return self.secrets.get(name)
+
+
+def test_the_api_key_is_read_from_the_secret_exactly():
+    def secret(value):
+        return {"data": {"api-key": base64.b64encode(value.encode()).decode()}}
+
+    kube = SecretsOnly({"good": secret("k3y"), "echoed": secret("k3y\n")})
+    assert read_api_key(kube, "default", None) is None
+    assert read_api_key(kube, "default", ("good", "api-key")) == "k3y"
+    with pytest.raises(KeyError, match="Secret 'gone' does not exist"):
+        read_api_key(kube, "default", ("gone", "api-key"))
+    with pytest.raises(KeyError, match="Secret 'good' has no key 'token'"):
+        read_api_key(kube, "default", ("good", "token"))
+    with pytest.raises(ValueError, match="starts or ends with whitespace"):
+        read_api_key(kube, "default", ("echoed", "api-key"))
