@@ -31,6 +31,7 @@ FETCHED_SCHEMES = ("oci://", "http://", "https://")
 ADAPTER_NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$"
 MAX_ADAPTER_NAME_LENGTH = 63
 MAX_ADAPTERS = 256
+MAX_SOURCE_LENGTH = 512  # the CRD's bound too (it keeps the cost of its CEL rule on every item low)
 # A PersistentVolumeClaim's name is a DNS-1123 subdomain.
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 SYNC_SECONDS_DEFAULT = 30
@@ -126,6 +127,8 @@ def _name(value: Any, path: str) -> str:
 def _source(name: str, value: Any, path: str) -> AdapterSpec:
     if not isinstance(value, str) or not value:
         raise SpecError(path, f"is required: a non-empty string, not {value!r}")
+    if len(value) > MAX_SOURCE_LENGTH:
+        raise SpecError(path, f"is {len(value)} characters; at most {MAX_SOURCE_LENGTH} are allowed")
     allowed = "an absolute path inside the pod (on a volume you mount) or pvc://<claim>/<path>"
     lowered = value.lower()
     for scheme in FETCHED_SCHEMES:

@@ -44,6 +44,7 @@ def test_sources_become_paths_inside_the_pod():
     ([{"name": "sql", "source": "/x", "rank": 8}], "spec.adapters[0].rank", "is not a field"),
     (adapters(("sql", "/x"), ("sql", "/y")), "spec.adapters[1].name", "already the name of spec.adapters[0]"),
     ("sql", "spec.adapters", "must be a list"),
+    (adapters(("sql", "/" + "x" * 600)), "spec.adapters[0].source", "at most 512"),
 ])
 def test_bad_adapters_name_the_field_and_what_is_allowed(raw, field, says):
     with pytest.raises(SpecError) as caught:
