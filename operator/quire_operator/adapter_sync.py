@@ -141,11 +141,13 @@ def summary(rows: Sequence[Mapping]) -> str:
     return f"{everywhere}/{len(rows)}"
 
 
-def still_managed(desired: Sequence[AdapterSpec], managed: Iterable[str], outcomes: Sequence[ReplicaOutcome]) -> list[str]:
-    """The spec's names, and dropped ones a replica may still serve (it has it, or did not answer)."""
+def still_managed(desired: Sequence[AdapterSpec], managed: Iterable[str], outcomes: Sequence[ReplicaOutcome],
+                  pods_left_out: bool = False) -> list[str]:
+    """The spec's names, and dropped ones a replica may still serve: it has it, it did not answer,
+    or a pod was not asked at all (not ready now: it may be again, adapters and all)."""
     names = {a.name for a in desired}
     dropped = {n for n in managed if n not in names
-               and any(o.present is None or n in o.present for o in outcomes)}
+               and (pods_left_out or any(o.present is None or n in o.present for o in outcomes))}
     return sorted(names | dropped)
 
 
@@ -170,6 +172,7 @@ def sync_adapters(kube: Kube, namespace: str, name: str, spec: LLMSpec, pods: It
 
     # Pods not started with --allow-runtime-lora (the old ones, while LoRA's rollout runs) are
     # no replicas of an adapter: they go away.
+    pods = list(pods)
     ready = [p for p in pods if p.ready and p.ip and p.runtime_lora]
     desired = spec.adapters
 
@@ -181,8 +184,9 @@ def sync_adapters(kube: Kube, namespace: str, name: str, spec: LLMSpec, pods: It
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SCRAPES, len(ready))) as pool:
             outcomes = list(pool.map(one, ready))
     rows = adapter_rows(desired, outcomes)
+    left_out = any(p.runtime_lora and p not in ready for p in pods)
     fields = {"adapters": rows, "adaptersReady": summary(rows),
-              "managedAdapters": still_managed(desired, managed, outcomes)}
+              "managedAdapters": still_managed(desired, managed, outcomes, left_out)}
     update_status(kube, namespace, name, lambda _: fields)
     return _announce(outcomes, rows, spec.lora.sync_interval_seconds, announced, announce)
 
