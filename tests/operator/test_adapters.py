@@ -204,3 +204,20 @@ def test_two_real_replicas_serve_the_adapters_of_the_spec(cluster):
 def model_ids(ip: str, port: int, key: str) -> set[str]:
     answer = requests.get(f"http://{ip}:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
     return {m["id"] for m in answer.json()["data"]}
+
+
+def test_an_adapter_dropped_while_the_operator_was_down_is_unloaded_when_it_is_back(cluster):
+    port = free_port(*POD_IPS[:2])
+    with fake_lora_runtimes(POD_IPS[:2], port) as runtimes:
+        with running_operator():
+            cluster.create(llmdeployment("chat", port=port, replicas=2, adapters=[SQL]))
+            with DeploymentController(cluster, "chat", POD_IPS[:2]):
+                wait_for(lambda: rows(cluster).get("sql", {}).get("ready") == "2/2", timeout=TIMEOUT, what="2/2")
+        assert status(cluster)["managedAdapters"] == ["sql"]
+        set_adapters(cluster, [{"name": "chat-v2", "source": "/mnt/loras/chat-v2"}])  # nobody is watching
+        runtimes[0].adapters["by-hand"] = "/mnt/by-hand"  # someone else's: never the operator's to unload
+        with running_operator(), DeploymentController(cluster, "chat", POD_IPS[:2]):
+            wait_for(lambda: all(r.loaded().keys() - {"by-hand"} == {"chat-v2"} for r in runtimes), timeout=TIMEOUT,
+                     what="sql swapped for chat-v2 on both replicas")
+            wait_for(lambda: status(cluster).get("managedAdapters") == ["chat-v2"], timeout=TIMEOUT)
+        assert runtimes[0].loaded()["by-hand"] == "/mnt/by-hand"
