@@ -10,7 +10,7 @@ import pytest
 
 from quire.entrypoints.cli import build_parser, main
 from quire.entrypoints.engine_args import engine_args_from
-from quire.entrypoints.serve import lora_parents, runtime_lora_allowed
+from quire.entrypoints.serve import lora_parents, runtime_lora_allowed, served_names
 
 
 def parse(*flags):
@@ -81,3 +81,11 @@ def test_allow_runtime_lora_flag_or_vllm_environment():
     with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=true needs "
                                          "--enable-lora"):
         runtime_lora_allowed(parse(), {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+
+
+def test_served_model_names_and_their_trap():
+    assert served_names(parse("--served-model-name", "a", "b")) == ["a", "b"]
+    assert served_names(parse()) == []
+    ns = build_parser().parse_args(["serve", "--served-model-name", "a", "/models/x"])
+    with pytest.raises(ValueError, match="put MODEL first"):
+        served_names(ns)
