@@ -31,13 +31,13 @@ from server_harness import (
     wait_idle,
 )
 
-BASE = "tiny-base"
+BASE, ALIAS = "tiny-base", "tiny-alias"
 MAX_TOKENS = 12
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-COMMON = ["--served-model-name", BASE, "--dtype", "float32", "--kv-cache-memory", "16M",
+COMMON = ["--dtype", "float32", "--kv-cache-memory", "16M",
           "--num-threads", "1", "--no-enable-prefix-caching", "--enable-lora",
           "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "4"]
 
@@ -72,11 +72,13 @@ def servers(adapters):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
     procs = {
         "runtime": ServerProcess("lora-runtime", [
-            tiny_model(), *COMMON, "--allow-runtime-lora", "--metrics-compat", "vllm",
+            tiny_model(), *COMMON, "--served-model-name", BASE, ALIAS,
+            "--allow-runtime-lora", "--metrics-compat", "vllm",
             "--lora-modules", b_json], env={**env, "QUIRE_API_KEY": API_KEY},
             api_key=API_KEY, launcher=FAULT_LAUNCHER),
         "static": ServerProcess("lora-static", [
-            tiny_model(), *COMMON, "--lora-modules", f"a={adapters['a']}"]),
+            tiny_model(), *COMMON, "--served-model-name", BASE,
+            "--lora-modules", f"a={adapters['a']}"]),
     }
     for p in procs.values():
         p.env = {**env, **p.env}
@@ -207,6 +209,14 @@ def test_lora_modules_at_start_json_form(srv, client, reference):
     assert completions(client, "b") == reference["b"][:len(PROMPTS)]
 
 
+def test_every_served_name_picks_the_base_model(srv, client, reference):
+    listed = models(srv)
+    assert listed[BASE]["parent"] is None and listed[ALIAS]["parent"] is None
+    assert completions(client, ALIAS) == reference[None][:len(PROMPTS)]
+    r = client.completions.create(model=ALIAS, prompt="hi", max_tokens=1)
+    assert r.model == ALIAS  # the name asked for, as vLLM answers
+
+
 def test_unknown_model_is_openai_404(srv):
     for path, body in (("/v1/completions", {"prompt": "hi"}),
                        ("/v1/chat/completions", {"messages": CHAT}),
@@ -304,7 +314,8 @@ def test_metrics_show_the_adapter_while_it_runs_and_unload_lets_it_finish(srv, a
         time.sleep(0.05)
     assert running == 1
     assert metric(samples, "quire:lora_requests_waiting", adapter="slow") == 0
-    assert metric(samples, "quire:lora_adapters_loaded") == 2  # b and slow
+    loaded = sum(m["parent"] is not None for m in models(srv).values())  # b and slow
+    assert loaded >= 2 and metric(samples, "quire:lora_adapters_loaded") == loaded
     info = [dict(labels) for (name, labels) in samples if name == "vllm:lora_requests_info"]
     assert len(info) == 1 and info[0]["running_lora_adapters"] == "slow"
     assert info[0]["max_lora"] == "2" and info[0]["waiting_lora_adapters"] == ""
@@ -320,7 +331,7 @@ def test_metrics_show_the_adapter_while_it_runs_and_unload_lets_it_finish(srv, a
     assert r.json()["usage"]["completion_tokens"] == 60
     samples = wait_idle(srv)
     assert metric(samples, "quire:kv_cache_blocks_used") == 0
-    assert metric(samples, "quire:lora_adapters_loaded") == 1
+    assert metric(samples, "quire:lora_adapters_loaded") == loaded - 1
     assert not [labels for (name, labels) in samples
                 if name == "quire:lora_requests_running" and ("adapter", "slow") in labels]
     info = [dict(labels) for (name, labels) in samples if name == "vllm:lora_requests_info"]

@@ -223,8 +223,9 @@ class AsyncLLMEngine:
                 name=e.model_name, served_name=self._served_model_name or e.model_name,
                 max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
                 max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens)
-            self.lora_adapters = {r.name: r for r in e.list_loras()}
-            self._next_lora_id = max((r.id for r in e.list_loras()), default=0) + 1
+            loras = e.list_loras() if getattr(e, "lora", None) is not None else []
+            self.lora_adapters = {r.name: r for r in loras}
+            self._next_lora_id = max((r.id for r in loras), default=0) + 1
         except asyncio.CancelledError:  # shut down while loading
             self.loaded.set()
             raise
@@ -306,10 +307,14 @@ class AsyncLLMEngine:
         for add in adds:
             try:
                 lora = add.lora_request
-                if lora is not None and self.engine.get_lora(lora.name) != lora:
+                if lora is None:
+                    self.engine.add_request(add.request_id, add.prompt, add.params,
+                                            add.arrival_time)
+                elif self.engine.get_lora(lora.name) != lora:
                     raise AdapterNotFound(lora.name)  # unloaded since the server picked it
-                self.engine.add_request(add.request_id, add.prompt, add.params,
-                                        add.arrival_time, lora_request=lora)
+                else:
+                    self.engine.add_request(add.request_id, add.prompt, add.params,
+                                            add.arrival_time, lora_request=lora)
                 errors.append(None)
             except (ValueError, AdapterNotFound) as e:
                 errors.append(e)
@@ -346,7 +351,7 @@ class AsyncLLMEngine:
 
     def _publish_stats(self) -> None:
         self.last_snapshot = self.engine.snapshot()
-        if self.engine.lora is not None:
+        if getattr(self.engine, "lora", None) is not None:
             self.last_snapshot.lora = lora_stats(self.engine.lora, self.engine.scheduler)
         events = self.engine.drain_events()
         if self.stats is not None:
@@ -429,7 +434,7 @@ class AsyncLLMEngine:
         being loaded (of two concurrent loads of one name, one wins), ValueError naming what
         is wrong with the adapter, EngineNotReady / EngineDeadError."""
         self._check_engine()
-        if self.engine.lora is None:
+        if getattr(self.engine, "lora", None) is None:
             raise ValueError("LoRA is off: start the server with --enable-lora")
         if name in self.lora_adapters or name in self._lora_loading:
             raise AdapterExists(f"The lora adapter '{name}' has already been loaded.")
@@ -509,4 +514,8 @@ class AsyncLLMEngine:
                     await asyncio.wait_for(asyncio.shield(self._task), 10.0)
                 except (asyncio.TimeoutError, asyncio.CancelledError):
                     self._task.cancel()
+        for _, _, future in self._calls:  # LoRA calls the stopped loop will never run
+            if not future.done():
+                future.set_exception(EngineShuttingDown("the server is shutting down"))
+        self._calls.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

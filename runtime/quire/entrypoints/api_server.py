@@ -54,16 +54,18 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
               log_requests: bool = False, limits: ServerLimits | None = None,
               trim_memory: bool = True, tool_call_parser: str = "auto",
               allow_runtime_lora: bool = False,
-              lora_parents: dict[str, str] | None = None) -> FastAPI:
+              lora_parents: dict[str, str] | None = None,
+              model_aliases: list[str] | tuple[str, ...] = ()) -> FastAPI:
     """The app; its lifespan starts the engine (loading the model in the background) and
     shuts it down. `metrics` should be the engine's stats sink; `tool_call_parser` a
     TOOL_PARSERS name or "auto" (detected from the chat template). `allow_runtime_lora`
     registers the LoRA load/unload routes; `lora_parents`: adapter -> the parent
-    /v1/models names (default: the base model's served name)."""
+    /v1/models names (default: the base model's served name); `model_aliases`: more names
+    for the base model (--served-model-name's second and later)."""
     if tool_call_parser != "auto":
         get_tool_parser(tool_call_parser)  # ValueError naming the choices
     serving = Serving(engine, limits or ServerLimits(), metrics, log_requests,
-                      tool_call_parser, dict(lora_parents or {}))
+                      tool_call_parser, dict(lora_parents or {}), tuple(model_aliases))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -37,8 +37,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                               description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", default=None, help=model_help())
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the model's own name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name clients use (default: the model's own name); more "
+                        "names are aliases, as in vLLM: the first is the one responses and "
+                        "metrics carry")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -96,6 +98,16 @@ def runtime_lora_allowed(ns: argparse.Namespace, environ=os.environ) -> bool:
     return allowed
 
 
+def served_names(ns: argparse.Namespace) -> list[str]:
+    """--served-model-name's names. It takes several, so `serve --served-model-name x MODEL`
+    would read MODEL as a name and serve the default model: refused, saying so."""
+    names = ns.served_model_name or []
+    if ns.model is None and len(names) > 1:
+        raise ValueError(f"--served-model-name took {names} and no MODEL was given; put "
+                         f"MODEL first: quire serve MODEL --served-model-name NAME [NAME ...]")
+    return names
+
+
 def lora_parents(ns: argparse.Namespace) -> dict[str, str]:
     """The adapters whose --lora-modules JSON gave a base_model_name: their /v1/models
     parent."""
@@ -125,15 +137,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
     args = engine_args_from(ns, ns.model)
     allow_runtime_lora = runtime_lora_allowed(ns)
+    names = served_names(ns)
     limits = limits_from(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     metrics = ServerMetrics(ns.metrics_compat)
-    engine = AsyncLLMEngine(args, served_model_name=ns.served_model_name,
+    engine = AsyncLLMEngine(args, served_model_name=names[0] if names else None,
                             max_queue_len=ns.max_queue_len, stats=metrics)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
                     limits=limits, trim_memory=ns.trim_idle_memory,
                     tool_call_parser=ns.tool_call_parser,
-                    allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns))
+                    allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns),
+                    model_aliases=names[1:])
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits)
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, http://%s:%d (API key %s)",

@@ -44,6 +44,7 @@ class Serving:
     log_requests: bool = False
     tool_call_parser: str = "auto"         # --tool-call-parser: a family, or auto-detected
     lora_parents: dict[str, str] = field(default_factory=dict)  # --lora-modules base_model_name
+    model_aliases: tuple[str, ...] = ()    # the base model's other --served-model-name names
     _pool: TokenizerPool | None = None
 
     @property
@@ -72,7 +73,7 @@ class Serving:
         info = self.engine.model_info
         if info is None or not self.engine.loaded.is_set():
             raise engine_error(EngineNotReady("the model is still loading"))
-        if name is None or name == info.served_name:
+        if name is None or name == info.served_name or name in self.model_aliases:
             return info, None
         lora = self.engine.lora_adapters.get(name)
         if lora is None:

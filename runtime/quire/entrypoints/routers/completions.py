@@ -40,7 +40,7 @@ async def completions(request: Request):
     serving = serving_of(request)
     req = await read_body(request, CompletionRequest)
     info, lora = serving.model_for(req.model)
-    model = lora.name if lora else info.served_name
+    model = lora.name if lora else req.model or info.served_name  # the name asked for
     _check(req, serving.limits)
     prompts = _prompts(req.prompt)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,

@@ -1,4 +1,5 @@
-"""/v1/models: the base model (parent null) and each loaded LoRA adapter (parent: the base
+"""/v1/models: the base model (parent null; one entry per --served-model-name, as in vLLM)
+and each loaded LoRA adapter (parent: the base
 model's served name, or the base_model_name --lora-modules gave it; root: its folder). The
 operator reads this list to see which adapters a replica has loaded."""
 
@@ -16,9 +17,9 @@ async def models(request: Request):
     serving = serving_of(request)
     info = serving.check_model(None)
     created = request.app.state.started
-    data = [{"id": info.served_name, "object": "model", "created": created,
-             "owned_by": "quire", "root": info.name, "parent": None,
-             "max_model_len": info.max_model_len}]
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "quire",
+             "root": info.name, "parent": None, "max_model_len": info.max_model_len}
+            for name in (info.served_name, *serving.model_aliases)]
     for lora in serving.engine.lora_adapters.values():
         data.append({"id": lora.name, "object": "model", "created": created,
                      "owned_by": "quire", "root": lora.path,

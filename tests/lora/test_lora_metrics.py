@@ -1,0 +1,64 @@
+"""The LoRA metric families from LoRAStats snapshots: per-adapter running / waiting series
+(0 while loaded and idle, gone once unloaded and unused), the loaded count, and vLLM's
+lora_requests_info with only the current label set."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from quire.engine.stats import EngineSnapshot, StepEvents
+from quire.lora.stats import LoRAStats
+from quire.metrics import ServerMetrics
+
+
+def snapshot(lora):
+    return EngineSnapshot(0, 0, 0, 10, 0, 0, 0.0, 0, 0, 0, {}, 0, 0, lora=lora)
+
+
+def samples(m: ServerMetrics) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def series(m: ServerMetrics, name: str) -> dict:
+    return {labels: v for (n, labels), v in samples(m).items() if n == name}
+
+
+def test_lora_metrics_follow_the_snapshots():
+    m = ServerMetrics("vllm")
+    m.bind("base")
+    m.record(snapshot(None), StepEvents())
+    assert not series(m, "quire:lora_adapters_loaded")  # LoRA off: no LoRA families
+
+    m.record(snapshot(LoRAStats(4, ("a", "b"), {"a": 2}, {"b": 1, "a": 1})), StepEvents())
+    running = series(m, "quire:lora_requests_running")
+    assert running == {(("adapter", "a"), ("model_name", "base")): 2.0,
+                       (("adapter", "b"), ("model_name", "base")): 0.0}
+    assert series(m, "quire:lora_requests_waiting")[
+        (("adapter", "b"), ("model_name", "base"))] == 1.0
+    assert list(series(m, "quire:lora_adapters_loaded").values()) == [2.0]
+    info = series(m, "vllm:lora_requests_info")
+    assert list(info) == [(("max_lora", "4"), ("running_lora_adapters", "a"),
+                           ("waiting_lora_adapters", "a,b"))]
+
+    # 'a' unloaded but one of its requests still runs; 'b' idle
+    m.record(snapshot(LoRAStats(4, ("b",), {"a": 1}, {})), StepEvents())
+    assert set(series(m, "quire:lora_requests_running").values()) == {1.0, 0.0}
+    # and then finished: its series go; the info gauge keeps one (current) label set
+    m.record(snapshot(LoRAStats(4, ("b",), {}, {})), StepEvents())
+    assert series(m, "quire:lora_requests_running") == {
+        (("adapter", "b"), ("model_name", "base")): 0.0}
+    assert list(series(m, "vllm:lora_requests_info")) == [
+        (("max_lora", "4"), ("running_lora_adapters", ""), ("waiting_lora_adapters", ""))]
+
+
+def test_without_vllm_compat_only_quire_names():
+    m = ServerMetrics()
+    m.bind("base")
+    m.record(snapshot(LoRAStats(1, ("a",), {}, {})), StepEvents())
+    names = {n for n, _ in samples(m)}
+    assert "quire:lora_adapters_loaded" in names
+    assert not any(n.startswith("vllm:") for n in names)
