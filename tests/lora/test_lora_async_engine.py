@@ -112,3 +112,36 @@ def test_a_rank_over_the_limit_names_it(tiny_llama, adapters, tmp_path):
             await ae.add_lora("big", big)
         assert ae.alive and not ae.lora_adapters
     run(tiny_llama, body)
+
+
+def test_a_load_whose_caller_went_away_still_lands_in_the_mirror(tiny_llama, adapters):
+    """The client of a load disconnects while the engine registers the adapter: the engine
+    and `lora_adapters` (what /v1/models and request routing read) still agree."""
+    started, release = threading.Event(), threading.Event()
+
+    async def body(ae):
+        lora = ae.engine.lora
+        add = lora.add
+
+        def held_add(req, packed):
+            started.set()
+            assert release.wait(60)
+            return add(req, packed)
+
+        lora.add = held_add
+        task = asyncio.ensure_future(ae.add_lora("x", adapters["a"]))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(6000):  # bounded only against a hang
+            if "x" in ae.lora_adapters:
+                break
+            await asyncio.sleep(0.01)
+        assert ae.lora_adapters["x"] == ae.engine.get_lora("x") is not None
+        assert not ae._lora_loading
+        with pytest.raises(AdapterExists):
+            await ae.add_lora("x", adapters["a"])
+    run(tiny_llama, body)
