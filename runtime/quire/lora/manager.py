@@ -20,7 +20,7 @@ import torch
 from quire.lora.batch import LoRABatch, build_lora_batch
 from quire.lora.layers import LoRALinear
 from quire.lora.peft_format import load_peft_adapter
-from quire.lora.request import AdapterHandle
+from quire.lora.request import AdapterHandle, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class LoRAManager:
             logger.debug("adapter %d left the host cache", key)
         return packed
 
-    def read(self, req) -> Packed:
+    def read(self, req: LoRARequest) -> Packed:
         """Reads, checks and packs an adapter into every layer's layout. Touches no state of
         the manager or the layers, so the server runs it on a thread of its own while the
         engine keeps stepping."""
