@@ -21,11 +21,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
 PROMPT = [5, 6, 7, 8, 9]
 
 
-def run(tiny_llama, body):
+def run(tiny_llama, body, **engine_args):
     async def main():
-        ae = AsyncLLMEngine(EngineArgs(
-            model=tiny_llama, dtype="float32", kv_cache_memory=8 << 20, num_threads=1,
-            enable_lora=True, max_loras=2, max_lora_rank=16, enable_prefix_caching=False))
+        ae = AsyncLLMEngine(EngineArgs(**{
+            "model": tiny_llama, "dtype": "float32", "kv_cache_memory": 8 << 20,
+            "num_threads": 1, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+            "enable_prefix_caching": False, **engine_args}))
         await ae.start()
         await ae.wait_ready()
         try:
@@ -145,3 +146,19 @@ def test_a_load_whose_caller_went_away_still_lands_in_the_mirror(tiny_llama, ada
         with pytest.raises(AdapterExists):
             await ae.add_lora("x", adapters["a"])
     run(tiny_llama, body)
+
+
+def test_removed_under_a_waiting_request_it_still_runs_with_it(tiny_llama, adapters):
+    """One sequence at a time: the second request waits while the adapter is removed, and
+    still computes with it once scheduled (re-read from its folder)."""
+    async def body(ae):
+        req = await ae.add_lora("a", adapters["a"])
+        reference = await tokens(await ae.add_request("ref", PROMPT, GREEDY, lora_request=req))
+        first = await ae.add_request("first", PROMPT, GREEDY, lora_request=req)
+        second = await ae.add_request("second", PROMPT, GREEDY, lora_request=req)
+        assert ae.last_snapshot.num_waiting >= 1
+        await ae.remove_lora("a")
+        assert await tokens(first) == reference
+        assert await tokens(second) == reference
+        assert ae.engine.kv_manager.num_used_blocks == 0 and not ae.engine.list_loras()
+    run(tiny_llama, body, max_num_seqs=1)
