@@ -152,6 +152,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, http://%s:%d (API key %s)",
                 args.model or "(default)", ns.host, ns.port, "on" if api_key else "off")
+    if args.enable_lora:
+        logger.info("LoRA on: %d adapters at start, loading at runtime %s",
+                    len(args.lora_modules or {}), "on" if allow_runtime_lora else "off")
+    if allow_runtime_lora and not api_key:  # vLLM warns too: any folder on this host
+        logger.warning("runtime LoRA loading is on without an API key: any client can make "
+                       "the server read any adapter folder it can see")
     server.run()
     if server.exit_code:
         logger.error("exiting with status %d: %s", server.exit_code, engine.fatal_error)
