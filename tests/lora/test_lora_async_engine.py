@@ -6,6 +6,7 @@ an adapter removed after the server picked it is refused as not found."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 
 import pytest
@@ -148,17 +149,24 @@ def test_a_load_whose_caller_went_away_still_lands_in_the_mirror(tiny_llama, ada
     run(tiny_llama, body)
 
 
-def test_removed_under_a_waiting_request_it_still_runs_with_it(tiny_llama, adapters):
-    """One sequence at a time: the second request waits while the adapter is removed, and
-    still computes with it once scheduled (re-read from its folder)."""
+def test_removed_under_a_waiting_request_it_still_runs_with_it(tiny_llama, adapters,
+                                                               tmp_path):
+    """One sequence at a time: the second request waits while the adapter is removed and
+    its folder deleted, and still computes with it once scheduled (the host copy its
+    request holds; the folder is never read again)."""
+    folder = str(shutil.copytree(adapters["a"], tmp_path / "a"))
+
     async def body(ae):
-        req = await ae.add_lora("a", adapters["a"])
+        req = await ae.add_lora("a", folder)
         reference = await tokens(await ae.add_request("ref", PROMPT, GREEDY, lora_request=req))
         first = await ae.add_request("first", PROMPT, GREEDY, lora_request=req)
         second = await ae.add_request("second", PROMPT, GREEDY, lora_request=req)
         assert ae.last_snapshot.num_waiting >= 1
         await ae.remove_lora("a")
+        shutil.rmtree(folder)
         assert await tokens(first) == reference
         assert await tokens(second) == reference
         assert ae.engine.kv_manager.num_used_blocks == 0 and not ae.engine.list_loras()
+        manager = ae.engine.lora.manager  # the last request ended: its weights went with it
+        assert not manager.refs and not manager.host and not manager.loaded_keys
     run(tiny_llama, body, max_num_seqs=1)
