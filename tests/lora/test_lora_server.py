@@ -356,6 +356,13 @@ def test_static_adapters_without_runtime_endpoints(servers, adapters, reference)
                        (UNLOAD, {"lora_name": "a"})):
         assert post(srv, path, body, {}).status_code == 404
     assert "a" in models(srv, {}) and "x" not in models(srv, {})
+    # no --metrics-compat: our names, plus vLLM's LoRA info (routers read it), and no other
+    samples = wait_idle(srv)
+    assert metric(samples, "quire:lora_adapters_loaded") == 1
+    assert {n for (n, _) in samples if n.startswith("vllm:")} == {"vllm:lora_requests_info"}
+    info = [dict(labels) for (name, labels) in samples if name == "vllm:lora_requests_info"]
+    assert info == [{"max_lora": "2", "running_lora_adapters": "",
+                     "waiting_lora_adapters": ""}]
 
 
 def test_no_kv_block_left_in_use(servers):

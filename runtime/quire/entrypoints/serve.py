@@ -55,7 +55,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="log every request (prompt size, parameters, tokens) and the access "
                         "log")
     p.add_argument("--metrics-compat", default="none",
-                   help="'vllm': also export the metrics under vLLM's names (default: none)")
+                   help="'vllm': also export the metrics under vLLM's names (default: none; "
+                        "vllm:lora_requests_info is exported whenever LoRA is on)")
     p.add_argument("--malloc-arena-max", type=int, default=DEFAULT_MALLOC_ARENAS,
                    help="glibc malloc arenas at most (MALLOC_ARENA_MAX): fewer arenas keep "
                         "the resident set from growing with the thread count; 0 leaves "
