@@ -9,10 +9,10 @@ triggers written for vLLM work unchanged. Each ServerMetrics has its own Collect
 With LoRA on (the snapshot carries LoRAStats), three more families appear:
 `quire:lora_adapters_loaded`, and `quire:lora_requests_running` / `quire:lora_requests_waiting`
 with an `adapter` label (a series per loaded adapter, 0 when idle; an adapter's series goes
-once it is unloaded and nothing uses it). With compat="vllm" also vLLM's
+once it is unloaded and nothing uses it), and alongside them, whatever `compat`, vLLM's
 `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` (names
-comma-joined, value the time of the update); unlike vLLM, only the current label set is
-exported, not one series per set ever seen.
+comma-joined, value the time of the update), which LoRA-aware routers and endpoint pickers
+read; unlike vLLM, only the current label set is exported, not one series per set ever seen.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class ServerMetrics:
         self._inc("structured_requests", ev.structured_requests)
         if snap.lora is not None:
             if self._lora is None:
-                self._lora = _LoRAMetrics(self.registry, self.model_name, self.compat)
+                self._lora = _LoRAMetrics(self.registry, self.model_name)
             self._lora.record(snap.lora)
         for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),
                             ("e2e", ev.e2e_latency), ("queue", ev.queue_time),
@@ -200,7 +200,7 @@ class ServerMetrics:
 
 
 class _LoRAMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, compat: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.model_name = model_name
         self.loaded = Gauge("quire:lora_adapters_loaded", "LoRA adapters loaded (servable).",
                             ("model_name",), registry=registry).labels(model_name=model_name)
@@ -210,11 +210,10 @@ class _LoRAMetrics:
                        ("model_name", "adapter"), registry=registry)
             for key in ("running", "waiting")}
         self.adapters: set[str] = set()  # the adapter label values exported
-        self.info = None
-        if compat == "vllm":
-            self.info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                              ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
-                              registry=registry)
+        # vLLM's name with or without compat="vllm": routers read it for LoRA affinity
+        self.info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                          ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                          registry=registry)
         self.info_labels: tuple[str, str, str] | None = None
 
     def record(self, stats) -> None:
@@ -230,10 +229,9 @@ class _LoRAMetrics:
                 stats.running.get(name, 0))
             self.by_adapter["waiting"].labels(self.model_name, name).set(
                 stats.waiting.get(name, 0))
-        if self.info is not None:
-            labels = (str(stats.max_loras), ",".join(sorted(stats.waiting)),
-                      ",".join(sorted(stats.running)))
-            if self.info_labels is not None and labels != self.info_labels:
-                self.info.remove(*self.info_labels)
-            self.info_labels = labels
-            self.info.labels(*labels).set(time.time())
+        labels = (str(stats.max_loras), ",".join(sorted(stats.waiting)),
+                  ",".join(sorted(stats.running)))
+        if self.info_labels is not None and labels != self.info_labels:
+            self.info.remove(*self.info_labels)
+        self.info_labels = labels
+        self.info.labels(*labels).set(time.time())

@@ -6,6 +6,7 @@ an adapter removed after the server picked it is refused as not found."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 
 import pytest
@@ -21,11 +22,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
 PROMPT = [5, 6, 7, 8, 9]
 
 
-def run(tiny_llama, body):
+def run(tiny_llama, body, **engine_args):
     async def main():
-        ae = AsyncLLMEngine(EngineArgs(
-            model=tiny_llama, dtype="float32", kv_cache_memory=8 << 20, num_threads=1,
-            enable_lora=True, max_loras=2, max_lora_rank=16, enable_prefix_caching=False))
+        ae = AsyncLLMEngine(EngineArgs(**{
+            "model": tiny_llama, "dtype": "float32", "kv_cache_memory": 8 << 20,
+            "num_threads": 1, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+            "enable_prefix_caching": False, **engine_args}))
         await ae.start()
         await ae.wait_ready()
         try:
@@ -112,3 +114,59 @@ def test_a_rank_over_the_limit_names_it(tiny_llama, adapters, tmp_path):
             await ae.add_lora("big", big)
         assert ae.alive and not ae.lora_adapters
     run(tiny_llama, body)
+
+
+def test_a_load_whose_caller_went_away_still_lands_in_the_mirror(tiny_llama, adapters):
+    """The client of a load disconnects while the engine registers the adapter: the engine
+    and `lora_adapters` (what /v1/models and request routing read) still agree."""
+    started, release = threading.Event(), threading.Event()
+
+    async def body(ae):
+        lora = ae.engine.lora
+        add = lora.add
+
+        def held_add(req, packed):
+            started.set()
+            assert release.wait(60)
+            return add(req, packed)
+
+        lora.add = held_add
+        task = asyncio.ensure_future(ae.add_lora("x", adapters["a"]))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(6000):  # bounded only against a hang
+            if "x" in ae.lora_adapters:
+                break
+            await asyncio.sleep(0.01)
+        assert ae.lora_adapters["x"] == ae.engine.get_lora("x") is not None
+        assert not ae._lora_loading
+        with pytest.raises(AdapterExists):
+            await ae.add_lora("x", adapters["a"])
+    run(tiny_llama, body)
+
+
+def test_removed_under_a_waiting_request_it_still_runs_with_it(tiny_llama, adapters,
+                                                               tmp_path):
+    """One sequence at a time: the second request waits while the adapter is removed and
+    its folder deleted, and still computes with it once scheduled (the host copy its
+    request holds; the folder is never read again)."""
+    folder = str(shutil.copytree(adapters["a"], tmp_path / "a"))
+
+    async def body(ae):
+        req = await ae.add_lora("a", folder)
+        reference = await tokens(await ae.add_request("ref", PROMPT, GREEDY, lora_request=req))
+        first = await ae.add_request("first", PROMPT, GREEDY, lora_request=req)
+        second = await ae.add_request("second", PROMPT, GREEDY, lora_request=req)
+        assert ae.last_snapshot.num_waiting >= 1
+        await ae.remove_lora("a")
+        shutil.rmtree(folder)
+        assert await tokens(first) == reference
+        assert await tokens(second) == reference
+        assert ae.engine.kv_manager.num_used_blocks == 0 and not ae.engine.list_loras()
+        manager = ae.engine.lora.manager  # the last request ended: its weights went with it
+        assert not manager.refs and not manager.host and not manager.loaded_keys
+    run(tiny_llama, body, max_num_seqs=1)

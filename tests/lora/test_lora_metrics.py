@@ -1,6 +1,7 @@
 """The LoRA metric families from LoRAStats snapshots: per-adapter running / waiting series
 (0 while loaded and idle, gone once unloaded and unused), the loaded count, and vLLM's
-lora_requests_info with only the current label set."""
+lora_requests_info with only the current label set, exported whether or not the vLLM
+names are on."""
 
 from __future__ import annotations
 
@@ -55,10 +56,14 @@ def test_lora_metrics_follow_the_snapshots():
         (("max_lora", "4"), ("running_lora_adapters", ""), ("waiting_lora_adapters", ""))]
 
 
-def test_without_vllm_compat_only_quire_names():
+def test_without_vllm_compat_lora_requests_info_is_the_one_vllm_name():
     m = ServerMetrics()
     m.bind("base")
-    m.record(snapshot(LoRAStats(1, ("a",), {}, {})), StepEvents())
+    m.record(snapshot(None), StepEvents())
+    assert not any(n.startswith("vllm:") for n, _ in samples(m))  # LoRA off: none at all
+    m.record(snapshot(LoRAStats(1, ("a",), {"a": 1}, {})), StepEvents())
     names = {n for n, _ in samples(m)}
-    assert "quire:lora_adapters_loaded" in names
-    assert not any(n.startswith("vllm:") for n in names)
+    assert "quire:lora_adapters_loaded" in names and "quire:lora_requests_running" in names
+    assert {n for n in names if n.startswith("vllm:")} == {"vllm:lora_requests_info"}
+    assert list(series(m, "vllm:lora_requests_info")) == [
+        (("max_lora", "1"), ("running_lora_adapters", "a"), ("waiting_lora_adapters", ""))]

@@ -55,7 +55,11 @@ def adapters():
         "lm_head": save_random_adapter(base, f"{root}/lm_head", r=4, seed=14,
                                        targets=["q_proj"]),
         "not_peft": f"{root}/not_peft",
+        "corrupt": save_random_adapter(base, f"{root}/corrupt", r=4, seed=15,
+                                       targets=["q_proj"]),
     }
+    with open(f"{out['corrupt']}/adapter_model.safetensors", "r+b") as f:
+        f.truncate(100)
     edit_adapter_config(out["lm_head"], target_modules=["q_proj", "lm_head"])
     os.makedirs(out["not_peft"])
     with open(f"{out['not_peft']}/model.safetensors", "w") as f:
@@ -247,6 +251,7 @@ def test_the_api_key_guards_load_and_unload(srv, adapters):
     ({"lora_name": "x", "lora_path": "rank32"}, "lora_path", "max_lora_rank"),
     ({"lora_name": "x", "lora_path": "lm_head"}, "lora_path", "lm_head"),
     ({"lora_name": "x", "lora_path": "not_peft"}, "lora_path", "PEFT"),
+    ({"lora_name": "x", "lora_path": "corrupt"}, "lora_path", "could not be read"),
     ({"lora_name": "b", "lora_path": "a"}, "lora_name", "already been loaded"),
 ])
 def test_bad_loads_are_400_naming_the_problem(srv, adapters, body, param, words):
@@ -351,6 +356,13 @@ def test_static_adapters_without_runtime_endpoints(servers, adapters, reference)
                        (UNLOAD, {"lora_name": "a"})):
         assert post(srv, path, body, {}).status_code == 404
     assert "a" in models(srv, {}) and "x" not in models(srv, {})
+    # no --metrics-compat: our names, plus vLLM's LoRA info (routers read it), and no other
+    samples = wait_idle(srv)
+    assert metric(samples, "quire:lora_adapters_loaded") == 1
+    assert {n for (n, _) in samples if n.startswith("vllm:")} == {"vllm:lora_requests_info"}
+    info = [dict(labels) for (name, labels) in samples if name == "vllm:lora_requests_info"]
+    assert info == [{"max_lora": "2", "running_lora_adapters": "",
+                     "waiting_lora_adapters": ""}]
 
 
 def test_no_kv_block_left_in_use(servers):

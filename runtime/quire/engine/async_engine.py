@@ -137,6 +137,25 @@ class _PendingAdd:
     lora_request: LoRARequest | None = None
 
 
+@dataclass
+class _EngineCall:
+    fn: Callable
+    args: tuple
+    future: asyncio.Future
+    then: Callable[[bool], None] | None = None  # on the loop, once it ran (ok or not), even
+                                                # if the caller has stopped waiting
+
+    def end(self, result=None, error: BaseException | None = None) -> None:
+        if self.then is not None:
+            self.then(error is None)
+        if self.future.done():
+            return
+        if error is None:
+            self.future.set_result(result)
+        else:
+            self.future.set_exception(error)
+
+
 class AsyncLLMEngine:
     def __init__(self, args: EngineArgs | None = None, *, engine_factory: Callable | None = None,
                  served_model_name: str | None = None, max_queue_len: int | None = None,
@@ -172,7 +191,7 @@ class AsyncLLMEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "quire-engine")
         self._streams: dict[str, RequestStream] = {}
         self._adds: list[_PendingAdd] = []
-        self._calls: list[tuple[Callable, tuple, asyncio.Future]] = []  # engine calls (LoRA)
+        self._calls: list[_EngineCall] = []  # engine calls (LoRA), run between steps
         self._aborts: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -327,15 +346,14 @@ class AsyncLLMEngine:
 
     async def _run_calls(self, loop: asyncio.AbstractEventLoop) -> None:
         calls, self._calls = self._calls, []
-        for fn, args, future in calls:
+        for call in calls:
             try:
-                result = await loop.run_in_executor(self._executor, self._in_worker, fn, *args)
+                result = await loop.run_in_executor(self._executor, self._in_worker, call.fn,
+                                                    *call.args)
             except Exception as e:  # noqa: BLE001 - the caller gets it; the loop goes on
-                if not future.done():
-                    future.set_exception(e)
+                call.end(error=e)
                 continue
-            if not future.done():
-                future.set_result(result)
+            call.end(result)
         self._publish_stats()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -371,9 +389,8 @@ class AsyncLLMEngine:
             if not add.future.done():
                 add.future.set_exception(dead)
         self._adds.clear()
-        for _, _, future in self._calls:
-            if not future.done():
-                future.set_exception(dead)
+        for call in self._calls:
+            call.end(error=dead)
         self._calls.clear()
         for stream in self._streams.values():
             stream._put(dead)
@@ -445,11 +462,17 @@ class AsyncLLMEngine:
             # read and pack on a thread of its own: neither the loop nor the steps wait on it
             packed = await asyncio.to_thread(self.engine.lora.manager.read, req)
             self._check_engine()
-            await self._in_engine(self.engine.lora.add, req, packed)
-            self.lora_adapters[name] = req
-            return req
-        finally:
+        except BaseException:
             self._lora_loading.discard(name)
+            raise
+
+        def registered(ok: bool) -> None:  # the mirror follows the engine, caller or not
+            self._lora_loading.discard(name)
+            if ok:
+                self.lora_adapters[name] = req
+
+        await self._in_engine(self.engine.lora.add, req, packed, then=registered)
+        return req
 
     async def remove_lora(self, name: str) -> LoRARequest:
         """Unregister an adapter: new requests can't ask for it, admitted ones finish with
@@ -469,11 +492,12 @@ class AsyncLLMEngine:
         if self.engine is None or self.loaded is None or not self.loaded.is_set():
             raise EngineNotReady("the model is still loading")
 
-    async def _in_engine(self, fn, *args):
+    async def _in_engine(self, fn, *args, then: Callable[[bool], None] | None = None):
         """fn(*args) on the engine's worker thread, run by the loop between two steps (the
-        engine is never touched from two threads); the stats are republished after it."""
+        engine is never touched from two threads); the stats are republished after it.
+        `then(ok)` runs on the loop once it ran, even if the caller was cancelled."""
         future = asyncio.get_running_loop().create_future()
-        self._calls.append((fn, args, future))
+        self._calls.append(_EngineCall(fn, args, future, then))
         self._wake.set()
         return await future
 
@@ -514,8 +538,7 @@ class AsyncLLMEngine:
                     await asyncio.wait_for(asyncio.shield(self._task), 10.0)
                 except (asyncio.TimeoutError, asyncio.CancelledError):
                     self._task.cancel()
-        for _, _, future in self._calls:  # LoRA calls the stopped loop will never run
-            if not future.done():
-                future.set_exception(EngineShuttingDown("the server is shutting down"))
+        for call in self._calls:  # LoRA calls the stopped loop will never run
+            call.end(error=EngineShuttingDown("the server is shutting down"))
         self._calls.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

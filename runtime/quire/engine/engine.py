@@ -337,6 +337,10 @@ class LLMEngine:
         if sched.stuck:  # the liveness guard failed them: nothing could make progress
             outputs += self._fail(sched.stuck, sched.stuck_reason)
         self.structured.resync(sched.preempted)
+        if self.lora is not None and sched.requests:  # an adapter that can't get a slot
+            outputs += self._fill_lora_slots(sched)   # fails its requests, not the step
+            if sched.empty:
+                return outputs
         if sched.empty:
             self.structured.wait(0.05)  # nothing runs until a grammar compiles: don't spin
             return outputs
@@ -364,6 +368,17 @@ class LLMEngine:
         self.structured.advance(updated, self.scheduler.finish)  # after the text: keeps its end
         self._record(updated)
         return outputs + self.output_processor.outputs(touched)
+
+    def _fill_lora_slots(self, sched) -> list[RequestOutput]:
+        failed = self.lora.fill_slots(sched.requests, sched.lora_keys_in_use)
+        if not failed:
+            return []
+        dropped = [s for s in sched.requests if s.lora is not None and s.lora.key in failed]
+        self.scheduler.drop_from_step(sched, dropped)
+        outputs = []
+        for key, message in failed.items():
+            outputs += self._fail([s for s in dropped if s.lora.key == key], message)
+        return outputs
 
     def _fail(self, seqs: list[Request], message: str) -> list[RequestOutput]:
         """Fail the client requests these sequences belong to, every sequence of each."""

@@ -17,6 +17,7 @@ Public interface (`seq` is a Request: one sequence):
     release    free(seq)                               tail first: the head is evicted last
     swap       adopt_fresh_blocks(seq, n) -> ids | None   new blocks for a swap-in
     steps      step_done(), step_failed()              a failed step un-caches its blocks
+               step_dropped()                          so do sequences dropped from a step
 
 Sharing: full blocks are registered under a chained hash of their tokens when allocated. With
 prefix caching on, any sequence can hit them, and they stay cached after they are freed.
@@ -208,3 +209,10 @@ class KVCacheManager:
         """The forward did not run: blocks registered this step hold nothing."""
         self.pool.uncache(self._cached_this_step)
         self._cached_this_step.clear()
+
+    def step_dropped(self) -> None:
+        """Some sequences left the step before its forward and were freed: blocks they
+        registered this step that no one holds now will never be written; forget them."""
+        unwritten = [b for b in self._cached_this_step if b.ref_cnt == 0]
+        self.pool.uncache(unwritten)
+        self._cached_this_step = [b for b in self._cached_this_step if b.ref_cnt > 0]

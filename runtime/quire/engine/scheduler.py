@@ -15,6 +15,7 @@ Public interface (the only way to add, fork or finish sequences):
     fork(parent, child)              a new running sibling sharing the parent's blocks
     finish(seq, status)              out of every queue, its blocks given back
     step_failed(out)                 the forward raised: forget the blocks cached this step
+    drop_from_step(out, seqs)        some sequences can't run (no LoRA slot): fail them alone
     has_unfinished(), num_running_seqs, num_preemptions; running / waiting / swapped (read)
 """
 
@@ -45,6 +46,8 @@ class Scheduler:
 
     # --- queues ----------------------------------------------------------------------------
     def add_request(self, seq: Request) -> None:
+        if self.lora_admission is not None:  # its adapter stays until it ends
+            self.lora_admission.hold(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -73,7 +76,10 @@ class Scheduler:
         else:
             return  # finished already
         self.kv_manager.free(seq)
+        ended = (seq, *seq.pending_siblings)
         seq.end(status)
+        if self.lora_admission is not None:
+            self.lora_admission.release(ended)
 
     # --- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -276,3 +282,19 @@ class Scheduler:
 
     def step_failed(self, out: SchedulerOutput) -> None:
         self.kv_manager.step_failed()
+
+    def drop_from_step(self, out: SchedulerOutput, seqs: list[Request]) -> None:
+        """These scheduled sequences leave the step before its forward (their LoRA adapter
+        could not be put in a slot): out of `out`, finished with an error, their blocks
+        given back and any they registered in the prefix cache this step forgotten. The
+        rest of the step runs as scheduled."""
+        gone = {s.request_id for s in seqs}
+        keep = [i for i, s in enumerate(out.requests) if s.request_id not in gone]
+        out.requests = [out.requests[i] for i in keep]
+        out.num_new_tokens = [out.num_new_tokens[i] for i in keep]
+        out.block_tables = [out.block_tables[i] for i in keep]
+        for rid in gone:
+            out.forks.pop(rid, None)
+        for seq in seqs:
+            self.finish(seq, RequestStatus.FINISHED_ERROR)
+        self.kv_manager.step_dropped()

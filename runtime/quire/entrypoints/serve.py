@@ -55,7 +55,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="log every request (prompt size, parameters, tokens) and the access "
                         "log")
     p.add_argument("--metrics-compat", default="none",
-                   help="'vllm': also export the metrics under vLLM's names (default: none)")
+                   help="'vllm': also export the metrics under vLLM's names (default: none; "
+                        "vllm:lora_requests_info is exported whenever LoRA is on)")
     p.add_argument("--malloc-arena-max", type=int, default=DEFAULT_MALLOC_ARENAS,
                    help="glibc malloc arenas at most (MALLOC_ARENA_MAX): fewer arenas keep "
                         "the resident set from growing with the thread count; 0 leaves "
@@ -152,6 +153,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, http://%s:%d (API key %s)",
                 args.model or "(default)", ns.host, ns.port, "on" if api_key else "off")
+    if args.enable_lora:
+        logger.info("LoRA on: %d adapters at start, loading at runtime %s",
+                    len(args.lora_modules or {}), "on" if allow_runtime_lora else "off")
+    if allow_runtime_lora and not api_key:  # vLLM warns too: any folder on this host
+        logger.warning("runtime LoRA loading is on without an API key: any client can make "
+                       "the server read any adapter folder it can see")
     server.run()
     if server.exit_code:
         logger.error("exiting with status %d: %s", server.exit_code, engine.fatal_error)

@@ -7,6 +7,10 @@
     manager.py      host LRU, device slots, the step's mapping
     registry.py     names -> adapters; admission.py: the scheduler's max_loras rule
     adapters.py     what the engine holds and calls
+    stats.py        what the metrics show (adapters loaded, running, waiting)
+
+Over HTTP (quire/entrypoints): a request's `model` names its adapter; routers/lora.py loads
+and unloads them at runtime through AsyncLLMEngine.add_lora / remove_lora.
 """
 
 from quire.lora.request import LoRARequest

@@ -23,7 +23,7 @@ class EngineAdapters:
         self.manager = LoRAManager(model, args.max_loras, args.max_lora_rank,
                                    args.max_cpu_loras or args.max_loras, dtype, device,
                                    use_triton)
-        self.admission = AdapterAdmission(args.max_loras)
+        self.admission = AdapterAdmission(args.max_loras, refs=self.manager)
         for i, (name, path) in enumerate((args.lora_modules or {}).items(), start=1):
             self.add(LoRARequest(name, i, path))
 
@@ -42,7 +42,8 @@ class EngineAdapters:
         return True
 
     def remove(self, name_or_id: str | int, running) -> bool:
-        """New requests can no longer ask for it; requests already running finish with it."""
+        """New requests can no longer ask for it; requests already accepted (running or
+        waiting) finish with it: its weights stay until the last of them ends."""
         handle = self.registry.remove(name_or_id)
         if handle is None:
             return False
@@ -52,9 +53,18 @@ class EngineAdapters:
 
     def resolve(self, req: LoRARequest) -> AdapterHandle:
         """The handle a request runs with; an adapter not registered yet is added (as
-        LLM.generate(..., lora_request=...) expects)."""
+        LLM.generate(..., lora_request=...) expects). Its host copy is made sure of now (a
+        ValueError if it is unreadable), so the request never needs its folder again."""
         self.add(req)
-        return self.registry.get(req.name)
+        handle = self.registry.get(req.name)
+        if handle.key not in self.manager.host:  # (a copy there keeps its LRU place)
+            self.manager.load(handle)
+        return handle
+
+    def fill_slots(self, seqs, in_use: frozenset[int]) -> dict[int, str]:
+        """Before a step's forward: its adapters into slots; {key: why} for those that
+        could not be brought in (the engine fails only their requests)."""
+        return self.manager.fill([s.lora for s in seqs], in_use)
 
     def get(self, name: str) -> LoRARequest | None:
         handle = self.registry.get(name)

@@ -1,7 +1,10 @@
 """The scheduler's LoRA rule: the running requests use at most `max_loras` distinct adapters,
 so that each of them holds a device slot for as long as it runs (none is ever evicted under a
 running request). A waiting request whose adapter would be one too many waits; requests
-behind it, for the base model or an adapter already running, may go first."""
+behind it, for the base model or an adapter already running, may go first.
+
+It also counts, for the manager, the sequences that hold each adapter: from the moment the
+scheduler accepts them (`hold`) until they finish or abort (`release`)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,24 @@ def adapter_key(request) -> int | None:
 
 
 class AdapterAdmission:
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, refs=None) -> None:
+        """refs: what keeps the adapters' host copies (LoRAManager.hold / release)."""
         self.max_loras = max_loras
+        self.refs = refs
         self._active: set[int] = set()
+
+    def hold(self, request) -> None:
+        """A new request: it and its pending siblings hold its adapter."""
+        key = adapter_key(request)
+        if key is not None and self.refs is not None:
+            self.refs.hold(key, request.num_seqs)
+
+    def release(self, ended) -> None:
+        """These sequences ended (a finished one with its never-forked siblings)."""
+        for seq in ended:
+            key = adapter_key(seq)
+            if key is not None and self.refs is not None:
+                self.refs.release(key)
 
     def start_step(self, running) -> None:
         self._active = {k for k in map(adapter_key, running) if k is not None}

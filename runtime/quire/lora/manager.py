@@ -6,12 +6,19 @@ moving one into a slot is then a copy per layer. A step's adapters go into slots
 its forward: an adapter already in a slot stays put, one that is not takes a free slot or the
 least recently used one whose adapter no running request holds (`in_use`). The scheduler
 admits no more distinct adapters than there are slots (`admission.py`), so one always exists.
+
+Every sequence the engine has accepted and not finished holds a reference to its adapter
+(`hold` / `release`, called through the scheduler). A held adapter's host copy is never
+evicted (the host cache may then hold more than `max_cpu_loras`), and an adapter removed while
+held is kept, host copy and slot, until its last sequence ends: a waiting request never has to
+re-read its adapter from a folder that may be gone by then. Should bringing an adapter into a
+slot fail anyway, `fill` reports it per adapter, and only the requests that need it fail.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,7 +27,7 @@ import torch
 from quire.lora.batch import LoRABatch, build_lora_batch
 from quire.lora.layers import LoRALinear
 from quire.lora.peft_format import load_peft_adapter
-from quire.lora.request import AdapterHandle
+from quire.lora.request import AdapterHandle, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,8 @@ class LoRAManager:
         self.slots: list[int | None] = [None] * max_loras      # slot -> adapter key
         self.slot_use: OrderedDict[int, int] = OrderedDict()   # key -> slot, LRU first
         self.num_slot_loads = 0
+        self.refs: Counter[int] = Counter()  # key -> unfinished sequences that compute with it
+        self.retired: set[int] = set()       # removed while held: dropped at the last release
 
     # --- host cache ----------------------------------------------------------------------
     def load(self, handle: AdapterHandle, packed: Packed | None = None) -> Packed:
@@ -81,12 +90,19 @@ class LoRAManager:
         if packed is None:
             packed = self.read(handle.request)
         self.host[handle.key] = packed
-        while len(self.host) > self.max_cpu_loras:
-            key, _ = self.host.popitem(last=False)
-            logger.debug("adapter %d left the host cache", key)
+        self._trim(keep=handle.key)
         return packed
 
-    def read(self, req) -> Packed:
+    def _trim(self, keep: int | None = None) -> None:
+        """Evict least recently used host copies down to max_cpu_loras, never a held one."""
+        for key in list(self.host):
+            if len(self.host) <= self.max_cpu_loras:
+                return
+            if key != keep and not self.refs.get(key):
+                del self.host[key]
+                logger.debug("adapter %d left the host cache", key)
+
+    def read(self, req: LoRARequest) -> Packed:
         """Reads, checks and packs an adapter into every layer's layout. Touches no state of
         the manager or the layers, so the server runs it on a thread of its own while the
         engine keeps stepping."""
@@ -109,11 +125,36 @@ class LoRAManager:
         return packed
 
     def forget(self, key: int, in_use: frozenset[int] = frozenset()) -> None:
-        """An adapter was removed: drop its host copy, and its slot unless a running
-        request still computes with it (that slot is freed by LRU later)."""
+        """An adapter was removed. While sequences hold it, it stays (host copy and slot)
+        until the last of them ends; otherwise its host copy goes, and its slot unless a
+        running request still computes with it (that slot is freed by LRU later)."""
+        if self.refs.get(key):
+            self.retired.add(key)
+            return
         self.host.pop(key, None)
         if key in self.slot_use and key not in in_use:
             self.slots[self.slot_use.pop(key)] = None
+
+    # --- references by unfinished sequences ----------------------------------------------
+    def hold(self, key: int, n: int = 1) -> None:
+        self.refs[key] += n
+
+    def release(self, key: int, n: int = 1) -> None:
+        """n sequences that computed with the adapter ended; at the last one a removed
+        adapter goes (host copy and slot), a registered one becomes evictable again."""
+        left = self.refs[key] - n
+        if left > 0:
+            self.refs[key] = left
+            return
+        del self.refs[key]
+        if key in self.retired:
+            self.retired.discard(key)
+            self.host.pop(key, None)
+            if key in self.slot_use:
+                self.slots[self.slot_use.pop(key)] = None
+            logger.debug("removed adapter %d dropped: its last request ended", key)
+        else:
+            self._trim()
 
     # --- slots ---------------------------------------------------------------------------
     def slot_of(self, handle: AdapterHandle, needed: set[int], in_use: frozenset[int]) -> int:
@@ -142,6 +183,22 @@ class LoRAManager:
                            f"requests; the scheduler must not admit more (max_loras)")
 
     # --- the step ------------------------------------------------------------------------
+    def fill(self, adapters: Sequence[AdapterHandle | None],
+             in_use: frozenset[int] = frozenset()) -> dict[int, str]:
+        """Before a step's forward: puts each of its adapters in a slot. One that can't be
+        brought in (its weights unreadable, say) is left out and reported, {key: why}, so
+        that only the requests that need it fail; the others' slots are untouched."""
+        needed = {h.key: h for h in adapters if h is not None}
+        failed = {}
+        for key, handle in needed.items():
+            try:
+                self.slot_of(handle, set(needed), in_use)
+            except Exception as e:  # reported to the requests that need it, and only them
+                logger.exception("LoRA adapter %r could not be put in a slot", handle.name)
+                failed[key] = (f"LoRA adapter {handle.name!r} could not be loaded into a "
+                               f"device slot: {e}")
+        return failed
+
     def prepare(self, adapters: Sequence[AdapterHandle | None], num_tokens: np.ndarray,
                 in_use: frozenset[int] = frozenset()) -> None:
         """adapters: each scheduled request's adapter (None: base model), in batch order;

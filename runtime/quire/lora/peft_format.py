@@ -84,21 +84,30 @@ def _read_config(name: str, path: str) -> dict:
     if not os.path.isfile(file):
         raise ValueError(f"adapter {name!r}: no adapter_config.json in {path!r} "
                          f"(expected a folder in PEFT's format)")
-    with open(file) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"adapter {name!r}: adapter_config.json is not JSON ({e})") from None
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise ValueError(f"adapter {name!r}: adapter_config.json is not readable JSON "
+                         f"({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter {name!r}: adapter_config.json must hold a JSON object")
+    return config
 
 
 def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-        return load_file(st)
     bin_file = os.path.join(path, "adapter_model.bin")
-    if os.path.isfile(bin_file):
-        return torch.load(bin_file, map_location="cpu", weights_only=True)
+    try:
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+            return load_file(st)
+        if os.path.isfile(bin_file):
+            return torch.load(bin_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a corrupt or truncated file, whatever the reader says
+        file = os.path.basename(st if os.path.isfile(st) else bin_file)
+        raise ValueError(f"adapter {name!r}: {file} could not be read "
+                         f"({type(e).__name__}: {e})") from None
     raise ValueError(f"adapter {name!r}: no adapter_model.safetensors (or .bin) in {path!r}")
 
 
