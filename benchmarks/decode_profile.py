@@ -3,7 +3,8 @@ in bfloat16 and float32, and 32 sequences decoding side by side, on the default 
 
 For each case it prints the decode speed (steps timed after the prefill), then a
 torch.profiler table of the top ops over a stretch of decode steps: each op's share of the
-profiled step time and its milliseconds per step.
+profiled step's wall time and its milliseconds per step; what no torch op accounts for (Python,
+the native kernels called through ctypes, scheduling, sampling) is the last row.
 
     python benchmarks/decode_profile.py
     python benchmarks/decode_profile.py --cases bf16-1 --steps 64 --top 12
@@ -60,7 +61,7 @@ def profile(llm, batch: int, args) -> None:
     step_ms = wall * 1e3 / args.steps
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_us = sum(e.self_cpu_time_total for e in events)
+    total_us = wall * 1e6  # shares of the whole step: the rest is outside torch ops
     print(f"  profiled {args.steps} steps: {step_ms:.2f} ms/step under the profiler "
           f"(its own overhead included); torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
@@ -71,6 +72,9 @@ def profile(llm, batch: int, args) -> None:
               f"{e.self_cpu_time_total / 1e3 / args.steps:.2f} | {e.count / args.steps:.0f} |")
     rest = sum(e.self_cpu_time_total for e in events[args.top:])
     print(f"  | (all other ops) | {100 * rest / total_us:.1f} | {rest / 1e3 / args.steps:.2f} | |")
+    outside = total_us - sum(e.self_cpu_time_total for e in events)
+    print(f"  | (outside torch ops: Python, the native ctypes kernels, scheduler, sampler) | "
+          f"{100 * outside / total_us:.1f} | {outside / 1e3 / args.steps:.2f} | |")
 
 
 def main() -> None:

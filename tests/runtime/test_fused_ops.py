@@ -41,7 +41,7 @@ def test_residual_rms_norm_is_bit_identical(dtype, rows, n):
     w = _rand(n, dtype=dtype, seed=5)
     want_sum = residual + h
     want = fused_ops.rms_norm_ref(want_sum, w, 1e-6)
-    got = fused_ops.rms_norm(h, w, 1e-6, residual=residual)
+    got = fused_ops.rms_norm(h.clone(), w, 1e-6, residual=residual)
     assert torch.equal(residual, want_sum)  # updated in place
     assert torch.equal(got, want)
 
@@ -51,6 +51,10 @@ def test_rms_norm_of_a_strided_view():
     x = big[:, 10:138]  # rows 300 apart
     w = _rand(128, dtype=torch.float32, seed=7)
     assert torch.equal(fused_ops.rms_norm(x, w, 1e-5), fused_ops.rms_norm_ref(x, w, 1e-5))
+    residual = _rand(6, 128, dtype=torch.float32, seed=8)
+    want = fused_ops.rms_norm_ref(residual + x, w, 1e-5)
+    got = fused_ops.rms_norm(x, w, 1e-5, residual=residual)  # written over the strided x
+    assert torch.equal(got, want) and got.data_ptr() == x.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

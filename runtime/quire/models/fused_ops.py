@@ -78,8 +78,9 @@ def _usable(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """rms_norm_ref(x); with a residual, first residual += x (in place) and normalize that.
-    x/residual [T, N]."""
+    """rms_norm_ref(x); with a residual, first residual += x (in place) and normalize that,
+    the result overwriting x (a temporary there: the previous layer's output) instead of a
+    new tensor. x/residual [T, N]."""
     if x.dim() != 2 or not _usable(x, weight, *(() if residual is None else (residual,))) \
             or not weight.is_contiguous():
         if residual is None:
@@ -87,12 +88,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual.add_(x)
         return rms_norm_ref(residual, weight, eps)
     lib, width, _ = _native()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if residual is None else x  # the kernel reads a row first
     rows, n = x.shape
     rc = lib.quire_rms_norm(_DTYPE_CODES[x.dtype], width, x.data_ptr(),
                             None if residual is None else residual.data_ptr(),
                             weight.data_ptr(), out.data_ptr(), rows, n, x.stride(0),
-                            0 if residual is None else residual.stride(0), n, eps)
+                            0 if residual is None else residual.stride(0), out.stride(0),
+                            eps)
     if rc:  # a row too long for the kernel's stack buffer
         if residual is None:
             return rms_norm_ref(x, weight, eps)
