@@ -123,6 +123,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     lib, width, exp_fn = _native()
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, n)
-    lib.quire_silu_and_mul(_DTYPE_CODES[gate_up.dtype], width, gate_up.data_ptr(),
-                           out.data_ptr(), rows, n, gate_up.stride(0), n, exp_fn)
+    if lib.quire_silu_and_mul(_DTYPE_CODES[gate_up.dtype], width, gate_up.data_ptr(),
+                              out.data_ptr(), rows, n, gate_up.stride(0), n, exp_fn):
+        return silu_and_mul_ref(gate_up)  # a row too long for the kernel's stack buffer
     return out

@@ -33,9 +33,10 @@ inline float bf16_to_float(uint16_t x) {
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  // branch-free (both computed, one picked), so that loops over rows vectorize
+  const uint32_t nan = (bits >> 16) | 0x40u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 inline float load(const float* p) { return *p; }
@@ -163,7 +164,10 @@ void vector_exp(const void* fn, const float* in, float* out) {
 // out = silu(gate) * up per row (gate and up are the two halves of each gate_up row). torch's
 // silu vectorizes each row's first multiple of 2 vectors of T (2 * 64 bytes / sizeof T
 // elements) with Sleef's exp and does the rest with std::exp; the silu result is rounded to
-// the dtype before the multiply.
+// the dtype before the multiply. In passes over a row buffer, so that the compiler vectorizes
+// all but the exp calls.
+constexpr int64_t kMaxSiluRow = 16384;
+
 template <typename T, int W>
 void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t in_stride,
                   int64_t out_stride, const void* exp_fn) {
@@ -174,21 +178,13 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t in_
     const T* g = gate_up + r * in_stride;
     const T* u = g + n;
     T* o = out + r * out_stride;
-    alignas(64) float neg[W], e[W];
-    for (int64_t i = 0; i < vec_end; i += W) {
-      for (int l = 0; l < W; ++l) neg[l] = -load(g + i + l);
-      vector_exp<W>(exp_fn, neg, e);
-      for (int l = 0; l < W; ++l) {
-        const float x = load(g + i + l);
-        const float silu = round_to(x / (1.f + e[l]), o);
-        store(o + i + l, silu * load(u + i + l));
-      }
-    }
-    for (int64_t i = vec_end; i < n; ++i) {
-      const float x = load(g + i);
-      const float silu = round_to(x / (1.f + std::exp(-x)), o);
-      store(o + i, silu * load(u + i));
-    }
+    alignas(64) float x[kMaxSiluRow], e[kMaxSiluRow];
+    for (int64_t i = 0; i < n; ++i) x[i] = load(g + i);
+    for (int64_t i = 0; i < vec_end; ++i) e[i] = -x[i];
+    for (int64_t i = 0; i < vec_end; i += W) vector_exp<W>(exp_fn, e + i, e + i);
+    for (int64_t i = vec_end; i < n; ++i) e[i] = std::exp(-x[i]);
+    for (int64_t i = 0; i < n; ++i)
+      store(o + i, round_to(x[i] / (1.f + e[i]), o) * load(u + i));
   }
 }
 
@@ -237,7 +233,7 @@ extern "C" int quire_rope(int dtype, void* x, const void* cos, const void* sin, 
 extern "C" int quire_silu_and_mul(int dtype, int width, const void* gate_up, void* out,
                                   int64_t rows, int64_t n, int64_t in_stride, int64_t out_stride,
                                   const void* exp_fn) {
-  if (!quire_fused_supports_width(width) || exp_fn == nullptr) return 1;
+  if (!quire_fused_supports_width(width) || exp_fn == nullptr || n > kMaxSiluRow) return 1;
 #define QUIRE_SILU(T, W)                                                                   \
   silu_and_mul<T, W>(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, n, in_stride, \
                      out_stride, exp_fn)
