@@ -112,6 +112,23 @@ def test_decode_through_padded_static_buffers_gives_the_same_tokens(tiny_models)
     assert_no_blocks_in_use(llm)
 
 
+def test_a_failed_capture_falls_back_to_eager_for_good(caplog):
+    class Failing(CUDAGraphRunner):
+        attempts = 0
+
+        def _capture(self, bucket):
+            Failing.attempts += 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner = Failing(None, [], 8, 64, 16, torch.device("cpu"))
+    ids, pos, slots, lens, tables = _decode_batch(3, 2)
+
+    class Batch:
+        input_ids, positions, slot_mapping, seq_lens, block_tables = ids, pos, slots, lens, tables
+    assert runner.run(Batch) is None and runner.run(Batch) is None
+    assert Failing.attempts == 1 and "runs eagerly" in caplog.text
+
+
 def test_enforce_eager_is_an_engine_flag():
     from quire.config import EngineArgs
     assert EngineArgs().enforce_eager is False

@@ -11,10 +11,14 @@ and runs, and is tested, on the CPU; only CUDAGraphRunner needs a GPU.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from quire.attention.base import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 # 1, 2, 4, 8, then every multiple of this (vLLM captures 1, 2, 4 and multiples of 8)
 _BUCKET_STEP = 8
@@ -123,7 +127,13 @@ class CUDAGraphRunner:
         self.inputs.load(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                          batch.block_tables, bucket)
         if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
+            try:
+                self.graphs[bucket] = self._capture(bucket)
+            except RuntimeError as e:  # something in the forward cannot be captured
+                logger.warning("CUDA graph capture failed, decode runs eagerly from now on "
+                               "(--enforce-eager skips the attempt): %s", e)
+                self.buckets = []
+                return None
         graph, hidden, _ = self.graphs[bucket]
         graph.replay()
         return hidden[:n]
