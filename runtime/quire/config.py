@@ -51,6 +51,8 @@ class EngineArgs:
     swap_space: int = field(default=0, metadata={
         "help": "bytes of host memory for swapped-out KV blocks (preemption_mode=swap)"})
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "on CUDA, run decode steps eagerly instead of replaying CUDA graphs"})
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads for torch (per rank); default: torch's own choice, or the "
                 "cores divided among the ranks under tensor parallelism"})

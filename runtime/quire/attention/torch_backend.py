@@ -5,8 +5,9 @@ through the block table, when it could be built and the cache holds the compute 
 Otherwise, and for prefill chunks, K/V are gathered a whole block at a time (one index_select of block-sized rows per layer,
 ~3x cheaper than per-token rows) and attended with scaled_dot_product_attention on strided
 views (no layout copies). Decodes are batched, grouped by length so short contexts don't pay
-for long ones; prefill chunks loop per sequence (few per step). Index and mask tensors are
-built once per step in prepare() and reused by every layer.
+for long ones. Prefill chunks that extend a cached prefix run together in one native call
+(paged_extend.py); fresh prefill chunks loop per sequence (few per step). Index and mask
+tensors are built once per step and reused by every layer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quire.attention import cpu_kernels
+from quire.attention import cpu_kernels, paged_extend
 from quire.attention.base import AttentionBackend, AttentionMetadata
 
 # Decodes whose padded length would waste more than this fraction go to a separate group.
@@ -61,16 +62,43 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        prefills = []
+        prefills, extends = [], []
         for i in range(meta.num_decodes, meta.num_seqs):
             q0, q1 = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             ctx = meta.seq_lens_cpu[i]
-            blocks = None
-            if ctx > q1 - q0:  # a cached prefix to read
-                blocks = meta.block_tables[i, : -(-ctx // meta.block_size)].long()
-            mask = self._prefill_mask(ctx, q1 - q0, meta.block_tables.device)
-            prefills.append((q0, q1, ctx, blocks, mask))
+            if ctx > q1 - q0:  # a cached prefix to read: batched in _extend
+                extends.append(i)
+            else:
+                prefills.append((q0, q1, ctx, None,
+                                 self._prefill_mask(ctx, q1 - q0, meta.block_tables.device)))
         meta.backend_state[self, "prefills"] = prefills
+        meta.backend_state[self, "extends"] = extends
+
+    def _extend(self, q, k_cache, v_cache, out, meta) -> list:
+        """Chunks extending a cached prefix: all in one native call where it serves q's dtype
+        and the cache's; else the per-sequence SDPA plan for them, built once per step."""
+        seqs = meta.backend_state[self, "extends"]
+        if not seqs:
+            return []
+        if paged_extend.supported(q, k_cache):
+            index = meta.backend_state.get((self, "extend_rows"))
+            if index is None:
+                index = meta.backend_state[self, "extend_rows"] = paged_extend.extend_rows(
+                    meta, seqs)
+            paged_extend.paged_extend(q, k_cache, v_cache, out, meta.block_tables, *index,
+                                      self.scale, self.sliding_window)
+            return []
+        plan = meta.backend_state.get((self, "extend_plan"))
+        if plan is None:
+            plan = meta.backend_state[self, "extend_plan"] = [self._extend_plan(meta, i)
+                                                              for i in seqs]
+        return plan
+
+    def _extend_plan(self, meta: AttentionMetadata, i: int) -> tuple:
+        q0, q1, ctx = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1], \
+            meta.seq_lens_cpu[i]
+        blocks = meta.block_tables[i, : -(-ctx // meta.block_size)].long()
+        return q0, q1, ctx, blocks, self._prefill_mask(ctx, q1 - q0, meta.block_tables.device)
 
     def _decode_groups(self, meta: AttentionMetadata) -> list:
         """The pure-torch decode plan: built on first use in a step, shared by the layers."""
@@ -134,11 +162,13 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[where] = o.view(n, self.num_heads, self.head_dim)
         pad = q.dtype != torch.float32
-        for q0, q1, ctx, blocks, mask in meta.backend_state[self, "prefills"]:
+        extends = self._extend(q, k_cache, v_cache, out, meta)
+        for q0, q1, ctx, blocks, mask in (*meta.backend_state[self, "prefills"], *extends):
             qc = q[q0:q1]
             if blocks is None:  # no cached prefix: this chunk's own K/V
                 kc, vc = k[q0:q1], v[q0:q1]
-                if pad and (q1 - q0) % _PREFILL_PAD:
+                # (a sliding window's mask has the chunk's exact shape: no padding then)
+                if pad and mask is None and (q1 - q0) % _PREFILL_PAD:
                     qc, kc, vc = (_pad_rows(t, _PREFILL_PAD) for t in (qc, kc, vc))
             else:
                 kc = gather_blocks(k_cache, blocks, k_scale, q.dtype).view(-1, *k.shape[1:])[:ctx]

@@ -93,7 +93,9 @@ class LLMEngine:
         self.sampler = Sampler(cfg.vocab_size, self.device, args.seed, self.structured)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
                                   self.device, host_cache, self.workers,
-                                  self.lora.manager if self.lora else None)
+                                  self.lora.manager if self.lora else None,
+                                  cuda_graphs=not args.enforce_eager,
+                                  max_num_seqs=args.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks

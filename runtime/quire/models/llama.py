@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quire.attention.base import AttentionBackend, AttentionMetadata
@@ -24,7 +23,8 @@ from quire.layers.quantization import QuantConfig
 from quire.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from quire.layers.weights import materialize, shape_of
 from quire.models.config import ModelConfig
-from quire.models.rope import RotaryEmbedding, apply_rope
+from quire.models.fused_ops import rms_norm, rope_, silu_and_mul
+from quire.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -33,11 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """transformers' LlamaRMSNorm of x; with a residual, of residual += x (in place)."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -63,21 +61,25 @@ class DecoderLayer(nn.Module):
         self.k_scale = 1.0  # fp8 KV cache: stored = value / scale
         self.v_scale = 1.0
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        """x: the previous layer's MLP output (the embeddings, with residual None, for the
+        first layer); residual: the running sum before it, updated in place. Returns this
+        layer's MLP output and the residual: their sum is the layer's output, as in
+        transformers (the adds are fused into the norms that follow them)."""
         t = x.shape[0]
-        residual = x
-        x = self.input_layernorm(x)
-        qkv = self.qkv_proj(x)
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = apply_rope(q.view(t, self.num_heads, self.head_dim),
-                          k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = rope_(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = rope_(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         o = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim),
                                  k_cache, v_cache, meta, self.k_scale, self.v_scale)
-        x = residual + self.o_proj(o.reshape(t, self.q_size))
-        residual = x
-        x = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        h = self.post_attention_layernorm(self.o_proj(o.reshape(t, self.q_size)), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -108,10 +110,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 rope_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope.cos_sin(positions, rope_seq_lens)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return x
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Final norm and LM head for the rows that sample, in the model dtype (the sampler

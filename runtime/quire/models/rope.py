@@ -34,12 +34,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, H, D], k [T, Hkv, D], cos/sin [T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-
-
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by position (dynamic NTK computes per token)."""
 

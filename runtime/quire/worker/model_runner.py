@@ -69,7 +69,8 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler | None, block_size: int,
                  device: torch.device, host_cache: KVCache | None = None,
-                 workers=None, lora=None) -> None:
+                 workers=None, lora=None, cuda_graphs: bool = False,
+                 max_num_seqs: int = 256) -> None:
         self.model = model
         self.lora = lora  # a quire.lora LoRAManager, when LoRA is on
         self.kv_cache = kv_cache
@@ -79,6 +80,12 @@ class ModelRunner:
         self.device = device
         self.dynamic_rope = model.rope.rope_type == "dynamic"
         self.workers = workers  # quire.distributed.workers.Workers, at tensor-parallel size > 1
+        self.cuda_graphs = None  # decode steps replay CUDA graphs: one GPU, no LoRA
+        if (cuda_graphs and device.type == "cuda" and workers is None and lora is None
+                and not self.dynamic_rope):
+            from quire.worker.cuda_graphs import CUDAGraphRunner
+            self.cuda_graphs = CUDAGraphRunner(model, kv_cache.layers, max_num_seqs,
+                                               model.rope.cos_table.shape[0], block_size, device)
         if workers is not None:  # they allocate the same blocks for their KV heads
             workers.allocate_kv_cache(kv_cache.num_blocks,
                                       host_cache.num_blocks if host_cache else 0)
@@ -111,13 +118,19 @@ class ModelRunner:
         self.kv_cache.copy_blocks(inputs.block_copies)
         if inputs.batch is None:
             return None
-        batch = self._to_device(inputs.batch)
-        self.model.prepare(batch.meta)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
-                            batch.rope_seq_lens)
-        if not len(batch.logits_indices):
+        host = inputs.batch
+        hidden = None
+        if self.cuda_graphs is not None and host.num_decodes == len(host.input_ids):
+            hidden = self.cuda_graphs.run(host)  # None: no bucket this large
+        if hidden is None:
+            batch = self._to_device(host)
+            self.model.prepare(batch.meta)
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta,
+                                self.kv_cache.layers, batch.rope_seq_lens)
+        if not len(host.logits_indices):
             return None
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        logits_indices = torch.from_numpy(host.logits_indices).to(self.device)
+        return self.model.compute_logits(hidden[logits_indices])
 
     def _prepare(self, out: SchedulerOutput) -> tuple[HostBatch, list[Request]]:
         reqs, counts = out.requests, out.num_new_tokens

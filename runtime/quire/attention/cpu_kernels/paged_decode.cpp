@@ -234,7 +234,8 @@ template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* block_tables,
             const int32_t* seq_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
             int head_dim, int block_size, int64_t q_stride, int64_t out_stride,
-            int64_t bt_stride, float scale, int window) {
+            int64_t bt_stride, float scale, int window, const int32_t* rows,
+            const int32_t* row_seq) {
   const int group = num_heads / num_kv_heads;
   const int64_t row_stride = int64_t(num_kv_heads) * head_dim;  // between tokens of a block
   const int64_t block_stride = block_size * row_stride;
@@ -244,12 +245,13 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   if (const ItemFn<T> item = fixed_shape_item<T>(group, head_dim, block_size)) {
 #pragma omp parallel for schedule(dynamic, 4)
     for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
-      const int64_t seq = work / num_kv_heads;
+      const int64_t i = work / num_kv_heads;
+      const int64_t qrow = rows ? rows[i] : i, seq = row_seq ? row_seq[i] : i;
       const int kv_head = work % num_kv_heads;
-      const int len = seq_lens[seq];
+      const int len = seq_lens[i];
       const int64_t head = int64_t(kv_head) * group * head_dim;
-      item(q + seq * q_stride + head, k_cache + int64_t(kv_head) * head_dim,
-           v_cache + int64_t(kv_head) * head_dim, out + seq * out_stride + head,
+      item(q + qrow * q_stride + head, k_cache + int64_t(kv_head) * head_dim,
+           v_cache + int64_t(kv_head) * head_dim, out + qrow * out_stride + head,
            block_tables + seq * bt_stride, len, window > 0 ? std::max(0, len - window) : 0,
            block_stride, row_stride, head_dim, scale);
     }
@@ -266,12 +268,13 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
 #endif
 #pragma omp for schedule(dynamic, 4)
     for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
-      const int64_t seq = work / num_kv_heads;
+      const int64_t i = work / num_kv_heads;
+      const int64_t qrow = rows ? rows[i] : i, seq = row_seq ? row_seq[i] : i;
       const int kv_head = work % num_kv_heads;
-      const int len = seq_lens[seq];
+      const int len = seq_lens[i];
       const int lo = window > 0 ? std::max(0, len - window) : 0;
       for (int g = 0; g < group; ++g) {
-        const T* src = q + seq * q_stride + int64_t(kv_head * group + g) * head_dim;
+        const T* src = q + qrow * q_stride + int64_t(kv_head * group + g) * head_dim;
         for (int d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load_scalar(src + d) * scale;
       }
 #if defined(__AVX512F__)
@@ -361,7 +364,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
         }
       }
       for (int g = 0; g < group; ++g) {
-        T* dst = out + seq * out_stride + int64_t(kv_head * group + g) * head_dim;
+        T* dst = out + qrow * out_stride + int64_t(kv_head * group + g) * head_dim;
         const float inv = 1.f / l[g];
         for (int d = 0; d < head_dim; ++d) store_scalar(dst + d, acc[g * head_dim + d] * inv);
       }
@@ -369,7 +372,41 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   }
 }
 
+// Decode (rows == row_seq == nullptr: row i is sequence i, seq_lens per sequence) or extend:
+// row i of the work list is query row rows[i], reads the block table of sequence row_seq[i]
+// and attends to its first seq_lens[i] tokens (its position + 1: causal over the cached prefix
+// and the chunk's own tokens, which are already in the cache).
+template <typename T>
+int run(const void* q, const void* k_cache, const void* v_cache, void* out,
+        const int32_t* block_tables, const int32_t* seq_lens, int64_t num_rows, int num_heads,
+        int num_kv_heads, int head_dim, int block_size, int64_t q_stride, int64_t out_stride,
+        int64_t bt_stride, float scale, int window, const int32_t* rows,
+        const int32_t* row_seq) {
+  decode(static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),
+         static_cast<T*>(out), block_tables, seq_lens, num_rows, num_heads, num_kv_heads,
+         head_dim, block_size, q_stride, out_stride, bt_stride, scale, window, rows, row_seq);
+  return 0;
+}
+
 }  // namespace
+
+extern "C" int quire_paged_extend(int dtype, const void* q, const void* k_cache,
+                                  const void* v_cache, void* out, const int32_t* block_tables,
+                                  const int32_t* row_lens, int64_t num_rows, int num_heads,
+                                  int num_kv_heads, int head_dim, int block_size,
+                                  int64_t q_stride, int64_t out_stride, int64_t bt_stride,
+                                  float scale, int window, const int32_t* rows,
+                                  const int32_t* row_seq) {
+  if (dtype == 0)
+    return run<float>(q, k_cache, v_cache, out, block_tables, row_lens, num_rows, num_heads,
+                      num_kv_heads, head_dim, block_size, q_stride, out_stride, bt_stride, scale,
+                      window, rows, row_seq);
+  if (dtype == 1)
+    return run<uint16_t>(q, k_cache, v_cache, out, block_tables, row_lens, num_rows, num_heads,
+                         num_kv_heads, head_dim, block_size, q_stride, out_stride, bt_stride,
+                         scale, window, rows, row_seq);
+  return 1;
+}
 
 extern "C" int quire_paged_decode(int dtype, const void* q, const void* k_cache,
                                   const void* v_cache, void* out, const int32_t* block_tables,
@@ -377,19 +414,7 @@ extern "C" int quire_paged_decode(int dtype, const void* q, const void* k_cache,
                                   int num_kv_heads, int head_dim, int block_size,
                                   int64_t q_stride, int64_t out_stride, int64_t bt_stride,
                                   float scale, int window) {
-  if (dtype == 0) {
-    decode(static_cast<const float*>(q), static_cast<const float*>(k_cache),
-           static_cast<const float*>(v_cache), static_cast<float*>(out), block_tables, seq_lens,
-           num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride, out_stride,
-           bt_stride, scale, window);
-    return 0;
-  }
-  if (dtype == 1) {
-    decode(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-           static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), block_tables,
-           seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride,
-           out_stride, bt_stride, scale, window);
-    return 0;
-  }
-  return 1;
+  return quire_paged_extend(dtype, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs,
+                            num_heads, num_kv_heads, head_dim, block_size, q_stride, out_stride,
+                            bt_stride, scale, window, nullptr, nullptr);
 }

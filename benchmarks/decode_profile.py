@@ -1,0 +1,106 @@
+"""Where a decode step's time goes: single stream (128-token prompt, 256 tokens out, greedy)
+in bfloat16 and float32, and 32 sequences decoding side by side, on the default model.
+
+For each case it prints the decode speed (steps timed after the prefill), then a
+torch.profiler table of the top ops over a stretch of decode steps: each op's share of the
+profiled step's wall time and its milliseconds per step; what no torch op accounts for (Python,
+the native kernels called through ctypes, scheduling, sampling) is the last row.
+
+    python benchmarks/decode_profile.py
+    python benchmarks/decode_profile.py --cases bf16-1 --steps 64 --top 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from machine import StealMeter
+
+CASES = {"bf16-1": ("bfloat16", 1), "fp32-1": ("float32", 1), "bf16-32": ("bfloat16", 32)}
+
+
+def _start(llm, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+    """Queue `batch` requests and run steps until all have their first token (prefill)."""
+    from quire import SamplingParams
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for _ in range(batch):
+        llm.engine.add_request(None, [rng.randrange(3, 49152) for _ in range(prompt_len)], params)
+    while llm.engine.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
+        llm.engine.step()
+
+
+def _finish(llm) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+def decode_speed(llm, batch: int, args) -> tuple[float, int]:
+    _start(llm, batch, args.prompt_len, args.max_tokens, seed=1)
+    steps, start = 0, time.perf_counter()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / max(steps, 1), steps
+
+
+def profile(llm, batch: int, args) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    _start(llm, batch, args.prompt_len, args.steps + 2, seed=2)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            llm.engine.step()
+        wall = time.perf_counter() - start
+    _finish(llm)
+    step_ms = wall * 1e3 / args.steps
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = wall * 1e6  # shares of the whole step: the rest is outside torch ops
+    print(f"  profiled {args.steps} steps: {step_ms:.2f} ms/step under the profiler "
+          f"(its own overhead included); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print("  | op | % of step | ms/step | calls/step |")
+    print("  |---|---|---|---|")
+    for e in events[: args.top]:
+        print(f"  | {e.key} | {100 * e.self_cpu_time_total / total_us:.1f} | "
+              f"{e.self_cpu_time_total / 1e3 / args.steps:.2f} | {e.count / args.steps:.0f} |")
+    rest = sum(e.self_cpu_time_total for e in events[args.top:])
+    print(f"  | (all other ops) | {100 * rest / total_us:.1f} | {rest / 1e3 / args.steps:.2f} | |")
+    outside = total_us - sum(e.self_cpu_time_total for e in events)
+    print(f"  | (outside torch ops: Python, the native ctypes kernels, scheduler, sampler) | "
+          f"{100 * outside / total_us:.1f} | {outside / 1e3 / args.steps:.2f} | |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES), help=f"some of {', '.join(CASES)}")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=48, help="decode steps under the profiler")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--no-profile", action="store_true", help="speed only")
+    args = ap.parse_args()
+    from quire import LLM, SamplingParams
+    for case in args.cases.split(","):
+        dtype, batch = CASES[case]
+        kw = {"num_threads": args.num_threads} if args.num_threads else {}
+        llm = LLM(dtype=dtype, **kw)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        with StealMeter() as steal:
+            step_s, steps = decode_speed(llm, batch, args)
+        print(f"{case} ({dtype}, batch {batch}): {step_s * 1e3:.2f} ms per decode step, "
+              f"{batch / step_s:.1f} tok/s over {steps} steps, {steal}")
+        if not args.no_profile:
+            profile(llm, batch, args)
+        llm.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+// Fused element-wise ops of the Llama decoder layer for the CPU: residual add + RMSNorm,
+// RoPE in place on q/k, SiLU-and-mul. Each one replaces a handful of torch ops (and their
+// dispatch and temporaries) with one pass over the rows.
+//
+// Every result is bit-identical to the torch ops it replaces (quire.models.fused_ops has
+// them), because greedy parity with transformers is the correctness oracle:
+//  - products and sums are rounded to the tensor dtype where torch rounds them (bf16 math
+//    is float math rounded to bf16 after each op), and never contracted into an FMA;
+//  - RMSNorm's mean of squares sums in the order torch's CPU sum kernel does (cascade_sum:
+//    vectors of `width` floats in 4 interleaved accumulators, then the tail, then the lanes);
+//  - SiLU's exp is the caller's: torch's own Sleef function (a pointer into libtorch_cpu)
+//    on the part torch vectorizes, std::exp on the tail, as torch's cpu_kernel_vec does.
+//
+// Plain C++ with a C ABI, called through ctypes. dtype codes: 0 = float32, 1 = bfloat16.
+#pragma GCC optimize("fp-contract=off")
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  // branch-free (both computed, one picked), so that loops over rows vectorize
+  const uint32_t nan = (bits >> 16) | 0x40u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_float(*p); }
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) { *p = float_to_bf16(x); }
+// a value as the tensor dtype holds it (torch rounds every bf16 op's float result)
+inline float round_to(float x, const float*) { return x; }
+inline float round_to(float x, const uint16_t*) { return bf16_to_float(float_to_bf16(x)); }
+
+// torch's cascade sum of n floats (SumKernel.cpp, vectorized_inner_sum over Vectorized<float>
+// of W lanes): the row is read as n / W vectors; row_sum splits those into 4 interleaved
+// accumulators (multi_row_sum with its levels), adds the leftover vectors to the first, folds
+// the 4 together; the scalar tail and then the W lanes are added to a float that starts at 0.
+template <int W>
+float torch_sum(const float* x, int64_t n) {
+  constexpr int kIlp = 4, kLevels = 4;
+  const int64_t num_vec = n / W;
+  const int64_t size_ilp = num_vec / kIlp;  // rows of 4 vectors
+  int64_t log2 = 0;
+  while ((int64_t(1) << log2) < size_ilp) ++log2;  // CeilLog2
+  const int64_t level_power = log2 / kLevels > 4 ? log2 / kLevels : 4;
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  float acc[kLevels][kIlp][W] = {};
+  auto add_vec = [](float* dst, const float* src) {
+    for (int l = 0; l < W; ++l) dst[l] += src[l];
+  };
+  int64_t i = 0;
+  for (; i + level_step <= size_ilp;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], x + (i * kIlp + k) * W);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k) {
+        add_vec(acc[j][k], acc[j - 1][k]);
+        for (int l = 0; l < W; ++l) acc[j - 1][k][l] = 0.f;
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i)
+    for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], x + (i * kIlp + k) * W);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], acc[j][k]);
+  for (int64_t v = size_ilp * kIlp; v < num_vec; ++v) add_vec(acc[0][0], x + v * W);
+  for (int k = 1; k < kIlp; ++k) add_vec(acc[0][0], acc[0][k]);
+  float total = 0.f;
+  for (int64_t e = num_vec * W; e < n; ++e) total += x[e];
+  for (int l = 0; l < W; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)) per row, as transformers' LlamaRMSNorm; with a
+// residual, first x = residual = x + residual (the pre-norm layer's running sum).
+template <typename T, int W>
+void rms_norm(T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n,
+              int64_t x_stride, int64_t res_stride, int64_t out_stride, float eps) {
+#pragma omp parallel for if (rows > 8)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* xr = x + r * x_stride;
+    float buf[8192];
+    float sq[8192];
+    if (residual != nullptr) {
+      T* rr = residual + r * res_stride;
+      for (int64_t e = 0; e < n; ++e) {
+        const float s = load(xr + e) + load(rr + e);
+        store(rr + e, s);
+        buf[e] = round_to(s, xr);
+      }
+    } else {
+      for (int64_t e = 0; e < n; ++e) buf[e] = load(xr + e);
+    }
+    for (int64_t e = 0; e < n; ++e) sq[e] = buf[e] * buf[e];
+    const float variance = torch_sum<W>(sq, n) / static_cast<float>(n);
+    const float inv = 1.f / std::sqrt(variance + eps);
+    T* o = out + r * out_stride;
+    for (int64_t e = 0; e < n; ++e)
+      store(o + e, load(weight + e) * round_to(buf[e] * inv, o));
+  }
+}
+
+// q/k rows [tokens, heads, head_dim] in place: x * cos + rotate_half(x) * sin, each product
+// and the sum rounded to the dtype (torch's order: q * cos, rotate_half(q) * sin, then +).
+template <typename T>
+void rope(T* x, const T* cos, const T* sin, int64_t tokens, int heads, int head_dim,
+          int64_t token_stride, int64_t cs_stride) {
+  const int half = head_dim / 2;
+#pragma omp parallel for if (tokens > 16)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos + t * cs_stride;
+    const T* s = sin + t * cs_stride;
+    for (int h = 0; h < heads; ++h) {
+      T* v = x + t * token_stride + int64_t(h) * head_dim;
+      for (int d = 0; d < half; ++d) {
+        const float a = load(v + d), b = load(v + d + half);
+        const float lo = round_to(round_to(a * load(c + d), v) +
+                                  round_to(-b * load(s + d), v), v);
+        const float hi = round_to(round_to(b * load(c + d + half), v) +
+                                  round_to(a * load(s + d + half), v), v);
+        store(v + d, lo);
+        store(v + d + half, hi);
+      }
+    }
+  }
+}
+
+// Sleef's exp as torch calls it, over W floats (a pointer into libtorch_cpu).
+template <int W>
+void vector_exp(const void* fn, const float* in, float* out) {
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    using Fn = __m512 (*)(__m512);
+    _mm512_storeu_ps(out, reinterpret_cast<Fn>(fn)(_mm512_loadu_ps(in)));
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (W == 8) {
+    using Fn = __m256 (*)(__m256);
+    _mm256_storeu_ps(out, reinterpret_cast<Fn>(fn)(_mm256_loadu_ps(in)));
+    return;
+  }
+#endif
+}
+
+// out = silu(gate) * up per row (gate and up are the two halves of each gate_up row). torch's
+// silu vectorizes each row's first multiple of 2 vectors of T (2 * 64 bytes / sizeof T
+// elements) with Sleef's exp and does the rest with std::exp; the silu result is rounded to
+// the dtype before the multiply. In passes over a row buffer, so that the compiler vectorizes
+// all but the exp calls.
+constexpr int64_t kMaxSiluRow = 16384;
+
+template <typename T, int W>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t in_stride,
+                  int64_t out_stride, const void* exp_fn) {
+  const int64_t step = 2 * (W * 4 / int64_t(sizeof(T)));  // 2 * Vectorized<T>::size()
+  const int64_t vec_end = n / step * step;
+#pragma omp parallel for if (rows > 4)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * in_stride;
+    const T* u = g + n;
+    T* o = out + r * out_stride;
+    alignas(64) float x[kMaxSiluRow], e[kMaxSiluRow];
+    for (int64_t i = 0; i < n; ++i) x[i] = load(g + i);
+    for (int64_t i = 0; i < vec_end; ++i) e[i] = -x[i];
+    for (int64_t i = 0; i < vec_end; i += W) vector_exp<W>(exp_fn, e + i, e + i);
+    for (int64_t i = vec_end; i < n; ++i) e[i] = std::exp(-x[i]);
+    for (int64_t i = 0; i < n; ++i)
+      store(o + i, round_to(x[i] / (1.f + e[i]), o) * load(u + i));
+  }
+}
+
+}  // namespace
+
+// The widths this build can serve (torch's Vectorized<float> lanes): 16 needs AVX-512, 8 AVX2.
+extern "C" int quire_fused_supports_width(int width) {
+#if defined(__AVX512F__)
+  if (width == 16) return 1;
+#endif
+#if defined(__AVX2__)
+  if (width == 8) return 1;
+#endif
+  return 0;
+}
+
+extern "C" int quire_rms_norm(int dtype, int width, void* x, void* residual, const void* weight,
+                              void* out, int64_t rows, int64_t n, int64_t x_stride,
+                              int64_t res_stride, int64_t out_stride, float eps) {
+  if (n > 8192 || (width != 8 && width != 16)) return 1;
+#define QUIRE_RMS(T, W)                                                                        \
+  rms_norm<T, W>(static_cast<T*>(x), static_cast<T*>(residual), static_cast<const T*>(weight), \
+                 static_cast<T*>(out), rows, n, x_stride, res_stride, out_stride, eps)
+  if (dtype == 0 && width == 16) QUIRE_RMS(float, 16);
+  else if (dtype == 0) QUIRE_RMS(float, 8);
+  else if (dtype == 1 && width == 16) QUIRE_RMS(uint16_t, 16);
+  else if (dtype == 1) QUIRE_RMS(uint16_t, 8);
+  else return 1;
+#undef QUIRE_RMS
+  return 0;
+}
+
+extern "C" int quire_rope(int dtype, void* x, const void* cos, const void* sin, int64_t tokens,
+                          int heads, int head_dim, int64_t token_stride, int64_t cs_stride) {
+  if (dtype == 0)
+    rope(static_cast<float*>(x), static_cast<const float*>(cos), static_cast<const float*>(sin),
+         tokens, heads, head_dim, token_stride, cs_stride);
+  else if (dtype == 1)
+    rope(static_cast<uint16_t*>(x), static_cast<const uint16_t*>(cos),
+         static_cast<const uint16_t*>(sin), tokens, heads, head_dim, token_stride, cs_stride);
+  else
+    return 1;
+  return 0;
+}
+
+extern "C" int quire_silu_and_mul(int dtype, int width, const void* gate_up, void* out,
+                                  int64_t rows, int64_t n, int64_t in_stride, int64_t out_stride,
+                                  const void* exp_fn) {
+  if (!quire_fused_supports_width(width) || exp_fn == nullptr || n > kMaxSiluRow) return 1;
+#define QUIRE_SILU(T, W)                                                                   \
+  silu_and_mul<T, W>(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, n, in_stride, \
+                     out_stride, exp_fn)
+  if (dtype == 0 && width == 16) QUIRE_SILU(float, 16);
+  else if (dtype == 0) QUIRE_SILU(float, 8);
+  else if (dtype == 1 && width == 16) QUIRE_SILU(uint16_t, 16);
+  else if (dtype == 1) QUIRE_SILU(uint16_t, 8);
+  else return 1;
+#undef QUIRE_SILU
+  return 0;
+}

@@ -1,0 +1,68 @@
+"""Batched prefill chunks that extend a cached prefix, on the CPU: every query row of every such
+chunk attends, in one native call, to its own sequence's first (position + 1) tokens read in
+place through the block table (cpu_kernels/paged_decode.cpp, quire_paged_extend: the decode
+kernel with a row -> sequence map). The chunk's own K/V are already in the cache, so the
+cached prefix and the causal part are one read. The torch backend's per-sequence SDPA path is
+the fallback, and the reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+
+from quire.attention import cpu_kernels
+from quire.attention.base import AttentionMetadata
+
+
+@functools.cache
+def _library():
+    lib = cpu_kernels.load_library("paged_decode.cpp")
+    if lib is None:
+        return None
+    fn = lib.quire_paged_extend
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return cpu_kernels.native_decode_supported(q, k_cache) and _library() is not None
+
+
+def extend_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:
+    """(query rows, their sequence, tokens each attends to) for the chunks of `seqs`, int32."""
+    rows, row_seq, row_lens = [], [], []
+    for i in seqs:
+        q0, q1, ctx = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1], \
+            meta.seq_lens_cpu[i]
+        rows.append(np.arange(q0, q1, dtype=np.int32))
+        row_seq.append(np.full(q1 - q0, i, dtype=np.int32))
+        row_lens.append(np.arange(ctx - (q1 - q0) + 1, ctx + 1, dtype=np.int32))
+    return tuple(torch.from_numpy(np.concatenate(a)) for a in (rows, row_seq, row_lens))
+
+
+def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
+                 row_seq: torch.Tensor, row_lens: torch.Tensor, scale: float,
+                 window: int | None) -> None:
+    """out[rows[j]] = attention of q[rows[j]] over the first row_lens[j] tokens of sequence
+    row_seq[j]. q/out [T, H, D] with contiguous heads; caches contiguous; int32 indices."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    assert block_tables.dtype == rows.dtype == row_seq.dtype == row_lens.dtype == torch.int32
+    rc = _library()(0 if q.dtype == torch.float32 else 1, q.data_ptr(), k_cache.data_ptr(),
+                    v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+                    row_lens.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim,
+                    block_size, q.stride(0), out.stride(0), block_tables.stride(0), scale,
+                    window or 0, rows.data_ptr(), row_seq.data_ptr())
+    if rc:
+        raise RuntimeError(f"paged_extend: unsupported dtype {q.dtype}")

@@ -1,0 +1,97 @@
+"""The fused decoder-layer ops are bit-identical to the torch operations they replace (the
+transformers operation order), in float32 and bfloat16, over the shapes the models use and
+awkward ones (odd widths, vector tails, strided views, many rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quire.models import fused_ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def test_native_kernels_are_built():
+    # this machine has a compiler and AVX2 or better: the tests below must exercise them
+    assert fused_ops._native() is not None
+    assert fused_ops._native()[2] is not None  # torch's Sleef exp was found
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (3, 64), (7, 100), (128, 576), (5, 2048),
+                                    (2, 4096), (1, 8), (4, 17)])
+def test_rms_norm_is_bit_identical(dtype, rows, n):
+    x = _rand(rows, n, dtype=dtype, seed=1, scale=3.0)
+    w = _rand(n, dtype=dtype, seed=2)
+    got = fused_ops.rms_norm(x, w, 1e-5)
+    assert torch.equal(got, fused_ops.rms_norm_ref(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (9, 64), (64, 960), (3, 33)])
+def test_residual_rms_norm_is_bit_identical(dtype, rows, n):
+    h = _rand(rows, n, dtype=dtype, seed=3)
+    residual = _rand(rows, n, dtype=dtype, seed=4, scale=10.0)
+    w = _rand(n, dtype=dtype, seed=5)
+    want_sum = residual + h
+    want = fused_ops.rms_norm_ref(want_sum, w, 1e-6)
+    got = fused_ops.rms_norm(h.clone(), w, 1e-6, residual=residual)
+    assert torch.equal(residual, want_sum)  # updated in place
+    assert torch.equal(got, want)
+
+
+def test_rms_norm_of_a_strided_view():
+    big = _rand(6, 300, dtype=torch.float32, seed=6)
+    x = big[:, 10:138]  # rows 300 apart
+    w = _rand(128, dtype=torch.float32, seed=7)
+    assert torch.equal(fused_ops.rms_norm(x, w, 1e-5), fused_ops.rms_norm_ref(x, w, 1e-5))
+    residual = _rand(6, 128, dtype=torch.float32, seed=8)
+    want = fused_ops.rms_norm_ref(residual + x, w, 1e-5)
+    got = fused_ops.rms_norm(x, w, 1e-5, residual=residual)  # written over the strided x
+    assert torch.equal(got, want) and got.data_ptr() == x.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 9, 64), (37, 3, 64), (5, 4, 128),
+                                                   (2, 2, 6)])
+def test_rope_in_place_is_bit_identical(dtype, tokens, heads, head_dim):
+    kv_heads = 1
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=8, scale=2.0)
+    positions = torch.arange(tokens) * 7 + 3
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions[:, None].float() * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + 1) * head_dim].view(tokens, kv_heads, head_dim)
+    want_q, want_k = fused_ops.rope_ref(q, cos, sin), fused_ops.rope_ref(k, cos, sin)
+    v_before = qkv[:, (heads + 1) * head_dim:].clone()
+    fused_ops.rope_(q, cos, sin)
+    fused_ops.rope_(k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (heads + 1) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1536), (4, 64), (3, 100), (2, 37), (16, 1536)])
+def test_silu_and_mul_is_bit_identical(dtype, rows, n):
+    # wide values reach exp's extremes (over- and underflow) as well as the usual range
+    gate_up = _rand(rows, 2 * n, dtype=dtype, seed=9, scale=8.0)
+    assert torch.equal(fused_ops.silu_and_mul(gate_up), fused_ops.silu_and_mul_ref(gate_up))
+
+
+def test_fallback_without_native_library(monkeypatch):
+    monkeypatch.setattr(fused_ops, "_native", lambda: None)
+    x = _rand(3, 64, dtype=torch.float32, seed=10)
+    residual = _rand(3, 64, dtype=torch.float32, seed=11)
+    w = _rand(64, dtype=torch.float32, seed=12)
+    want = fused_ops.rms_norm_ref(residual + x, w, 1e-5)
+    assert torch.equal(fused_ops.rms_norm(x, w, 1e-5, residual=residual), want)
+    gate_up = _rand(3, 128, dtype=torch.float32, seed=13)
+    assert torch.equal(fused_ops.silu_and_mul(gate_up), fused_ops.silu_and_mul_ref(gate_up))

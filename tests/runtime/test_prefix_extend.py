@@ -1,0 +1,114 @@
+"""Prefill chunks that extend a cached prefix run batched in one native call (paged_extend):
+it agrees with the per-sequence torch path it replaces, and an engine with prefix caching
+(which takes it) gives the same greedy tokens as one without (which never does)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from quire import LLM, SamplingParams
+from quire.attention import paged_extend
+from quire.attention.base import AttentionMetadata
+from quire.attention.torch_backend import TorchAttentionBackend
+
+from runtime_helpers import assert_no_blocks_in_use
+
+BS = 16
+
+
+def _step(dtype, window=None, heads=6, kv_heads=2, head_dim=64, decodes=(40,),
+          extends=((100, 37), (16, 1), (33, 16), (250, 64)), fresh=(20,)):
+    """A mixed step: decodes (context lengths), extends ((cached prefix, new tokens)) and fresh
+    prefills (lengths), blocks scattered over the cache; the cache already holds every token
+    before this step's, as the engine leaves it. Returns (backend, q, k, v, caches, meta)."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(n - 1, 1) for n in decodes] + list(extends) + [(0, n) for n in fresh]
+    need = [-(-(c + n) // BS) for c, n in seqs]
+    perm = torch.randperm(sum(need) + 3, generator=gen)
+    k_cache = torch.randn(len(perm), BS, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(len(perm), BS, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
+    starts, slots, used = [0], [], 0
+    for i, ((cached, new), nb) in enumerate(zip(seqs, need)):
+        tables[i, :nb] = perm[used: used + nb]
+        used += nb
+        pos = torch.arange(cached, cached + new)
+        slots.append(tables[i, pos // BS].long() * BS + pos % BS)
+        starts.append(starts[-1] + new)
+    total = starts[-1]
+    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    lens = [c + n for c, n in seqs]
+    meta = AttentionMetadata(
+        num_decodes=len(decodes), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.cat(slots), max_query_len=max(n for _, n in seqs),
+        max_seq_len=max(lens), block_size=BS, query_start_loc_cpu=starts, seq_lens_cpu=lens)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, head_dim ** -0.5, window)
+    return backend, q, k, v, k_cache, v_cache, meta
+
+
+def _forward(args, native: bool, monkeypatch):
+    backend, q, k, v, k_cache, v_cache, meta = args
+    meta.backend_state.clear()
+    with monkeypatch.context() as m:
+        if not native:
+            m.setattr(paged_extend, "supported", lambda q, k_cache: False)
+        backend.prepare(meta)
+        return backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_batched_extend_matches_the_per_sequence_torch_path(dtype, tol, window, monkeypatch):
+    args = _step(dtype, window)
+    assert paged_extend.supported(args[1], args[4])  # the native kernel is what runs
+    got = _forward(args, True, monkeypatch)
+    want = _forward(args, False, monkeypatch)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (8, 1, 128), (6, 3, 48)])
+def test_batched_extend_over_head_layouts(heads, kv_heads, head_dim, monkeypatch):
+    # no GQA, one KV head for many query heads, and a head size off the fixed-shape path
+    args = _step(torch.float32, None, heads, kv_heads, head_dim)
+    torch.testing.assert_close(_forward(args, True, monkeypatch),
+                               _forward(args, False, monkeypatch), atol=2e-5, rtol=2e-5)
+
+
+def test_extend_rows_index_each_query_token():
+    args = _step(torch.float32)
+    meta = args[-1]
+    rows, row_seq, row_lens = paged_extend.extend_rows(meta, [1, 2])
+    # sequence 1: 100 cached + 37 new at rows 1..37; sequence 2: 16 cached + 1 new at row 38
+    assert rows.tolist() == list(range(1, 39))
+    assert row_seq.tolist() == [1] * 37 + [2]
+    assert row_lens.tolist() == list(range(101, 138)) + [17]
+
+
+def _llm(path, **kw):
+    return LLM(path, dtype="float32", max_num_batched_tokens=96, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_engine_with_cached_prefixes_matches_the_uncached_engine(tiny_models, family):
+    # shared prefixes of several lengths, chunked prefill (96-token budget): later requests
+    # extend cached prefixes, several in one step; mistral's window is shorter than them
+    rng = random.Random(3)
+    system = [rng.randrange(3, 49152) for _ in range(150)]
+    prompts = [system[: rng.choice([17, 64, 100, 150])]
+               + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 50))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    on = _llm(tiny_models[family])
+    off = _llm(tiny_models[family], enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    on.generate(prompts[:2], params, use_tqdm=False)  # warm the cache with two of them
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert on.engine.kv_manager.prefix_hits > 0
+    assert on.engine.snapshot().blocks_used == 0
+    assert_no_blocks_in_use(off)
