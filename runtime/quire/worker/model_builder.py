@@ -9,7 +9,7 @@ from quire.config import EngineArgs
 from quire.distributed import parallel_state as ps
 from quire.models.config import ModelConfig
 from quire.models.llama import LlamaForCausalLM
-from quire.models.loader import ModelSource, default_dtype, iter_weights
+from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
 from quire.platform import attention_backend_class
 
 
@@ -24,9 +24,10 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
     def make_backend(window):
         return backend_cls(num_heads, num_kv_heads, cfg.head_dim, scale, window)
 
+    quant = quant_config(source, args.quantization, args.quantization_group_size)
     with ps.shard_as(rank, size), default_dtype(dtype), device:
-        model = LlamaForCausalLM(cfg, make_backend, max_model_len, dtype, device)
-    model.load_weights(iter_weights(source, cfg))  # each layer keeps only its shard
+        model = LlamaForCausalLM(cfg, make_backend, max_model_len, dtype, device, quant)
+    model.load_weights(iter_weights(source, cfg, args.quantization))  # only its shard
     model.pack_weights()
     return model.eval()
 
