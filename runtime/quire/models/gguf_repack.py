@@ -150,8 +150,9 @@ def decode(tensor) -> tuple[str, dict[str, np.ndarray], int]:
         qs = b[:, start:start + 16]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)
         d = _f16(b[:, :2])
-        m = _f16(b[:, 2:4]) if t == T.Q4_1 else np.zeros_like(d)
-        out = {"q": q, "scales": d, "zeros": _exact_sum(m, 8.0 * d, tensor.name)}
+        zeros = (_exact_sum(_f16(b[:, 2:4]), 8.0 * d, tensor.name) if t == T.Q4_1
+                 else np.zeros_like(d))  # Q4_0 is already (q - 8) * d
+        out = {"q": q, "scales": d, "zeros": zeros}
     elif t == T.Q4_K:  # d f16, dmin f16, scales[12], qs[128]
         from gguf.quants import Q4_K
         sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
