@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from quire.layers import quant_formats as qf
 from quire.layers.quant_formats import dequantize_int4, dequantize_int8, unpack_nibbles
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ def native():
 
 class Kernel:
     name = "?"
+    owns_weights = False  # holds its own packed copy: the canonical tensors may be freed
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight this kernel multiplies by (tests, the transformers oracle)."""
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -55,8 +61,8 @@ class DequantMatmul(Kernel):
 
     name = "dequant"
 
-    def __init__(self, dequantize, *tensors) -> None:
-        self.dequantize, self.tensors, self.weight = dequantize, tensors, None
+    def __init__(self, dequantize_fn, *tensors) -> None:
+        self.dequantize_fn, self.tensors, self.weight = dequantize_fn, tensors, None
 
     def __call__(self, x):
         if self.weight is None:
@@ -65,16 +71,26 @@ class DequantMatmul(Kernel):
                 _warned = True
                 logger.warning("no quantized matmul kernel runs here; quantized layers are "
                                "dequantized to fp32 (correct, but no memory saved)")
-            self.weight = self.dequantize(*self.tensors)
+            self.weight = self.dequantize_fn(*self.tensors)
         return (x.float() @ self.weight.T).to(x.dtype)
+
+    def dequantize(self):
+        return self.weight if self.weight is not None else self.dequantize_fn(*self.tensors)
 
 
 class NativeKernel(Kernel):
-    def __init__(self, name, fn, packed) -> None:
-        self.name, self.fn, self.packed = name, fn, packed
+    owns_weights = True
+
+    def __init__(self, name, module, fn, packed) -> None:
+        self.name, self.module, self.fn, self.packed = name, module, fn, packed
 
     def __call__(self, x):
-        return self.fn(x, self.packed)
+        if x.dtype in (torch.float32, torch.bfloat16):
+            return self.fn(x, self.packed)
+        return self.fn(x.float(), self.packed).to(x.dtype)  # it takes fp32 or bf16 only
+
+    def dequantize(self):
+        return self.module.dequantize(self.packed)
 
 
 class TorchInt8(Kernel):
@@ -92,6 +108,9 @@ class TorchInt8(Kernel):
             s = self._by_dtype[x.dtype] = self.scales.to(x.dtype)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, s)
 
+    def dequantize(self):  # the fp32 values (in bf16 the op rounds the scales first)
+        return dequantize_int8(self.qweight, self.scales[:, None])
+
 
 class TorchInt4(Kernel):
     """aten._weight_int4pack_mm_for_cpu: group-wise int4 with w = (q - 8) * scale + zero,
@@ -100,6 +119,7 @@ class TorchInt4(Kernel):
     name = "torch-int4"
 
     def __init__(self, qweight, scales, zeros) -> None:
+        self.canonical = (qweight, scales, zeros)
         q = unpack_nibbles(qweight).to(torch.int32)
         self.group = q.shape[1] // scales.shape[1]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -111,6 +131,9 @@ class TorchInt4(Kernel):
         if sz is None:
             sz = self._by_dtype[x.dtype] = self.scales_zeros.to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, sz)
+
+    def dequantize(self):  # the fp32 values (in bf16 the op rounds scales and zeros first)
+        return dequantize_int4(*self.canonical)
 
 
 def _torch_ok(kernel: Kernel, k: int, dequantized: torch.Tensor) -> bool:
@@ -125,6 +148,20 @@ def _torch_ok(kernel: Kernel, k: int, dequantized: torch.Tensor) -> bool:
         return False
 
 
+def _native_kernel(kind: str, *tensors, group: int) -> NativeKernel | None:
+    mod = native()
+    if mod is None:
+        return None
+    pack, fn = ((mod.pack_int8, mod.int8_linear) if kind == qf.INT8
+                else (mod.pack_int4, mod.int4_linear))
+    try:
+        packed = pack(*(t.contiguous() for t in tensors), group)
+    except ValueError as e:  # a group size it does not take (int4: 32/64/128)
+        logger.info("native %s kernel does not take this weight (%s)", kind, e)
+        return None
+    return NativeKernel(f"native-{kind}", mod, fn, packed)
+
+
 def _triton(kind: str, tensors):
     from quire.layers import triton_quant
     return triton_quant.kernel(kind, *tensors)
@@ -134,10 +171,9 @@ def int8_kernel(qweight: torch.Tensor, scales: torch.Tensor, exact: bool = True,
                 prefer: str = "auto") -> Kernel:
     group = qweight.shape[1] // scales.shape[1]
     if prefer in ("auto", "native") and qweight.device.type == "cpu":
-        mod = native()
-        if mod is not None:
-            return NativeKernel("native-int8", mod.int8_linear,
-                                mod.pack_int8(qweight, scales, group))
+        kernel = _native_kernel(qf.INT8, qweight, scales, group=group)
+        if kernel is not None:
+            return kernel
     if prefer in ("auto", "triton") and qweight.is_cuda:
         return _triton("int8", (qweight, scales))
     if (prefer in ("auto", "torch") and not exact and scales.shape[1] == 1
@@ -153,10 +189,9 @@ def int4_kernel(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     k = qweight.shape[1] * 2
     group = k // scales.shape[1]
     if prefer in ("auto", "native") and qweight.device.type == "cpu":
-        mod = native()
-        if mod is not None:
-            return NativeKernel("native-int4", mod.int4_linear,
-                                mod.pack_int4(qweight, scales, zeros, group))
+        kernel = _native_kernel(qf.INT4, qweight, scales, zeros, group=group)
+        if kernel is not None:
+            return kernel
     if prefer in ("auto", "triton") and qweight.is_cuda:
         return _triton("int4", (qweight, scales, zeros))
     if (prefer in ("auto", "torch") and not exact and group in (32, 64, 128, 256)

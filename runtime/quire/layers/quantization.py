@@ -118,9 +118,17 @@ class _WeightOnlyMethod(LinearMethod):
                 _param(layer, name, tuple(t.shape), t.dtype).data = t
         layer.quant_kernel = self.make_kernel(*(getattr(layer, n).data
                                                 for n in self.tensor_names))
+        if layer.quant_kernel.owns_weights and not getattr(layer, "keep_canonical", False):
+            for name in self.tensor_names:  # the kernel keeps its own packed copy
+                getattr(layer, name).data = getattr(layer, name).data.new_empty(0)
 
     def dequantized(self, layer) -> torch.Tensor:
-        """The fp32 weight these tensors stand for (tests, and the transformers oracle)."""
+        """The fp32 weight this layer multiplies by (tests, and the transformers oracle)."""
+        if getattr(layer, "quant_kernel", None) is not None:
+            return layer.quant_kernel.dequantize()
+        return self.dequantize_canonical(layer)
+
+    def dequantize_canonical(self, layer) -> torch.Tensor:
         raise NotImplementedError
 
     def apply(self, layer, x, bias):
@@ -146,7 +154,7 @@ class Int8LinearMethod(_WeightOnlyMethod):
     def make_kernel(self, qweight, scales):
         return quant_kernels.int8_kernel(qweight, scales, exact=self.exact)
 
-    def dequantized(self, layer):
+    def dequantize_canonical(self, layer):
         return qf.dequantize_int8(layer.qweight, layer.scales)
 
 
@@ -170,7 +178,7 @@ class Int4LinearMethod(_WeightOnlyMethod):
     def make_kernel(self, qweight, scales, zeros):
         return quant_kernels.int4_kernel(qweight, scales, zeros, exact=self.exact)
 
-    def dequantized(self, layer):
+    def dequantize_canonical(self, layer):
         return qf.dequantize_int4(layer.qweight, layer.scales, layer.zeros)
 
 

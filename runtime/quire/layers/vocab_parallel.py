@@ -90,6 +90,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                 delattr(self, name)
             self.quant_method = embedding.table_method
             self.quant_group = embedding.quant_group
+            self.keep_canonical = True  # lookups read them
             for name in self.quant_method.tensor_names:
                 setattr(self, name, getattr(embedding, name))
             return
