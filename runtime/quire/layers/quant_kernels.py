@@ -48,6 +48,13 @@ class Kernel:
         """The fp32 weight this kernel multiplies by (tests, the transformers oracle)."""
         raise NotImplementedError
 
+    def extra_bytes(self) -> int:
+        """Memory it holds beyond the layer's parameters (its packed or dequantized copy)."""
+        held = [getattr(self, a, None) for a in ("weight", "packed", "scales_zeros")]
+        packed = getattr(self, "packed", None)
+        held += [getattr(packed, a, None) for a in ("qweight", "scales", "offsets")]
+        return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -40,4 +40,7 @@ def parameter_bytes(model: torch.nn.Module) -> int:
         packed = getattr(module, "packed_weight", None)
         if packed is not None:
             total += packed.numel() * packed.element_size()
+        kernel = getattr(module, "quant_kernel", None)  # a quantized layer's packed copy
+        if kernel is not None:
+            total += kernel.extra_bytes()
     return total
