@@ -1,0 +1,175 @@
+"""Weight-only int8 / int4 linear layers on the CPU: the native kernels of quant_matmul.cpp.
+
+The canonical formats a loader or quantizer hands in:
+- int8: `qweight` int8 [N, K], `scales` float32 [N, K // G]; w[n, k] = q * scales[n, k // G]
+  (G = K: one scale per output channel; G = 32: GGUF Q8_0).
+- int4: `qweight` uint8 [N, K // 2], low nibble = even k; `scales` / `zeros` float32
+  [N, K // G], G in 32 / 64 / 128; w = (q - 8) * scale + zero (GGUF Q4_0: zero = 0;
+  Q4_1: scale = d, zero = m + 8 d).
+
+`pack_*` reorders them once into the kernel's layout (blocks of 16 output rows, interleaved
+so one vector load holds one k of all 16); `*_linear(x, packed)` is
+`(x.float() @ dequantize(packed).T).to(x.dtype)` with float32 sums: every weight is
+dequantized exactly, only the summation order differs. `available()` says whether the native
+library runs here; without it the same calls take a torch path (dequantize, then matmul):
+slower, same semantics, nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from quire.attention import cpu_kernels
+
+ROWS = 16  # output rows per block: quant_matmul.cpp's kRows
+INT4_GROUPS = (32, 64, 128)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    lib = cpu_kernels.load_library("quant_matmul.cpp", march)
+    if lib is None:
+        return None
+    common = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.quire_int8_linear.restype = ctypes.c_int
+    lib.quire_int8_linear.argtypes = common + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+    lib.quire_int4_linear.restype = ctypes.c_int
+    lib.quire_int4_linear.argtypes = common + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def available() -> bool:
+    """The native library is built and runs on this CPU."""
+    return _library() is not None
+
+
+def isa(march: str = "native") -> str | None:
+    """The vector path the library was built with ("avx512", "avx2", "scalar"), or None."""
+    lib = _library(march)
+    return lib.quire_quant_matmul_isa().decode() if lib is not None else None
+
+
+class PackedWeight:
+    """A weight in the kernel's layout, with the ctypes arguments made once (a decode step
+    calls the kernel a few hundred times; each call converts only x and y)."""
+
+    __slots__ = ("bits", "n", "k", "group", "qweight", "scales", "zeros", "_args", "_march")
+
+    def __init__(self, bits, n, k, group, qweight, scales, zeros, march="native"):
+        self.bits, self.n, self.k, self.group = bits, n, k, group
+        self.qweight, self.scales, self.zeros = qweight, scales, zeros
+        self._march = march
+        tensors = (qweight, scales) if zeros is None else (qweight, scales, zeros)
+        self._args = tuple(ctypes.c_void_p(t.data_ptr()) for t in tensors) + (
+            ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int64(group))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+    def __repr__(self) -> str:
+        return f"PackedWeight(int{self.bits}, n={self.n}, k={self.k}, group={self.group})"
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def _row_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / 16), C, 16]: padded with zero rows, one k of 16 rows contiguous."""
+    n, c = t.shape
+    padded = torch.zeros((n + ROWS - 1) // ROWS * ROWS, c, dtype=t.dtype)
+    padded[:n] = t
+    return padded.view(-1, ROWS, c).transpose(1, 2).contiguous()
+
+
+def _check_group(k: int, group: int, allowed: tuple[int, ...] | None) -> None:
+    if allowed is not None and group not in allowed:
+        raise ValueError(f"group must be one of {allowed}, got {group}")
+    if not isinstance(group, int) or group <= 0 or k % group:
+        raise ValueError(f"group must be a positive divisor of K={k}, got {group}")
+
+
+def pack_int8(qweight: torch.Tensor, scales: torch.Tensor, group: int,
+              _march: str = "native") -> PackedWeight:
+    """int8 `qweight` [N, K] and float32 `scales` [N, K // group] -> the kernel's layout."""
+    if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2:
+        raise ValueError("qweight must be a 2-D int8 tensor [N, K]")
+    n, k = qweight.shape
+    _check_group(k, group, None)
+    _check("qweight", qweight, torch.int8, (n, k))
+    _check("scales", scales, torch.float32, (n, k // group))
+    return PackedWeight(8, n, k, group, _row_blocks(qweight), _row_blocks(scales), None, _march)
+
+
+def pack_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+              _march: str = "native") -> PackedWeight:
+    """uint8 `qweight` [N, K // 2] (two nibbles a byte, low = even k) with float32 `scales`
+    and `zeros` [N, K // group] -> the kernel's layout."""
+    if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2:
+        raise ValueError("qweight must be a 2-D uint8 tensor [N, K // 2]")
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    _check_group(k, group, INT4_GROUPS)
+    _check("qweight", qweight, torch.uint8, (n, k // 2))
+    _check("scales", scales, torch.float32, (n, k // group))
+    _check("zeros", zeros, torch.float32, (n, k // group))
+    return PackedWeight(4, n, k, group, _row_blocks(qweight), _row_blocks(scales),
+                        _row_blocks(zeros), _march)
+
+
+def _unblock(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def dequantize(packed: PackedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] the kernel multiplies by (the torch path and tests use it)."""
+    q, scales = _unblock(packed.qweight, packed.n), _unblock(packed.scales, packed.n)
+    scales = scales.repeat_interleave(packed.group, dim=1)
+    if packed.bits == 8:
+        return q.float() * scales
+    nibbles = torch.stack([q & 15, q >> 4], dim=-1).reshape(packed.n, packed.k)
+    zeros = _unblock(packed.zeros, packed.n).repeat_interleave(packed.group, dim=1)
+    return torch.addcmul(zeros, nibbles.float() - 8, scales)
+
+
+def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
+    if packed.bits != bits:
+        raise ValueError(f"packed must come from pack_int{bits}, got an int{packed.bits} weight")
+    code = _DTYPE_CODES.get(x.dtype)
+    if code is None or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 or bfloat16 CPU tensor, got {x.dtype} on "
+                         f"{x.device.type}")
+    if x.dim() != 2:
+        if x.dim() == 0 or x.shape[-1] != packed.k:
+            raise ValueError(f"x must have shape [..., {packed.k}], got {list(x.shape)}")
+        return _linear(x.reshape(-1, packed.k), packed, bits).view(*x.shape[:-1], packed.n)
+    if x.shape[1] != packed.k:
+        raise ValueError(f"x must have shape [M, {packed.k}], got {list(x.shape)}")
+    lib = _library(packed._march)
+    if lib is None:
+        return (x.float() @ dequantize(packed).T).to(x.dtype)
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
+    fn = lib.quire_int8_linear if bits == 8 else lib.quire_int4_linear
+    fn(x.data_ptr(), y.data_ptr(), x.shape[0], code, torch.get_num_threads(), *packed._args)
+    return y
+
+
+def int8_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ W^T for a pack_int8 weight -> [M, N], x's dtype."""
+    return _linear(x, packed, 8)
+
+
+def int4_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ W^T for a pack_int4 weight -> [M, N], x's dtype."""
+    return _linear(x, packed, 4)
