@@ -2,15 +2,16 @@
 dequantize-then-matmul in float64, on this CPU's vector path and on an AVX2-only build, plus
 its torch path where the library can't be built.
 
-Tolerance: the kernel dequantizes each weight exactly as the reference does (q * s rounds once;
-(q - 8) * s + z is one FMA, so it rounds at most as often as the reference's two steps), then
-sums K products in float32 in some order. Each dequantized weight is within u = 2^-24 of
-its exact value relative to |(q - 8) s| + |z|, and a float32 sum of K products in any order
-is within (K + 1) u of the exact sum relative to the sum of the absolute products (Higham,
-Accuracy and Stability of Numerical Algorithms, 3.1). So for each output
-    |y - y64| <= (K + 2) u * sum_k |x_k| (|(q_k - 8) s| + |z|)      (+ one bf16 rounding of y)
-which is a bound on any correct kernel, whatever it sums first, and is orders of magnitude
-below what a wrong nibble, scale or row would cost (tested below by corrupting one weight).
+Tolerance, from float32 rounding alone. The kernel never rounds a weight or x to a narrower
+type: per group of G it sums x_k * q'_k in float32 (q' the small integer q or q - 8,
+converted exactly), then adds s * part and offset * sum(x) with FMAs (w = q s + m is the same
+real number as (q - 8) s + z when pack_int4 picks it: m = z - 8 s exactly). Every term
+of y = sum_k x_k w_k is then a sum of at most G + 2 K / G + 1 <= K + 4 float32 roundings
+away from exact, so (Higham, Accuracy and Stability of Numerical Algorithms, 3.1)
+    |y - y64| <= (K + 4) u * sum_k |x_k| * mag_k,     u = 2^-24,
+mag_k = |q' s| + |offset| (for int4 the larger of the two forms' magnitudes), plus one bfloat16
+rounding of y for bfloat16 x. It holds for any summation order, and a wrong nibble, scale or
+row breaks it by orders of magnitude (test_one_wrong_weight_is_far_outside_the_bound).
 """
 
 from __future__ import annotations
@@ -32,18 +33,42 @@ def _cases(groups):
     return [(m, n, k, g) for m, n, k in SHAPES for g in groups if g == "channel" or k % g == 0]
 
 
-def _int8_case(n, k, group, seed):
+def _int8_case(n, k, group, seed, half=False):
+    """Random int8 weight; `half`: scales that are exactly float16 (GGUF Q8_0's d)."""
     g = torch.Generator().manual_seed(seed)
     qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-4
-    return qweight, scales
+    return qweight, scales.half().float() if half else scales
 
 
-def _int4_case(n, k, group, seed):
+# int4 scale / zero flavours and the weight form and scale dtype pack_int4 must pick for each
+INT4_FLAVOURS = {
+    "symmetric16": (qm.INT4_SYMMETRIC, torch.float16),  # GGUF Q4_0
+    "symmetric32": (qm.INT4_SYMMETRIC, torch.float32),
+    "min16": (qm.INT4_MIN, torch.float16),  # GGUF Q4_1: zero = m + 8 d
+    "min32": (qm.INT4_MIN, torch.float32),  # z - 8 s exact in float32 only
+    "zero16": (qm.INT4_ZERO, torch.float16),  # s and z float16, z - 8 s not
+    "zero32": (qm.INT4_ZERO, torch.float32),  # z - 8 s not even a float32
+}
+
+
+def _int4_case(n, k, group, seed, flavour="zero32"):
     g = torch.Generator().manual_seed(seed)
     qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-4
-    zeros = torch.randn(n, k // group, generator=g) * 0.05
+    shape = (n, k // group)
+    scales = torch.rand(shape, generator=g) * 0.02 + 1e-4
+    zeros = torch.randn(shape, generator=g) * 0.05
+    if flavour.startswith("symmetric"):
+        zeros = torch.zeros(shape)
+    if flavour.endswith("16"):
+        scales = scales.half().float()
+    if flavour == "zero16":
+        zeros = zeros.half().float()
+    if flavour == "min16":
+        zeros = -(torch.rand(shape, generator=g) * 0.1).half().float() + 8 * scales
+    if flavour == "min32":  # s on a 2^-30 grid (not float16), m on 2^-24: z = m + 8 s exact
+        scales = torch.randint(1, 1 << 12, shape, generator=g) * 2.0 ** -30
+        zeros = torch.randint(-(1 << 12), 1 << 12, shape, generator=g) * 2.0 ** -24 + 8 * scales
     return qweight, scales, zeros
 
 
@@ -54,16 +79,17 @@ def _int8_exact(qweight, scales, group):
 
 
 def _int4_exact(qweight, scales, zeros, group):
-    q = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)
+    q = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1).double()
     s = scales.double().repeat_interleave(group, dim=1)
     z = zeros.double().repeat_interleave(group, dim=1)
-    return (q.double() - 8) * s + z, ((q.double() - 8) * s).abs() + z.abs()
+    magnitude = torch.maximum(((q - 8) * s).abs() + z.abs(), (q * s).abs() + (z - 8 * s).abs())
+    return (q - 8) * s + z, magnitude
 
 
 def _assert_within_bound(y, x, w64, magnitude):
     x64 = x.double()
     want = x64 @ w64.T
-    bound = (x.shape[1] + 2) * U32 * (x64.abs() @ magnitude.T)
+    bound = (x.shape[1] + 4) * U32 * (x64.abs() @ magnitude.T)
     if y.dtype == torch.bfloat16:  # one rounding of the result to 8 significant bits
         bound = bound * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
     err = (y.double() - want).abs()
@@ -103,8 +129,10 @@ def test_builds_use_the_vector_paths_this_cpu_has(march):
 @pytest.mark.parametrize("m,n,k,group", _cases(["channel", 32, 64, 128]))
 def test_int8_linear_matches_dequantize_then_matmul(march, m, n, k, group, dtype):
     group = k if group == "channel" else group
-    qweight, scales = _int8_case(n, k, group, seed=m * n + k)
+    half = (m + n) % 2 == 0  # half the cases with float16 scales (as GGUF Q8_0 has)
+    qweight, scales = _int8_case(n, k, group, seed=m * n + k, half=half)
     packed = qm.pack_int8(qweight, scales, group, _march=march)
+    assert packed.scales.dtype == (torch.float16 if half else torch.float32)
     x = _x(m, k, dtype, seed=m)
     y = qm.int8_linear(x, packed)
     assert y.shape == (m, n) and y.dtype == dtype
@@ -112,29 +140,48 @@ def test_int8_linear_matches_dequantize_then_matmul(march, m, n, k, group, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,group", _cases(qm.INT4_GROUPS))
-def test_int4_linear_matches_dequantize_then_matmul(march, m, n, k, group, dtype):
-    qweight, scales, zeros = _int4_case(n, k, group, seed=m * n + k)
+@pytest.mark.parametrize("m,n,k,group,flavour", [
+    case + (list(INT4_FLAVOURS)[i % len(INT4_FLAVOURS)],)
+    for i, case in enumerate(_cases(qm.INT4_GROUPS))])
+def test_int4_linear_matches_dequantize_then_matmul(march, m, n, k, group, flavour, dtype):
+    qweight, scales, zeros = _int4_case(n, k, group, seed=m * n + k, flavour=flavour)
     packed = qm.pack_int4(qweight, scales, zeros, group, _march=march)
+    assert (packed.form, packed.scales.dtype) == INT4_FLAVOURS[flavour]
     x = _x(m, k, dtype, seed=m)
     y = qm.int4_linear(x, packed)
     assert y.shape == (m, n) and y.dtype == dtype
     _assert_within_bound(y, x, *_int4_exact(qweight, scales, zeros, group))
 
 
+@pytest.mark.parametrize("flavour", INT4_FLAVOURS)
+def test_each_int4_flavour_packs_to_its_form_with_the_same_weight(flavour):
+    qweight, scales, zeros = _int4_case(33, 128, 32, seed=7, flavour=flavour)
+    packed = qm.pack_int4(qweight, scales, zeros, 32)
+    assert (packed.form, packed.scales.dtype) == INT4_FLAVOURS[flavour]
+    want, _ = _int4_exact(qweight, scales, zeros, 32)
+    assert (qm.dequantize(packed).double() - want).abs().max() <= U32 * want.abs().max()
+    x = _x(3, 128, torch.float32, seed=7)
+    _assert_within_bound(qm.int4_linear(x, packed), x, *_int4_exact(qweight, scales, zeros, 32))
+
+
 def test_gguf_q4_0_q4_1_and_q8_0_blocks(march):
-    """The formats the GGUF loader hands in: Q4_0 (zero = 0), Q4_1 (zero = m + 8 d), Q8_0."""
+    """The formats the GGUF loader hands in: Q4_0 (zero = 0), Q4_1 (zero = m + 8 d), Q8_0;
+    each kept with its own float16 d (and m): the kernel reads no more bytes than the file."""
     n, k = 49, 576
     g = torch.Generator().manual_seed(5)
     d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
     mins = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
     q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     x = _x(5, k, torch.float32, seed=1)
-    for zeros in (torch.zeros_like(d), mins + 8 * d):
+    for zeros, form in ((torch.zeros_like(d), qm.INT4_SYMMETRIC), (mins + 8 * d, qm.INT4_MIN)):
         packed = qm.pack_int4(q4, d, zeros, 32, _march=march)
+        assert packed.form == form and packed.scales.dtype == torch.float16
+        if form == qm.INT4_MIN:
+            assert torch.equal(qm._unblock(packed.offsets, n).float(), mins)
         _assert_within_bound(qm.int4_linear(x, packed), x, *_int4_exact(q4, d, zeros, 32))
     q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     packed = qm.pack_int8(q8, d, 32, _march=march)
+    assert packed.scales.dtype == torch.float16
     _assert_within_bound(qm.int8_linear(x, packed), x, *_int8_exact(q8, d, 32))
 
 

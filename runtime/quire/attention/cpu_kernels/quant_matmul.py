@@ -34,12 +34,14 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
     lib = cpu_kernels.load_library("quant_matmul.cpp", march)
     if lib is None:
         return None
-    common = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    lib.quire_int8_linear.restype = ctypes.c_int
-    lib.quire_int8_linear.argtypes = common + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
-    lib.quire_int4_linear.restype = ctypes.c_int
-    lib.quire_int4_linear.argtypes = common + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.quire_quant_linear.restype = ctypes.c_int
+    lib.quire_quant_linear.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
+    lib.quire_stream_read.restype = ctypes.c_uint64
+    lib.quire_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -54,26 +56,41 @@ def isa(march: str = "native") -> str | None:
     return lib.quire_quant_matmul_isa().decode() if lib is not None else None
 
 
+# The weight forms of quant_matmul.cpp; pack_int4 picks the one that gives the canonical
+# values exactly with the least work and the fewest bytes.
+INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN = 0, 1, 2, 3
+
+
 class PackedWeight:
     """A weight in the kernel's layout, with the ctypes arguments made once (a decode step
-    calls the kernel a few hundred times; each call converts only x and y)."""
+    calls the kernel a few hundred times; each call converts only x and y).
 
-    __slots__ = ("bits", "n", "k", "group", "qweight", "scales", "zeros", "_args", "_march")
+    form: INT8 (w = q s), INT4_SYMMETRIC (w = (q - 8) s), INT4_ZERO (w = (q - 8) s + z) or
+    INT4_MIN (w = q s + m); `offsets` holds z or m; scales and offsets are float16 where
+    every value is exactly one, else float32."""
 
-    def __init__(self, bits, n, k, group, qweight, scales, zeros, march="native"):
-        self.bits, self.n, self.k, self.group = bits, n, k, group
-        self.qweight, self.scales, self.zeros = qweight, scales, zeros
+    __slots__ = ("form", "n", "k", "group", "qweight", "scales", "offsets", "_args", "_march")
+
+    def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
+        self.form, self.n, self.k, self.group = form, n, k, group
+        self.qweight, self.scales, self.offsets = qweight, scales, offsets
         self._march = march
-        tensors = (qweight, scales) if zeros is None else (qweight, scales, zeros)
-        self._args = tuple(ctypes.c_void_p(t.data_ptr()) for t in tensors) + (
-            ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int64(group))
+        self._args = (ctypes.c_int(form), ctypes.c_int(scales.dtype == torch.float16),
+                      ctypes.c_void_p(qweight.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
+                      ctypes.c_void_p(offsets.data_ptr() if offsets is not None else None),
+                      ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int64(group))
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.form == INT8 else 4
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
-                   for t in (self.qweight, self.scales, self.zeros) if t is not None)
+                   for t in (self.qweight, self.scales, self.offsets) if t is not None)
 
     def __repr__(self) -> str:
-        return f"PackedWeight(int{self.bits}, n={self.n}, k={self.k}, group={self.group})"
+        return (f"PackedWeight(form={self.form}, n={self.n}, k={self.k}, group={self.group}, "
+                f"scales {self.scales.dtype})")
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int]) -> None:
@@ -93,6 +110,18 @@ def _row_blocks(t: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, ROWS, c).transpose(1, 2).contiguous()
 
 
+def _exact_in(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every value of t (float64 or float32) is exactly a `dtype` value."""
+    return bool((t.to(dtype).to(t.dtype) == t).all())
+
+
+def _compact(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float16 copies where every value is exactly a float16 (GGUF's d and m are), else
+    float32: the kernel reads them per group, half the bytes for the same values."""
+    dtype = torch.float16 if all(_exact_in(t, torch.float16) for t in tensors) else torch.float32
+    return tuple(_row_blocks(t.to(dtype)) for t in tensors)
+
+
 def _check_group(k: int, group: int, allowed: tuple[int, ...] | None) -> None:
     if allowed is not None and group not in allowed:
         raise ValueError(f"group must be one of {allowed}, got {group}")
@@ -109,7 +138,8 @@ def pack_int8(qweight: torch.Tensor, scales: torch.Tensor, group: int,
     _check_group(k, group, None)
     _check("qweight", qweight, torch.int8, (n, k))
     _check("scales", scales, torch.float32, (n, k // group))
-    return PackedWeight(8, n, k, group, _row_blocks(qweight), _row_blocks(scales), None, _march)
+    (blocked_scales,) = _compact(scales)
+    return PackedWeight(INT8, n, k, group, _row_blocks(qweight), blocked_scales, None, _march)
 
 
 def pack_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -123,8 +153,21 @@ def pack_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     _check("qweight", qweight, torch.uint8, (n, k // 2))
     _check("scales", scales, torch.float32, (n, k // group))
     _check("zeros", zeros, torch.float32, (n, k // group))
-    return PackedWeight(4, n, k, group, _row_blocks(qweight), _row_blocks(scales),
-                        _row_blocks(zeros), _march)
+    signed = _row_blocks(qweight ^ 0x88)  # each nibble, read as signed 4 bits, is q - 8
+    if not zeros.any():  # Q4_0, symmetric int4: no offset to read at all
+        return PackedWeight(INT4_SYMMETRIC, n, k, group, signed, *_compact(scales), None,
+                            _march)
+    # w = (q - 8) s + z = q s + m with m = z - 8 s (Q4_1's own m): one op less per weight,
+    # taken where m is exact, so both forms are the same real number
+    mins = zeros.double() - 8 * scales.double()
+    half = torch.float16
+    if _exact_in(scales, half) and _exact_in(mins, half):
+        return PackedWeight(INT4_MIN, n, k, group, _row_blocks(qweight),
+                            *_compact(scales, mins.float()), _march)
+    if (_exact_in(scales, half) and _exact_in(zeros, half)) or not _exact_in(mins, torch.float32):
+        return PackedWeight(INT4_ZERO, n, k, group, signed, *_compact(scales, zeros), _march)
+    return PackedWeight(INT4_MIN, n, k, group, _row_blocks(qweight),
+                        *_compact(scales, mins.float()), _march)
 
 
 def _unblock(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -133,13 +176,19 @@ def _unblock(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def dequantize(packed: PackedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the kernel multiplies by (the torch path and tests use it)."""
-    q, scales = _unblock(packed.qweight, packed.n), _unblock(packed.scales, packed.n)
-    scales = scales.repeat_interleave(packed.group, dim=1)
-    if packed.bits == 8:
+    q = _unblock(packed.qweight, packed.n)
+    scales = _unblock(packed.scales, packed.n).float().repeat_interleave(packed.group, dim=1)
+    if packed.form == INT8:
         return q.float() * scales
-    nibbles = torch.stack([q & 15, q >> 4], dim=-1).reshape(packed.n, packed.k)
-    zeros = _unblock(packed.zeros, packed.n).repeat_interleave(packed.group, dim=1)
-    return torch.addcmul(zeros, nibbles.float() - 8, scales)
+    if packed.form != INT4_MIN:
+        q = q ^ 0x88
+    nibbles = torch.stack([q & 15, q >> 4], dim=-1).reshape(packed.n, packed.k).float()
+    if packed.form == INT4_SYMMETRIC:
+        return (nibbles - 8) * scales
+    offsets = _unblock(packed.offsets, packed.n).float().repeat_interleave(packed.group, dim=1)
+    if packed.form == INT4_ZERO:
+        return torch.addcmul(offsets, nibbles - 8, scales)
+    return torch.addcmul(offsets, nibbles, scales)
 
 
 def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
@@ -160,8 +209,8 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
         return (x.float() @ dequantize(packed).T).to(x.dtype)
     x = x.contiguous()
     y = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
-    fn = lib.quire_int8_linear if bits == 8 else lib.quire_int4_linear
-    fn(x.data_ptr(), y.data_ptr(), x.shape[0], code, torch.get_num_threads(), *packed._args)
+    lib.quire_quant_linear(x.data_ptr(), y.data_ptr(), x.shape[0], code,
+                           torch.get_num_threads(), *packed._args)
     return y
 
 
