@@ -120,7 +120,8 @@ def test_builds_use_the_vector_paths_this_cpu_has(march):
     if march == "haswell":
         assert qm.isa(march) == "avx2"
     else:
-        assert qm.isa(march) == ("avx512" if " avx512f" in _FLAGS else
+        assert qm.isa(march) == ("avx512-bf16" if " avx512_bf16" in _FLAGS else
+                                 "avx512" if " avx512f" in _FLAGS else
                                  "avx2" if " avx2" in _FLAGS else "scalar")
     assert qm.available()
 

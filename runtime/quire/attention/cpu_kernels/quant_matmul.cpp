@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -74,7 +75,11 @@ constexpr int kRows = 16;  // output rows per block: one V
 
 // V: 16 float lanes, one per output row of a block.
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+constexpr const char* kIsa = "avx512-bf16";  // + the bfloat16 dot product for int4 x bf16
+#else
 constexpr const char* kIsa = "avx512";
+#endif
 constexpr int kTile = 8;    // rows of x per pass over a row block
 constexpr int kChains = 4;  // independent accumulators per pass (FMA latency x throughput)
 struct V {
@@ -248,10 +253,56 @@ inline void group_sums(const float* x, int64_t K, const uint8_t* q, int64_t k0, 
   }
 }
 
+#if defined(__AVX512BF16__)
+// The same sums for int4 weights and bfloat16 x with the AVX512-BF16 dot product: a nibble is
+// looked up as the bfloat16 of q' (exact: a small integer), x[k] * q' is exact in float32 (8 +
+// 4 significant bits) and each pair is added in float32 with round-to-nearest, so this
+// path rounds like the float one, at half the instructions. (The instruction reads subnormal
+// inputs, below 1.2e-38, as zero.) A row's byte holds its k and k + 1, which is the
+// instruction's pair layout already.
+template <int Form>
+inline __m512i nibble_table() {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) {
+    const int value = Form == kInt4Min ? (i & 15) : ((i & 15) ^ 8) - 8;
+    table[i] = float_to_bf16(static_cast<float>(value));
+  }
+  return _mm512_load_si512(table);
+}
+
+template <int Form, int MT>
+inline void group_sums(const uint16_t* x, int64_t K, const uint8_t* q, int64_t k0, int64_t k1,
+                       V* part, __m512i table) {
+  constexpr int U = kChains / MT > 1 ? kChains / MT : 1;
+  __m512 chain[U][MT];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MT; ++m) chain[u][m] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 2 * U)
+    for (int u = 0; u < U; ++u) {
+      // word 2r = row r's low nibble, word 2r + 1 its high one (vpermw reads 5 index bits:
+      // the table repeats, so the other nibble's bit above does not matter)
+      const __m512i b = bytes16(q + (k / 2 + u) * kRows, false);
+      const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(
+          _mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
+      const int64_t kk = k + 2 * u;
+      for (int m = 0; m < MT; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + kk, sizeof pair);
+        chain[u][m] = _mm512_dpbf16_ps(chain[u][m], (__m512bh)_mm512_set1_epi32(pair), w);
+      }
+    }
+  for (int m = 0; m < MT; ++m) {
+    __m512 sum = chain[0][m];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, chain[u][m]);
+    part[m].v = sum;
+  }
+}
+#endif
+
 // One row block against MT rows of x: out[m][r] = y[m, row r of the block]. xsum[m][g] is
 // the sum of x[m] over group g (forms with an offset).
-template <int Form, typename S, int MT>
-void row_block(const float* x, const float* xsum, const Weight& w, int64_t block, float* out) {
+template <int Form, typename S, int MT, typename X>
+void row_block(const X* x, const float* xsum, const Weight& w, int64_t block, float* out) {
   const int64_t groups = w.K / w.G;
   const uint8_t* q = w.q + block * (Form == kInt8 ? w.K : w.K / 2) * kRows;
   const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
@@ -259,8 +310,17 @@ void row_block(const float* x, const float* xsum, const Weight& w, int64_t block
                                : nullptr;
   V acc[MT], part[MT];
   for (int m = 0; m < MT; ++m) acc[m] = vzero();
+#if defined(__AVX512BF16__)
+  const __m512i table = nibble_table<Form>();
+#endif
   for (int64_t g = 0; g < groups; ++g) {
-    group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part);
+    if constexpr (std::is_same_v<X, float>) {
+      group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part);
+    } else {
+#if defined(__AVX512BF16__)
+      group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part, table);
+#endif
+    }
     const V s = vload(scales + g * kRows);
     for (int m = 0; m < MT; ++m) acc[m] = vfma(s, part[m], acc[m]);
     if (Form == kInt4Zero || Form == kInt4Min) {
@@ -271,8 +331,8 @@ void row_block(const float* x, const float* xsum, const Weight& w, int64_t block
   for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
 }
 
-template <int Form, typename S>
-void row_block_tile(int mt, const float* x, const float* xsum, const Weight& w, int64_t block,
+template <int Form, typename S, typename X>
+void row_block_tile(int mt, const X* x, const float* xsum, const Weight& w, int64_t block,
                     float* out) {
   switch (mt) {
     case 1: row_block<Form, S, 1>(x, xsum, w, block, out); break;
@@ -302,8 +362,8 @@ void store_rows(const float* tile, int mt, int rows, void* y, int dtype, int64_t
   }
 }
 
-template <int Form, typename S>
-void linear(const float* x, const float* xsum, void* y, int64_t M, int dtype, int threads,
+template <int Form, typename S, typename X>
+void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int threads,
             const Weight& w) {
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -318,18 +378,28 @@ void linear(const float* x, const float* xsum, void* y, int64_t M, int dtype, in
   }
 }
 
+// bfloat16 x goes to the AVX512-BF16 int4 path as it is, everything else as float32 rows
 template <int Form>
-void linear_form(const float* x, const float* xsum, void* y, int64_t M, int dtype, int threads,
-                 bool half, const Weight& w) {
-  if (half) linear<Form, uint16_t>(x, xsum, y, M, dtype, threads, w);
-  else linear<Form, float>(x, xsum, y, M, dtype, threads, w);
+void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
+                 int dtype, int threads, bool half, const Weight& w) {
+#if defined(__AVX512BF16__)
+  if constexpr (Form != kInt8) if (dtype == 1) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    if (half) linear<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
+    else linear<Form, float>(xb, xsum, y, M, dtype, threads, w);
+    return;
+  }
+#endif
+  (void)x;
+  if (half) linear<Form, uint16_t>(xf, xsum, y, M, dtype, threads, w);
+  else linear<Form, float>(xf, xsum, y, M, dtype, threads, w);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Which vector path this build took: "avx512", "avx2" or "scalar".
+// Which vector path this build took: "avx512-bf16", "avx512", "avx2" or "scalar".
 const char* quire_quant_matmul_isa() { return kIsa; }
 
 // y [M, N] = x [M, K] @ dequant(W)^T for a packed weight of `form` (above); x and y float32
@@ -341,31 +411,39 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
   if ((dtype != 0 && dtype != 1) || form < kInt8 || form > kInt4Min) return 1;
   if (M <= 0 || N <= 0) return 0;
   threads = std::max(1, threads);
-  // x as float32 rows (the caller's memory when it is float32), and each group's sum of x
+  // x as float32 rows (the caller's memory when it is float32; the AVX512-BF16 int4 path
+  // reads bfloat16 x directly), and each group's sum of x (forms with an offset)
   std::vector<float> copy, xsum;
   const float* xf = static_cast<const float*>(x);
-  if (dtype == 1) {
+  const uint16_t* xb = static_cast<const uint16_t*>(x);
+  bool direct_bf16 = false;
+#if defined(__AVX512BF16__)
+  direct_bf16 = dtype == 1 && form != kInt8;
+#endif
+  if (dtype == 1 && !direct_bf16) {
     copy.resize(M * K);
-    const uint16_t* src = static_cast<const uint16_t*>(x);
-    for (int64_t i = 0; i < M * K; ++i) copy[i] = bf16_to_float(src[i]);
+    for (int64_t i = 0; i < M * K; ++i) copy[i] = bf16_to_float(xb[i]);
     xf = copy.data();
   }
   if (form == kInt4Zero || form == kInt4Min) {
     xsum.resize(M * (K / G));
     for (int64_t i = 0; i < M * (K / G); ++i) {
       float sum = 0.f;
-      for (int64_t k = 0; k < G; ++k) sum += xf[i * G + k];
+      for (int64_t k = 0; k < G; ++k)
+        sum += dtype == 1 ? bf16_to_float(xb[i * G + k]) : xf[i * G + k];
       xsum[i] = sum;
     }
   }
   const Weight w{static_cast<const uint8_t*>(q), scales, offsets, N, K, G};
   switch (form) {
-    case kInt8: linear_form<kInt8>(xf, xsum.data(), y, M, dtype, threads, half, w); break;
+    case kInt8: linear_form<kInt8>(x, xf, xsum.data(), y, M, dtype, threads, half, w); break;
     case kInt4Symmetric:
-      linear_form<kInt4Symmetric>(xf, xsum.data(), y, M, dtype, threads, half, w);
+      linear_form<kInt4Symmetric>(x, xf, xsum.data(), y, M, dtype, threads, half, w);
       break;
-    case kInt4Zero: linear_form<kInt4Zero>(xf, xsum.data(), y, M, dtype, threads, half, w); break;
-    default: linear_form<kInt4Min>(xf, xsum.data(), y, M, dtype, threads, half, w); break;
+    case kInt4Zero:
+      linear_form<kInt4Zero>(x, xf, xsum.data(), y, M, dtype, threads, half, w);
+      break;
+    default: linear_form<kInt4Min>(x, xf, xsum.data(), y, M, dtype, threads, half, w); break;
   }
   return 0;
 }

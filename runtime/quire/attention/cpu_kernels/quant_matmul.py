@@ -51,7 +51,8 @@ def available() -> bool:
 
 
 def isa(march: str = "native") -> str | None:
-    """The vector path the library was built with ("avx512", "avx2", "scalar"), or None."""
+    """The vector path the library was built with ("avx512-bf16": AVX-512 plus the bfloat16
+    dot product for int4 weights and bfloat16 x, "avx512", "avx2", "scalar"), or None."""
     lib = _library(march)
     return lib.quire_quant_matmul_isa().decode() if lib is not None else None
 
@@ -192,10 +193,21 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
+    # the common case first, in as few Python operations as possible: a decode step makes a
+    # few hundred of these calls
+    code = _DTYPE_CODES.get(x.dtype)
+    lib = _library(packed._march)
+    if (lib is not None and code is not None and x.dim() == 2 and x.is_cpu
+            and x.shape[1] == packed.k and packed.bits == bits):
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty((x.shape[0], packed.n), dtype=x.dtype)
+        lib.quire_quant_linear(x.data_ptr(), y.data_ptr(), x.shape[0], code,
+                               torch.get_num_threads(), *packed._args)
+        return y
     if packed.bits != bits:
         raise ValueError(f"packed must come from pack_int{bits}, got an int{packed.bits} weight")
-    code = _DTYPE_CODES.get(x.dtype)
-    if code is None or x.device.type != "cpu":
+    if code is None or not x.is_cpu:
         raise ValueError(f"x must be a float32 or bfloat16 CPU tensor, got {x.dtype} on "
                          f"{x.device.type}")
     if x.dim() != 2:
@@ -204,14 +216,7 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
         return _linear(x.reshape(-1, packed.k), packed, bits).view(*x.shape[:-1], packed.n)
     if x.shape[1] != packed.k:
         raise ValueError(f"x must have shape [M, {packed.k}], got {list(x.shape)}")
-    lib = _library(packed._march)
-    if lib is None:
-        return (x.float() @ dequantize(packed).T).to(x.dtype)
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], packed.n, dtype=x.dtype)
-    lib.quire_quant_linear(x.data_ptr(), y.data_ptr(), x.shape[0], code,
-                           torch.get_num_threads(), *packed._args)
-    return y
+    return (x.float() @ dequantize(packed).T).to(x.dtype)  # no library: the torch path
 
 
 def int8_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
