@@ -25,7 +25,7 @@ from quire.attention.cpu_kernels import quant_matmul as qm
 U32 = 2.0 ** -24
 # (M, N, K): odd M, M above the kernel's row tile, N not a multiple of the 16-row block
 SHAPES = [(1, 16, 64), (3, 37, 128), (8, 960, 576), (9, 100, 256), (17, 33, 384),
-          (32, 576, 1536), (70, 50, 128)]
+          (32, 576, 1536), (70, 50, 128), (2, 2051, 128)]
 
 
 def _cases(groups):
@@ -196,6 +196,25 @@ def test_one_wrong_weight_is_far_outside_the_bound(march):
     corrupted[17, 40] ^= 0x10  # k = 81 of row 17, high nibble
     with pytest.raises(AssertionError, match="rounding bound"):
         _assert_within_bound(y, x, *_int4_exact(corrupted, scales, zeros, group))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_thread_count_does_not_change_a_bit(dtype):
+    """Each output row is summed by one thread in one order, however many threads there are."""
+    qweight, scales, zeros = _int4_case(300, 256, 64, seed=11, flavour="min16")
+    p4 = qm.pack_int4(qweight, scales, zeros, 64)
+    p8 = qm.pack_int8(*_int8_case(300, 256, 32, seed=12), 32)
+    x = _x(11, 256, dtype, seed=5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = qm.int4_linear(x, p4), qm.int8_linear(x, p8)
+        torch.set_num_threads(max(2, before))
+        many = qm.int4_linear(x, p4), qm.int8_linear(x, p8)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
 
 
 def test_dequantize_gives_back_the_canonical_weight():

@@ -8,11 +8,19 @@ The canonical formats a loader or quantizer hands in:
   Q4_1: scale = d, zero = m + 8 d).
 
 `pack_*` reorders them once into the kernel's layout (blocks of 16 output rows, interleaved
-so one vector load holds one k of all 16); `*_linear(x, packed)` is
-`(x.float() @ dequantize(packed).T).to(x.dtype)` with float32 sums: every weight is
-dequantized exactly, only the summation order differs. `available()` says whether the native
-library runs here; without it the same calls take a torch path (dequantize, then matmul):
-slower, same semantics, nothing else changes.
+so one vector load holds one k of all 16) and picks the cheapest exact form: no offset when
+every zero is 0, w = q d + m where m = zero - 8 d is exact (Q4_1's own m), and float16
+scales / offsets where every value is one (GGUF's always are: no more bytes than the file).
+`*_linear(x, packed)` is `(x.float() @ dequantize(packed).T).to(x.dtype)` with float32 sums;
+only where float32 rounds differs (tests/runtime/test_quant_matmul.py states the bound).
+`available()` says whether the native library runs here; without it the same calls take a
+torch path (dequantize, then matmul): slower, same semantics.
+
+One kernel serves every M. Measured on the 2-core AVX-512 EPYC (benchmarks/quant_matmul.py):
+at M = 1 it reads weights as fast as torch's own int4 kernel and faster than its int8 one;
+at M = 512 it runs at the float32 FMA peak, as fast as F.linear in float32 on the
+dequantized weight (the exact alternative: a bfloat16 copy would change the weights), and
+int4 with bfloat16 x takes the AVX512-BF16 dot product, within 1.5x of dense bfloat16.
 """
 
 from __future__ import annotations
