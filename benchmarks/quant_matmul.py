@@ -156,8 +156,8 @@ def call_overhead(qm, trials: int) -> tuple[float, float]:
     packed = qm.pack_int8(torch.ones(16, 32, dtype=torch.int8), torch.ones(16, 1), 32)
     x = torch.randn(1, 32)
     y = torch.empty(1, 16)
-    fn = qm._library().quire_quant_linear
-    bare = (x.data_ptr(), y.data_ptr(), 1, 0, 1) + packed._args
+    fn = qm._library().quire_quant_linear_packed
+    bare = (x.data_ptr(), y.data_ptr(), 1, 0, 1, packed._address)
     whole = best_time(lambda: qm.int8_linear(x, packed), trials)
     ctypes_only = best_time(lambda: fn(*bare), trials)
     return whole * 1e6, ctypes_only * 1e6

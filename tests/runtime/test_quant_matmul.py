@@ -116,6 +116,24 @@ def march(request):
     return request.param
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plain_cpp_path_without_avx2(dtype):
+    """-march=x86-64 (SSE2 only) builds the scalar fallback: every form, on a few shapes."""
+    assert qm.isa("x86-64") == "scalar"
+    for m, n, k in ((1, 16, 64), (5, 37, 128), (9, 20, 256)):
+        x = _x(m, k, dtype, seed=m)
+        for flavour in INT4_FLAVOURS:
+            qweight, scales, zeros = _int4_case(n, k, 32, seed=n, flavour=flavour)
+            packed = qm.pack_int4(qweight, scales, zeros, 32, _march="x86-64")
+            _assert_within_bound(qm.int4_linear(x, packed), x,
+                                 *_int4_exact(qweight, scales, zeros, 32))
+        for group, half in ((32, True), (k, False)):
+            qweight, scales = _int8_case(n, k, group, seed=n, half=half)
+            packed = qm.pack_int8(qweight, scales, group, _march="x86-64")
+            _assert_within_bound(qm.int8_linear(x, packed), x,
+                                 *_int8_exact(qweight, scales, group))
+
+
 def test_builds_use_the_vector_paths_this_cpu_has(march):
     if march == "haswell":
         assert qm.isa(march) == "avx2"

@@ -366,7 +366,7 @@ template <int Form, typename S, typename X>
 void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int threads,
             const Weight& w) {
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks > 1)
   for (int64_t b = 0; b < blocks; ++b) {
     alignas(64) float tile[kTile * kRows];
     const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
@@ -446,6 +446,22 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
     default: linear_form<kInt4Min>(x, xf, xsum.data(), y, M, dtype, threads, half, w); break;
   }
   return 0;
+}
+
+// The same with the weight's arguments in one struct, made once by pack_*: a ctypes call
+// costs per argument, and a decode step makes a few hundred of these.
+struct PackedArgs {
+  int32_t form, half;
+  const void* q;
+  const void* scales;
+  const void* offsets;
+  int64_t N, K, G;
+};
+
+int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int threads,
+                              const PackedArgs* w) {
+  return quire_quant_linear(x, y, M, dtype, threads, w->form, w->half, w->q, w->scales,
+                            w->offsets, w->N, w->K, w->G);
 }
 
 // Reads `bytes` (a multiple of 64) once with `threads` threads and returns a checksum: the

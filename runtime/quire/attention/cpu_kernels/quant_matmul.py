@@ -47,6 +47,10 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.quire_quant_linear_packed.restype = ctypes.c_int
+    lib.quire_quant_linear_packed.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
     lib.quire_stream_read.restype = ctypes.c_uint64
     lib.quire_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -70,24 +74,33 @@ def isa(march: str = "native") -> str | None:
 INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN = 0, 1, 2, 3
 
 
+class _PackedArgs(ctypes.Structure):  # quant_matmul.cpp's PackedArgs
+    _fields_ = [("form", ctypes.c_int32), ("half", ctypes.c_int32), ("q", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64)]
+
+
 class PackedWeight:
-    """A weight in the kernel's layout, with the ctypes arguments made once (a decode step
-    calls the kernel a few hundred times; each call converts only x and y).
+    """A weight in the kernel's layout, with its ctypes arguments made once into one struct
+    (a decode step calls the kernel a few hundred times; each call passes x, y and its
+    address).
 
     form: INT8 (w = q s), INT4_SYMMETRIC (w = (q - 8) s), INT4_ZERO (w = (q - 8) s + z) or
     INT4_MIN (w = q s + m); `offsets` holds z or m; scales and offsets are float16 where
     every value is exactly one, else float32."""
 
-    __slots__ = ("form", "n", "k", "group", "qweight", "scales", "offsets", "_args", "_march")
+    __slots__ = ("form", "n", "k", "group", "qweight", "scales", "offsets", "_march",
+                 "_struct", "_address")
 
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
         self.qweight, self.scales, self.offsets = qweight, scales, offsets
         self._march = march
-        self._args = (ctypes.c_int(form), ctypes.c_int(scales.dtype == torch.float16),
-                      ctypes.c_void_p(qweight.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
-                      ctypes.c_void_p(offsets.data_ptr() if offsets is not None else None),
-                      ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int64(group))
+        self._struct = _PackedArgs(form, scales.dtype == torch.float16, qweight.data_ptr(),
+                                   scales.data_ptr(),
+                                   offsets.data_ptr() if offsets is not None else None,
+                                   n, k, group)
+        self._address = ctypes.addressof(self._struct)  # what each call passes
 
     @property
     def bits(self) -> int:
@@ -210,8 +223,8 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty((x.shape[0], packed.n), dtype=x.dtype)
-        lib.quire_quant_linear(x.data_ptr(), y.data_ptr(), x.shape[0], code,
-                               torch.get_num_threads(), *packed._args)
+        lib.quire_quant_linear_packed(x.data_ptr(), y.data_ptr(), x.shape[0], code,
+                                      torch.get_num_threads(), packed._address)
         return y
     if packed.bits != bits:
         raise ValueError(f"packed must come from pack_int{bits}, got an int{packed.bits} weight")
