@@ -25,6 +25,7 @@ from machine import StealMeter
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, vocab 49152
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
           ("lm_head", 49152, 576)]
+LAYERS = 30  # SmolLM2-135M: each decode step runs the four layer shapes 30 times, lm_head once
 
 
 def cpu_flags() -> str:
@@ -195,6 +196,8 @@ def main() -> None:
                   f"{'GB/s':>6} {'vs bf16':>7}")
         print(header)
         print("-" * len(header))
+        step: dict[str, list[float]] = {}  # kind -> [seconds, bytes] of one decode step at M=1
+        at_m1: dict[tuple[str, str], tuple[float, int]] = {}  # (layer, kind) -> (s, bytes)
         for name, n, k in SHAPES:
             group4 = args.group if k % args.group == 0 else 32
             kinds = contenders(qm, n, k, group4, dtype, args.march)
@@ -210,11 +213,32 @@ def main() -> None:
                         print(f"{name:8} {n:6} {k:5} {m:4} | {kind:<28} {'n/a':>9}")
                         continue
                     t, nbytes = result
+                    if m == 1:
+                        times = 1 if name == "lm_head" else LAYERS
+                        at_m1[name, kind.replace(f"g{group4}", "g")] = times * t, times * nbytes
+                        total = step.setdefault(kind.replace(f"g{group4}", "g"), [0.0, 0])
+                        total[0] += times * t
+                        total[1] += times * nbytes
                     print(f"{name:8} {n:6} {k:5} {m:4} | {kind:<28} {t * 1e6:9.1f} "
                           f"{nbytes / t / 1e9:6.1f} {base / t:6.2f}x")
             print()
     print(f"({steal}; GB/s = packed weight bytes / time; 'vs bf16' = F.linear bf16 time / "
           f"this time)")
+    if step:
+        print()
+        print(f"Roofline, one SmolLM2-135M decode step's matmuls at M = 1 ({LAYERS} layers of the "
+              f"four shapes + lm_head, each kind throughout), against the {bandwidth:.1f} GB/s "
+              f"streaming read:")
+        # the default model as shipped: Q4_1 layers, Q8_0 tied embedding as the LM head
+        mix = [at_m1.get((name, "quire int4 g Q4_1 fp16" if name != "lm_head" else
+                          "quire int8 g32 Q8_0 fp16")) for name, _, _ in SHAPES]
+        if all(mix):
+            step["default GGUF: Q4_1 + Q8_0 head"] = [sum(t for t, _ in mix),
+                                                       sum(b for _, b in mix)]
+        for kind, (t, nbytes) in step.items():
+            print(f"  {kind:<28} {t * 1e3:7.2f} ms  {nbytes / 1e6:6.1f} MB  "
+                  f"{nbytes / t / 1e9:5.1f} GB/s  matmul-only bound {1 / t:6.0f} tok/s  "
+                  f"(bandwidth bound {bandwidth * 1e9 / nbytes:5.0f} tok/s)")
 
 
 if __name__ == "__main__":
