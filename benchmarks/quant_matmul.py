@@ -215,8 +215,10 @@ def main() -> None:
                     t, nbytes = result
                     if m == 1:
                         times = 1 if name == "lm_head" else LAYERS
-                        at_m1[name, kind.replace(f"g{group4}", "g")] = times * t, times * nbytes
-                        total = step.setdefault(kind.replace(f"g{group4}", "g"), [0.0, 0])
+                        same = kind.replace(f"int4 g{group4}", "int4 g").replace(
+                            f"int4pack g{group4}", "int4pack g")  # one row per kind below
+                        at_m1[name, same] = times * t, times * nbytes
+                        total = step.setdefault(same, [0.0, 0])
                         total[0] += times * t
                         total[1] += times * nbytes
                     print(f"{name:8} {n:6} {k:5} {m:4} | {kind:<28} {t * 1e6:9.1f} "

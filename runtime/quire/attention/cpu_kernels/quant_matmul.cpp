@@ -366,7 +366,11 @@ template <int Form, typename S, typename X>
 void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int threads,
             const Weight& w) {
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks > 1)
+  // dynamic, in chunks of about 1/8 of a thread's share: on a shared machine a thread that is
+  // descheduled mid-call leaves its remaining chunks to the others instead of stalling the
+  // call (each row block is still summed by one thread in one order: results don't change)
+  const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) if (threads > 1 && blocks > 1)
   for (int64_t b = 0; b < blocks; ++b) {
     alignas(64) float tile[kTile * kRows];
     const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
