@@ -21,9 +21,11 @@
 // of x keep the FMA units busy at M = 1 (one chain would wait on FMA latency).
 //
 // Vector paths: AVX-512 (16 lanes), AVX2 (two 8-lane halves), plain C++ otherwise; all three
-// share the kernel through the small V type. No AMX. OpenMP over row blocks with the thread
-// count the caller passes (torch's: the same libgomp and pool once torch is loaded). Plain
-// C++ with a C ABI, called through ctypes.
+// share the kernel through the small V type. Where the CPU has AVX512-BF16, int4 weights with
+// bfloat16 x use its dot product instead (exact products, float32 sums: same rounding, half
+// the instructions). No AMX. OpenMP over row blocks with the thread count the caller passes
+// (torch's: the same libgomp and pool once torch is loaded). Plain C++ with a C ABI, called
+// through ctypes.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
