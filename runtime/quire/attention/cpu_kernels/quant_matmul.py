@@ -89,11 +89,12 @@ class PackedWeight:
     INT4_MIN (w = q s + m); `offsets` holds z or m; scales and offsets are float16 where
     every value is exactly one, else float32."""
 
-    __slots__ = ("form", "n", "k", "group", "qweight", "scales", "offsets", "_march",
-                 "_struct", "_address")
+    __slots__ = ("form", "bits", "n", "k", "group", "qweight", "scales", "offsets", "_march",
+                 "_struct", "_address", "_fn")
 
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
+        self.bits = 8 if form == INT8 else 4
         self.qweight, self.scales, self.offsets = qweight, scales, offsets
         self._march = march
         self._struct = _PackedArgs(form, scales.dtype == torch.float16, qweight.data_ptr(),
@@ -101,10 +102,8 @@ class PackedWeight:
                                    offsets.data_ptr() if offsets is not None else None,
                                    n, k, group)
         self._address = ctypes.addressof(self._struct)  # what each call passes
-
-    @property
-    def bits(self) -> int:
-        return 8 if self.form == INT8 else 4
+        lib = _library(march)
+        self._fn = lib.quire_quant_linear_packed if lib is not None else None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -217,14 +216,13 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
     # the common case first, in as few Python operations as possible: a decode step makes a
     # few hundred of these calls
     code = _DTYPE_CODES.get(x.dtype)
-    lib = _library(packed._march)
-    if (lib is not None and code is not None and x.dim() == 2 and x.is_cpu
+    fn = packed._fn
+    if (fn is not None and code is not None and x.dim() == 2 and x.is_cpu
             and x.shape[1] == packed.k and packed.bits == bits):
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty((x.shape[0], packed.n), dtype=x.dtype)
-        lib.quire_quant_linear_packed(x.data_ptr(), y.data_ptr(), x.shape[0], code,
-                                      torch.get_num_threads(), packed._address)
+        fn(x.data_ptr(), y.data_ptr(), x.shape[0], code, torch.get_num_threads(), packed._address)
         return y
     if packed.bits != bits:
         raise ValueError(f"packed must come from pack_int{bits}, got an int{packed.bits} weight")
