@@ -16,11 +16,14 @@ only where float32 rounds differs (tests/runtime/test_quant_matmul.py states the
 `available()` says whether the native library runs here; without it the same calls take a
 torch path (dequantize, then matmul): slower, same semantics.
 
-One kernel serves every M. Measured on the 2-core AVX-512 EPYC (benchmarks/quant_matmul.py):
-at M = 1 it reads weights as fast as torch's own int4 kernel and faster than its int8 one;
-at M = 512 it runs at the float32 FMA peak, as fast as F.linear in float32 on the
-dequantized weight (the exact alternative: a bfloat16 copy would change the weights), and
-int4 with bfloat16 x takes the AVX512-BF16 dot product, within 1.5x of dense bfloat16.
+One kernel serves every M (measured on the 2-core AVX-512 EPYC, one thread, with
+benchmarks/quant_matmul.py). At M = 1 it reads weights faster than torch's own int4 and int8
+kernels. Beyond 8 rows of x it expands each 16-row block's integers once into a per-thread
+scratch that every 8-row tile reuses: at M = 512 int4 with bfloat16 x (AVX512-BF16 dot
+product) is as fast as dense bfloat16 F.linear, and float32 x beats float32 F.linear; int8
+with bfloat16 x runs at the float32 FMA peak, half dense bfloat16. Dequantizing into a
+bfloat16 copy for torch would be faster there but would change the weights, and a float32
+copy for F.linear is no faster than this kernel.
 """
 
 from __future__ import annotations
