@@ -26,7 +26,7 @@ from quire.attention.cpu_kernels import quant_matmul as qm
 U32 = 2.0 ** -24
 # (M, N, K): odd M, M above the kernel's row tile, N not a multiple of the 16-row block
 SHAPES = [(1, 16, 64), (3, 37, 128), (8, 960, 576), (9, 100, 256), (17, 33, 384),
-          (32, 576, 1536), (70, 50, 128), (2, 2051, 128)]
+          (32, 576, 1536), (70, 50, 128), (2, 2051, 128), (10, 24, 63)]  # odd K: int8 only
 
 
 def _cases(groups):

@@ -21,9 +21,9 @@
 // of x keep the FMA units busy at M = 1 (one chain would wait on FMA latency).
 //
 // Vector paths: AVX-512 (16 lanes), AVX2 (two 8-lane halves), plain C++ otherwise; all three
-// share the kernel through the small V type. Where the CPU has AVX512-BF16, int4 weights with
-// bfloat16 x use its dot product instead (exact products, float32 sums: same rounding, half
-// the instructions). No AMX. OpenMP over row blocks with the thread count the caller passes
+// share the kernel through the small V type. Where the CPU has AVX512-BF16, bfloat16 x uses
+// its dot product instead (int4 always, int8 beyond 8 rows of x; the integers are exact
+// bfloat16 values, products exact, sums float32: same rounding, half the instructions). No AMX. OpenMP over row blocks with the thread count the caller passes
 // (torch's: the same libgomp and pool once torch is loaded). Plain C++ with a C ABI, called
 // through ctypes.
 #include <algorithm>
@@ -319,6 +319,20 @@ void expand_block(const Weight& w, int64_t block, float* scratch) {
         vstore(scratch + (2 * kp + 1) * kRows, odd);
       }
     }
+  } else if constexpr (Form == kInt8) {
+#if defined(__AVX512BF16__)
+    // int8 is exact in bfloat16 (8 significant bits): pairs (k, k + 1) of each row
+    alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                   6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                   12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_load_si512(pairs);
+    for (int64_t kp = 0; kp < w.K / 2; ++kp) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(load_int8(q + (2 * kp + 1) * kRows).v,
+                                                load_int8(q + 2 * kp * kRows).v);
+      _mm512_storeu_si512(scratch + kp * kRows,
+                          _mm512_permutexvar_epi16(order, (__m512i)both));
+    }
+#endif
   } else {
 #if defined(__AVX512BF16__)
     const __m512i table = nibble_table<Form>();
@@ -382,7 +396,7 @@ void row_block(const X* x, const float* xsum, const Weight& w, int64_t block,
       expanded_sums<MT>(x, w.K, expanded, g * w.G, (g + 1) * w.G, part);
     } else if constexpr (std::is_same_v<X, float>) {
       group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part);
-    } else {
+    } else if constexpr (Form != kInt8) {  // (bfloat16 x with int8 is always expanded)
 #if defined(__AVX512BF16__)
       group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part, table);
 #endif
@@ -455,12 +469,24 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
   }
 }
 
-// bfloat16 x goes to the AVX512-BF16 int4 path as it is, everything else as float32 rows
+// Whether bfloat16 x goes to the AVX512-BF16 dot product as it is: int4 always, int8 beyond
+// one tile (where its block is expanded to bfloat16 pairs once; even G keeps pairs in a
+// group); everything else runs on float32 rows.
+inline bool bf16_direct(int form, int64_t M, int64_t G) {
+#if defined(__AVX512BF16__)
+  return form != kInt8 || (M > kTile && G % 2 == 0);
+#else
+  (void)form, (void)M, (void)G;
+  return false;
+#endif
+}
+
+// bfloat16 x goes to the AVX512-BF16 path as it is (bf16_direct), everything else as float32
 template <int Form>
 void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
                  int dtype, int threads, bool half, const Weight& w) {
 #if defined(__AVX512BF16__)
-  if constexpr (Form != kInt8) if (dtype == 1) {
+  if (dtype == 1 && bf16_direct(Form, M, w.G)) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
     if (half) linear<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
     else linear<Form, float>(xb, xsum, y, M, dtype, threads, w);
@@ -493,10 +519,7 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
   std::vector<float> copy, xsum;
   const float* xf = static_cast<const float*>(x);
   const uint16_t* xb = static_cast<const uint16_t*>(x);
-  bool direct_bf16 = false;
-#if defined(__AVX512BF16__)
-  direct_bf16 = dtype == 1 && form != kInt8;
-#endif
+  const bool direct_bf16 = dtype == 1 && bf16_direct(form, M, G);
   if (dtype == 1 && !direct_bf16) {
     copy.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) copy[i] = bf16_to_float(xb[i]);
