@@ -5,7 +5,8 @@ its torch path where the library can't be built.
 Tolerance, from float32 rounding alone. The kernel never rounds a weight or x to a narrower
 type: per group of G it sums x_k * q'_k in float32 (q' the small integer q or q - 8,
 converted exactly), then adds s * part and offset * sum(x) with FMAs (w = q s + m is the same
-real number as (q - 8) s + z when pack_int4 picks it: m = z - 8 s exactly). Every term
+real number as (q - 8) s + z when pack_int4 picks it: m = z - 8 s exactly; the AVX512-BF16
+path multiplies bfloat16 x by q' looked up as an exact bfloat16, products exact). Every term
 of y = sum_k x_k w_k is then a sum of at most G + 2 K / G + 1 <= K + 4 float32 roundings
 away from exact, so (Higham, Accuracy and Stability of Numerical Algorithms, 3.1)
     |y - y64| <= (K + 4) u * sum_k |x_k| * mag_k,     u = 2^-24,
@@ -25,7 +26,7 @@ from quire.attention.cpu_kernels import quant_matmul as qm
 U32 = 2.0 ** -24
 # (M, N, K): odd M, M above the kernel's row tile, N not a multiple of the 16-row block
 SHAPES = [(1, 16, 64), (3, 37, 128), (8, 960, 576), (9, 100, 256), (17, 33, 384),
-          (32, 576, 1536), (70, 50, 128), (2, 2051, 128)]
+          (32, 576, 1536), (70, 50, 128), (2, 2051, 128), (10, 24, 63)]  # odd K: int8 only
 
 
 def _cases(groups):

@@ -21,9 +21,11 @@
 // of x keep the FMA units busy at M = 1 (one chain would wait on FMA latency).
 //
 // Vector paths: AVX-512 (16 lanes), AVX2 (two 8-lane halves), plain C++ otherwise; all three
-// share the kernel through the small V type. No AMX. OpenMP over row blocks with the thread
-// count the caller passes (torch's: the same libgomp and pool once torch is loaded). Plain
-// C++ with a C ABI, called through ctypes.
+// share the kernel through the small V type. Where the CPU has AVX512-BF16, bfloat16 x uses
+// its dot product instead (int4 always, int8 beyond 8 rows of x; the integers are exact
+// bfloat16 values, products exact, sums float32: same rounding, half the instructions). No AMX. OpenMP over row blocks with the thread count the caller passes
+// (torch's: the same libgomp and pool once torch is loaded). Plain C++ with a C ABI, called
+// through ctypes.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -299,10 +301,86 @@ inline void group_sums(const uint16_t* x, int64_t K, const uint8_t* q, int64_t k
 }
 #endif
 
+// Beyond one tile of x rows (prefill), a row block's q' are expanded once into a per-thread
+// scratch and every tile loads them as they are: float32 [K][16] for the float path,
+// bfloat16 pairs [K / 2][16] for the BF16 one (the same values the tiles would unpack).
+template <int Form, typename X>
+void expand_block(const Weight& w, int64_t block, float* scratch) {
+  const uint8_t* q = w.q + block * (Form == kInt8 ? w.K : w.K / 2) * kRows;
+  if constexpr (std::is_same_v<X, float>) {
+    if (Form == kInt8) {
+      for (int64_t k = 0; k < w.K; ++k) vstore(scratch + k * kRows, load_int8(q + k * kRows));
+    } else {
+      for (int64_t kp = 0; kp < w.K / 2; ++kp) {
+        V even, odd;
+        if (Form == kInt4Min) load_int4(q + kp * kRows, even, odd);
+        else load_sint4(q + kp * kRows, even, odd);
+        vstore(scratch + 2 * kp * kRows, even);
+        vstore(scratch + (2 * kp + 1) * kRows, odd);
+      }
+    }
+  } else if constexpr (Form == kInt8) {
+#if defined(__AVX512BF16__)
+    // int8 is exact in bfloat16 (8 significant bits): pairs (k, k + 1) of each row
+    alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                   6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                   12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_load_si512(pairs);
+    for (int64_t kp = 0; kp < w.K / 2; ++kp) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(load_int8(q + (2 * kp + 1) * kRows).v,
+                                                load_int8(q + 2 * kp * kRows).v);
+      _mm512_storeu_si512(scratch + kp * kRows,
+                          _mm512_permutexvar_epi16(order, (__m512i)both));
+    }
+#endif
+  } else {
+#if defined(__AVX512BF16__)
+    const __m512i table = nibble_table<Form>();
+    for (int64_t kp = 0; kp < w.K / 2; ++kp) {
+      const __m512i b = bytes16(q + kp * kRows, false);
+      _mm512_storeu_si512(scratch + kp * kRows,
+                          _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)),
+                                                   table));
+    }
+#endif
+  }
+}
+
+// group_sums over an expanded block (float x: one float32 q' vector per k)
+template <int MT>
+inline void expanded_sums(const float* x, int64_t K, const float* e, int64_t k0, int64_t k1,
+                          V* part) {
+  for (int m = 0; m < MT; ++m) part[m] = vzero();
+  for (int64_t k = k0; k < k1; ++k) {
+    const V w = vload(e + k * kRows);
+    for (int m = 0; m < MT; ++m) part[m] = vfma(vset(x[m * K + k]), w, part[m]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// (bfloat16 x: one vector of bfloat16 pairs per two k)
+template <int MT>
+inline void expanded_sums(const uint16_t* x, int64_t K, const float* e, int64_t k0, int64_t k1,
+                          V* part) {
+  __m512 sum[MT];
+  for (int m = 0; m < MT; ++m) sum[m] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 2) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(e + (k / 2) * kRows);
+    for (int m = 0; m < MT; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + k, sizeof pair);
+      sum[m] = _mm512_dpbf16_ps(sum[m], (__m512bh)_mm512_set1_epi32(pair), w);
+    }
+  }
+  for (int m = 0; m < MT; ++m) part[m].v = sum[m];
+}
+#endif
+
 // One row block against MT rows of x: out[m][r] = y[m, row r of the block]. xsum[m][g] is
 // the sum of x[m] over group g (forms with an offset).
 template <int Form, typename S, int MT, typename X>
-void row_block(const X* x, const float* xsum, const Weight& w, int64_t block, float* out) {
+void row_block(const X* x, const float* xsum, const Weight& w, int64_t block,
+               const float* expanded, float* out) {
   const int64_t groups = w.K / w.G;
   const uint8_t* q = w.q + block * (Form == kInt8 ? w.K : w.K / 2) * kRows;
   const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
@@ -314,9 +392,11 @@ void row_block(const X* x, const float* xsum, const Weight& w, int64_t block, fl
   const __m512i table = nibble_table<Form>();
 #endif
   for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (std::is_same_v<X, float>) {
+    if (expanded) {
+      expanded_sums<MT>(x, w.K, expanded, g * w.G, (g + 1) * w.G, part);
+    } else if constexpr (std::is_same_v<X, float>) {
       group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part);
-    } else {
+    } else if constexpr (Form != kInt8) {  // (bfloat16 x with int8 is always expanded)
 #if defined(__AVX512BF16__)
       group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part, table);
 #endif
@@ -333,17 +413,17 @@ void row_block(const X* x, const float* xsum, const Weight& w, int64_t block, fl
 
 template <int Form, typename S, typename X>
 void row_block_tile(int mt, const X* x, const float* xsum, const Weight& w, int64_t block,
-                    float* out) {
+                    const float* e, float* out) {
   switch (mt) {
-    case 1: row_block<Form, S, 1>(x, xsum, w, block, out); break;
-    case 2: row_block<Form, S, 2>(x, xsum, w, block, out); break;
+    case 1: row_block<Form, S, 1>(x, xsum, w, block, e, out); break;
+    case 2: row_block<Form, S, 2>(x, xsum, w, block, e, out); break;
 #if defined(__AVX512F__)
-    case 3: row_block<Form, S, 3>(x, xsum, w, block, out); break;
-    case 4: row_block<Form, S, 4>(x, xsum, w, block, out); break;
-    case 5: row_block<Form, S, 5>(x, xsum, w, block, out); break;
-    case 6: row_block<Form, S, 6>(x, xsum, w, block, out); break;
-    case 7: row_block<Form, S, 7>(x, xsum, w, block, out); break;
-    case 8: row_block<Form, S, 8>(x, xsum, w, block, out); break;
+    case 3: row_block<Form, S, 3>(x, xsum, w, block, e, out); break;
+    case 4: row_block<Form, S, 4>(x, xsum, w, block, e, out); break;
+    case 5: row_block<Form, S, 5>(x, xsum, w, block, e, out); break;
+    case 6: row_block<Form, S, 6>(x, xsum, w, block, e, out); break;
+    case 7: row_block<Form, S, 7>(x, xsum, w, block, e, out); break;
+    case 8: row_block<Form, S, 8>(x, xsum, w, block, e, out); break;
 #endif
     default: break;
   }
@@ -370,24 +450,43 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
   // descheduled mid-call leaves its remaining chunks to the others instead of stalling the
   // call (each row block is still summed by one thread in one order: results don't change)
   const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) if (threads > 1 && blocks > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    alignas(64) float tile[kTile * kRows];
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
-    for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-      const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-      row_block_tile<Form, S>(mt, x + m0 * w.K, xsum + m0 * groups, w, b, tile);
-      store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
+  const bool expand = M > kTile;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+  {
+    std::vector<float> scratch(expand ? w.K * kRows : 0);
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t b = 0; b < blocks; ++b) {
+      alignas(64) float tile[kTile * kRows];
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
+      if (expand) expand_block<Form, X>(w, b, scratch.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+        row_block_tile<Form, S>(mt, x + m0 * w.K, xsum + m0 * groups, w, b,
+                                expand ? scratch.data() : nullptr, tile);
+        store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
+      }
     }
   }
 }
 
-// bfloat16 x goes to the AVX512-BF16 int4 path as it is, everything else as float32 rows
+// Whether bfloat16 x goes to the AVX512-BF16 dot product as it is: int4 always, int8 beyond
+// one tile (where its block is expanded to bfloat16 pairs once; even G keeps pairs in a
+// group); everything else runs on float32 rows.
+inline bool bf16_direct(int form, int64_t M, int64_t G) {
+#if defined(__AVX512BF16__)
+  return form != kInt8 || (M > kTile && G % 2 == 0);
+#else
+  (void)form, (void)M, (void)G;
+  return false;
+#endif
+}
+
+// bfloat16 x goes to the AVX512-BF16 path as it is (bf16_direct), everything else as float32
 template <int Form>
 void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
                  int dtype, int threads, bool half, const Weight& w) {
 #if defined(__AVX512BF16__)
-  if constexpr (Form != kInt8) if (dtype == 1) {
+  if (dtype == 1 && bf16_direct(Form, M, w.G)) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
     if (half) linear<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
     else linear<Form, float>(xb, xsum, y, M, dtype, threads, w);
@@ -420,10 +519,7 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
   std::vector<float> copy, xsum;
   const float* xf = static_cast<const float*>(x);
   const uint16_t* xb = static_cast<const uint16_t*>(x);
-  bool direct_bf16 = false;
-#if defined(__AVX512BF16__)
-  direct_bf16 = dtype == 1 && form != kInt8;
-#endif
+  const bool direct_bf16 = dtype == 1 && bf16_direct(form, M, G);
   if (dtype == 1 && !direct_bf16) {
     copy.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) copy[i] = bf16_to_float(xb[i]);

@@ -16,11 +16,14 @@ only where float32 rounds differs (tests/runtime/test_quant_matmul.py states the
 `available()` says whether the native library runs here; without it the same calls take a
 torch path (dequantize, then matmul): slower, same semantics.
 
-One kernel serves every M. Measured on the 2-core AVX-512 EPYC (benchmarks/quant_matmul.py):
-at M = 1 it reads weights as fast as torch's own int4 kernel and faster than its int8 one;
-at M = 512 it runs at the float32 FMA peak, as fast as F.linear in float32 on the
-dequantized weight (the exact alternative: a bfloat16 copy would change the weights), and
-int4 with bfloat16 x takes the AVX512-BF16 dot product, within 1.5x of dense bfloat16.
+One kernel serves every M (measured on the 2-core AVX-512 EPYC, one thread, with
+benchmarks/quant_matmul.py). At M = 1 it reads weights faster than torch's own int4 and int8
+kernels. Beyond 8 rows of x it expands each 16-row block's integers once into a per-thread
+scratch that every 8-row tile reuses (for bfloat16 x as exact bfloat16 integers, for the
+AVX512-BF16 dot product): at M = 32 and 512, int4 and int8 with bfloat16 x run within
+0.8-1x of dense bfloat16 F.linear, and with float32 x ahead of float32 F.linear. So no
+dequantize-then-torch path: a bfloat16 copy would change the weights, and a float32 copy
+for F.linear is no faster than this kernel.
 """
 
 from __future__ import annotations
@@ -89,11 +92,12 @@ class PackedWeight:
     INT4_MIN (w = q s + m); `offsets` holds z or m; scales and offsets are float16 where
     every value is exactly one, else float32."""
 
-    __slots__ = ("form", "n", "k", "group", "qweight", "scales", "offsets", "_march",
-                 "_struct", "_address")
+    __slots__ = ("form", "bits", "n", "k", "group", "qweight", "scales", "offsets", "_march",
+                 "_struct", "_address", "_fn")
 
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
+        self.bits = 8 if form == INT8 else 4
         self.qweight, self.scales, self.offsets = qweight, scales, offsets
         self._march = march
         self._struct = _PackedArgs(form, scales.dtype == torch.float16, qweight.data_ptr(),
@@ -101,10 +105,8 @@ class PackedWeight:
                                    offsets.data_ptr() if offsets is not None else None,
                                    n, k, group)
         self._address = ctypes.addressof(self._struct)  # what each call passes
-
-    @property
-    def bits(self) -> int:
-        return 8 if self.form == INT8 else 4
+        lib = _library(march)
+        self._fn = lib.quire_quant_linear_packed if lib is not None else None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -217,14 +219,13 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
     # the common case first, in as few Python operations as possible: a decode step makes a
     # few hundred of these calls
     code = _DTYPE_CODES.get(x.dtype)
-    lib = _library(packed._march)
-    if (lib is not None and code is not None and x.dim() == 2 and x.is_cpu
+    fn = packed._fn
+    if (fn is not None and code is not None and x.dim() == 2 and x.is_cpu
             and x.shape[1] == packed.k and packed.bits == bits):
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty((x.shape[0], packed.n), dtype=x.dtype)
-        lib.quire_quant_linear_packed(x.data_ptr(), y.data_ptr(), x.shape[0], code,
-                                      torch.get_num_threads(), packed._address)
+        fn(x.data_ptr(), y.data_ptr(), x.shape[0], code, torch.get_num_threads(), packed._address)
         return y
     if packed.bits != bits:
         raise ValueError(f"packed must come from pack_int{bits}, got an int{packed.bits} weight")
