@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from quire import LLM, SamplingParams
+from quire.layers.quantization import describe
 
 from quant_helpers import agreement, dequantized_state_dict, hf_with_weights
 from runtime_helpers import (
@@ -39,6 +40,8 @@ def test_tiny_llama_quantized_matches_transformers_on_dequantized_weights(
     assert layer.qkv_proj.qweight.dtype == (torch.int8 if quantization == "int8"
                                             else torch.uint8)
     assert not hasattr(layer.qkv_proj, "weight")  # the float weight is gone
+    summary = describe(llm.engine.model)  # what the start-up log says: 4 linears x 3 layers
+    assert summary.startswith(f"{quantization} ") and summary.endswith(" x12"), summary
     prompts = random_prompts(lengths=[1, 7, 16, 17, 33, 100, 300])
     got = _quire_greedy(llm, prompts)
     assert_no_blocks_in_use(llm)

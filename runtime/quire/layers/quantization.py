@@ -240,3 +240,14 @@ class CheckpointQuantConfig(QuantConfig):
 
     def embedding_method(self, prefix):
         return self._method(prefix)
+
+
+def describe(model: nn.Module) -> str:
+    """'int4 native-int4 x210, int8 native-int8 x1' for the start-up log ('float' if none)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        kernel = getattr(module, "quant_kernel", None)
+        if kernel is not None:
+            key = f"{module.quant_method.kind} {kernel.name}"
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())) or "float"

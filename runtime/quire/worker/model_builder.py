@@ -3,14 +3,19 @@ process (rank 0, and the whole model at tensor-parallel size 1) and in each work
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quire.config import EngineArgs
 from quire.distributed import parallel_state as ps
+from quire.layers.quantization import describe
 from quire.models.config import ModelConfig
 from quire.models.llama import LlamaForCausalLM
 from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
 from quire.platform import attention_backend_class
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
@@ -29,6 +34,8 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
         model = LlamaForCausalLM(cfg, make_backend, max_model_len, dtype, device, quant)
     model.load_weights(iter_weights(source, cfg, args.quantization))  # only its shard
     model.pack_weights()
+    if rank == 0:
+        logger.info("quantization %s: %s", args.quantization, describe(model))
     return model.eval()
 
 
