@@ -16,6 +16,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass
@@ -32,6 +34,14 @@ class EngineArgs:
                 "natively (AMX/AVX512-BF16 CPUs, Ampere+ GPUs), else float32/float16",
         "choices": DTYPES})
     device: str = field(default="auto", metadata={"choices": DEVICES})
+    quantization: str = field(default="auto", metadata={
+        "help": "weight-only quantization of the linear layers: auto = a GGUF keeps its "
+                "file's own (Q4_0/Q4_1/Q8_0/K-quants), a float checkpoint stays float; int8 "
+                "(per output channel) or int4 (per group) quantize on load (a GGUF from its "
+                "dequantized values); none = float", "choices": QUANTIZATIONS})
+    quantization_group_size: int = field(default=32, metadata={
+        "help": "input values per int4 scale/zero (--quantization int4)",
+        "choices": QUANT_GROUP_SIZES})
     seed: int = field(default=0, metadata={"help": "seed for requests that carry none"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output; default: the model's context length"})
@@ -75,6 +85,11 @@ class EngineArgs:
     def validate(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantization_group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of "
+                             f"{', '.join(map(str, QUANT_GROUP_SIZES))}; got "
+                             f"{self.quantization_group_size!r}")
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

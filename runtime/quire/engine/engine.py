@@ -60,7 +60,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.device = resolve_device(args.device)
         source = resolve_model(args.model, args.revision, args.download_dir)
-        source = materialize(source)  # a GGUF file becomes its cached HF folder
+        source = materialize(source, args.quantization)  # a GGUF becomes its cached folder
         self.model_name = source.name
         self.model_config = cfg = ModelConfig.from_hf(load_hf_config(source, args.revision))
         self.tokenizer = load_tokenizer(source, args.tokenizer)

@@ -90,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         # one backend per distinct sliding window (usually one for all layers)
         self.backends = {w: backend_factory(w) for w in dict.fromkeys(cfg.sliding_windows)}
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.backends[w], quant_config, f"layers.{i}")
             for i, w in enumerate(cfg.sliding_windows))
@@ -173,8 +173,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _our_name(self, name: str) -> tuple[str, object] | None:
         name = name.removeprefix("model.")
-        if name in self._TOP:
-            return self._TOP[name], None
+        if name in self._TOP or name.startswith(("embed_tokens.", "lm_head.")):
+            return self._TOP.get(name, name), None  # a quantized table: qweight, scales
         if not name.startswith("layers."):
             return None
         _, idx, rest = name.split(".", 2)

@@ -104,7 +104,14 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None) -> s
 # reads it again for the config and for the tokenizer. The first load therefore writes an
 # equivalent Hugging Face folder (float32 safetensors: dequantized values are exact in it);
 # later loads read that in about a second. QUIRE_CACHE_DIR="" turns the cache off.
+# With --quantization auto the folder instead keeps the file's own quantization as canonical
+# int8/int4 tensors (models/gguf_repack.py) plus a manifest of each layer's format; the cache
+# key names which of the two a folder holds, so neither is ever read for the other (a float
+# folder made by an older Quire keeps its key and is still a float folder).
 _CACHE_FORMAT = "1"
+_REPACK_FORMAT = "gguf-blocks-1"
+QUANT_MANIFEST = "quire_quantization.json"
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def cache_root() -> str | None:
@@ -114,19 +121,27 @@ def cache_root() -> str | None:
     return root or None
 
 
-def materialize(source: ModelSource) -> ModelSource:
-    """A GGUF source becomes its cached Hugging Face folder (made on first use)."""
+def keeps_gguf_blocks(quantization: str) -> bool:
+    """`auto` keeps a GGUF's own quantization; none/int8/int4 start from its float values."""
+    return quantization == "auto"
+
+
+def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
+    """A GGUF source becomes its cached Hugging Face folder (made on first use): float32
+    values, or the file's own quantization (`auto`)."""
     root = cache_root()
     if source.kind != "gguf" or root is None:
         return source
+    blocks = keeps_gguf_blocks(quantization)
     st = os.stat(source.path)
+    fmt = f"{_CACHE_FORMAT}:{_REPACK_FORMAT}" if blocks else _CACHE_FORMAT
     key = hashlib.sha256(f"{os.path.abspath(source.path)}:{st.st_size}:{st.st_mtime_ns}:"
-                         f"{_CACHE_FORMAT}".encode()).hexdigest()[:16]
+                         f"{fmt}".encode()).hexdigest()[:16]
     stem = os.path.basename(source.path).removesuffix(".gguf")
-    folder = os.path.join(root, "gguf", f"{stem}-{key}")
+    folder = os.path.join(root, "gguf", f"{stem}{'-q' if blocks else ''}-{key}")
     if not os.path.exists(os.path.join(folder, ".complete")):
         try:
-            _convert_gguf(source, folder)
+            _convert_gguf(source, folder, blocks)
         except OSError as e:
             logger.warning("cannot write the GGUF conversion cache at %s (%s); loading the "
                            "GGUF directly", folder, e)
@@ -134,7 +149,7 @@ def materialize(source: ModelSource) -> ModelSource:
     return ModelSource("hf", folder, source.name, origin=source.path)
 
 
-def _convert_gguf(source: ModelSource, folder: str) -> None:
+def _convert_gguf(source: ModelSource, folder: str, blocks: bool = False) -> None:
     from safetensors.torch import save_file
     logger.info("converting %s once into %s", source.path, folder)
     tmp = f"{folder}.tmp-{os.getpid()}"
@@ -147,7 +162,16 @@ def _convert_gguf(source: ModelSource, folder: str) -> None:
             hf_config.architectures = [cfg.architecture]
         hf_config.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
-        save_file(dict(_iter_gguf(source.path, cfg)), os.path.join(tmp, "model.safetensors"))
+        if blocks:
+            reader = read_gguf(source.path)
+            layers = gguf_plan(reader)
+            tensors = dict(_iter_gguf_blocks(reader, cfg, layers))
+            with open(os.path.join(tmp, QUANT_MANIFEST), "w") as f:
+                json.dump({"format": _REPACK_FORMAT, "from": os.path.abspath(source.path),
+                           "layers": layers}, f, indent=1)
+        else:
+            tensors = dict(_iter_gguf(source.path, cfg))
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
         open(os.path.join(tmp, ".complete"), "w").close()
     except BaseException:  # a broken file leaves no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -196,14 +220,50 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
 
 
 # --- weights -----------------------------------------------------------------------------
-def iter_weights(source: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, object]]:
+def iter_weights(source: ModelSource, cfg: ModelConfig,
+                 quantization: str = "none") -> Iterator[tuple[str, object]]:
     """(transformers name, tensor) pairs, one tensor at a time. From safetensors each is a
     lazy slice (`quire.layers.weights`): the model's layers read only their shard of it, so
-    a tensor-parallel rank never holds the whole model. A GGUF tensor is dequantized whole,
-    then sliced and dropped."""
+    a tensor-parallel rank never holds the whole model. A GGUF tensor is dequantized whole
+    (or repacked whole, `auto`), then sliced and dropped."""
     if source.kind == "gguf":
+        if keeps_gguf_blocks(quantization):
+            reader = read_gguf(source.path)
+            return _iter_gguf_blocks(reader, cfg, gguf_plan(reader))
         return _iter_gguf(source.path, cfg)
     return _iter_safetensors(source.path)
+
+
+# --- quantization ------------------------------------------------------------------------
+def quant_manifest(source: ModelSource, quantization: str) -> dict | None:
+    """Each layer's format when the weights keep a checkpoint's own quantization (a GGUF
+    read with `auto`, or its cached folder), else None."""
+    if source.kind == "gguf":
+        return gguf_plan(read_gguf(source.path)) if keeps_gguf_blocks(quantization) else None
+    path = os.path.join(source.path, QUANT_MANIFEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["layers"]
+
+
+def quant_config(source: ModelSource, quantization: str, group_size: int | None):
+    """The QuantConfig for these weights and --quantization: auto keeps a checkpoint's own
+    quantization (float stays float); int8/int4 quantize a float checkpoint as it loads (a
+    GGUF then starts from its dequantized values)."""
+    from quire.layers.quantization import NO_QUANT, CheckpointQuantConfig, QuantizeOnLoadConfig
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    manifest = quant_manifest(source, quantization)
+    if manifest is not None and quantization != "auto":
+        raise ValueError(f"{source.path!r} holds quantized weights; load it with "
+                         f"quantization='auto' (got {quantization!r})")
+    if quantization == "auto":
+        return CheckpointQuantConfig(manifest) if manifest else NO_QUANT
+    if quantization == "none":
+        return NO_QUANT
+    return QuantizeOnLoadConfig(quantization, group_size)
 
 
 def _iter_safetensors(folder: str) -> Iterator[tuple[str, object]]:
@@ -263,6 +323,37 @@ def _iter_gguf(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, cfg.num_kv_heads)
         yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def gguf_plan(reader) -> dict[str, dict]:
+    from quire.models import gguf_repack
+    return gguf_repack.plan(reader, _gguf_to_hf_name)
+
+
+def _iter_gguf_blocks(reader, cfg: ModelConfig, layers: dict[str, dict]):
+    from gguf.quants import dequantize
+
+    from quire.models import gguf_repack
+    permuted = GGUF_ARCHITECTURES[gguf_architecture(reader)]
+
+    def unpermute(name: str, w):  # rows are output channels: integers and scales alike
+        module = name.rsplit(".", 1)[0]
+        if permuted and module.endswith("q_proj"):
+            return unpermute_qk(w, cfg.num_heads)
+        if permuted and module.endswith("k_proj"):
+            return unpermute_qk(w, cfg.num_kv_heads)
+        return w
+
+    def dequantize_float(tensor):
+        try:
+            w = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ValueError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): "
+                             f"{e}") from None
+        return w.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+    return gguf_repack.iter_tensors(reader, layers, _gguf_to_hf_name, unpermute,
+                                    dequantize_float)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

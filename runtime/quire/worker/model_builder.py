@@ -3,14 +3,19 @@ process (rank 0, and the whole model at tensor-parallel size 1) and in each work
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quire.config import EngineArgs
 from quire.distributed import parallel_state as ps
+from quire.layers.quantization import describe
 from quire.models.config import ModelConfig
 from quire.models.llama import LlamaForCausalLM
-from quire.models.loader import ModelSource, default_dtype, iter_weights
+from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
 from quire.platform import attention_backend_class
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
@@ -24,10 +29,13 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
     def make_backend(window):
         return backend_cls(num_heads, num_kv_heads, cfg.head_dim, scale, window)
 
+    quant = quant_config(source, args.quantization, args.quantization_group_size)
     with ps.shard_as(rank, size), default_dtype(dtype), device:
-        model = LlamaForCausalLM(cfg, make_backend, max_model_len, dtype, device)
-    model.load_weights(iter_weights(source, cfg))  # each layer keeps only its shard
+        model = LlamaForCausalLM(cfg, make_backend, max_model_len, dtype, device, quant)
+    model.load_weights(iter_weights(source, cfg, args.quantization))  # only its shard
     model.pack_weights()
+    if rank == 0:
+        logger.info("quantization %s: %s", args.quantization, describe(model))
     return model.eval()
 
 
@@ -39,4 +47,7 @@ def parameter_bytes(model: torch.nn.Module) -> int:
         packed = getattr(module, "packed_weight", None)
         if packed is not None:
             total += packed.numel() * packed.element_size()
+        kernel = getattr(module, "quant_kernel", None)  # a quantized layer's packed copy
+        if kernel is not None:
+            total += kernel.extra_bytes()
     return total

@@ -57,12 +57,12 @@ def _cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
-def _build(compiler: str, source_path: str) -> str:
+def _build(compiler: str, source_path: str, flags: list[str]) -> str:
     with open(source_path, "rb") as f:
         source = f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # -march=native code is only good on this CPU: a cache shared by nodes keys on it too
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()
+    key = hashlib.sha256(source + " ".join(flags).encode() + version.encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source_path))[0]
     target = os.path.join(_cache_dir(), f"{stem}-{key}.so")
@@ -71,7 +71,7 @@ def _build(compiler: str, source_path: str) -> str:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
         os.close(fd)
         try:
-            subprocess.run([compiler, *_FLAGS, source_path, "-o", tmp], check=True,
+            subprocess.run([compiler, *flags, source_path, "-o", tmp], check=True,
                            capture_output=True, text=True)
             os.replace(tmp, target)  # atomic: concurrent builders are harmless
         finally:
@@ -81,8 +81,10 @@ def _build(compiler: str, source_path: str) -> str:
 
 
 @functools.cache
-def load_library(source: str) -> ctypes.CDLL | None:
-    """The compiled library of `source` (a .cpp file in this folder), or None (see above)."""
+def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
+    """The compiled library of `source` (a .cpp file in this folder), or None (see above).
+    `march` other than "native" builds for an older CPU (e.g. "haswell": AVX2, no AVX-512),
+    so tests can run a kernel's fallback paths on a machine that has the newer ones."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -90,7 +92,8 @@ def load_library(source: str) -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found; %s is not built and its torch path is used", source)
         return None
     try:
-        return ctypes.CDLL(_build(compiler, os.path.join(_HERE, source)))
+        flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
+        return ctypes.CDLL(_build(compiler, os.path.join(_HERE, source), flags))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("the native CPU kernels in %s could not be built; using the torch path: %s",

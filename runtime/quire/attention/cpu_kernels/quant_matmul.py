@@ -1,0 +1,251 @@
+"""Weight-only int8 / int4 linear layers on the CPU: the native kernels of quant_matmul.cpp.
+
+The canonical formats a loader or quantizer hands in:
+- int8: `qweight` int8 [N, K], `scales` float32 [N, K // G]; w[n, k] = q * scales[n, k // G]
+  (G = K: one scale per output channel; G = 32: GGUF Q8_0).
+- int4: `qweight` uint8 [N, K // 2], low nibble = even k; `scales` / `zeros` float32
+  [N, K // G], G in 32 / 64 / 128; w = (q - 8) * scale + zero (GGUF Q4_0: zero = 0;
+  Q4_1: scale = d, zero = m + 8 d).
+
+`pack_*` reorders them once into the kernel's layout (blocks of 16 output rows, interleaved
+so one vector load holds one k of all 16) and picks the cheapest exact form: no offset when
+every zero is 0, w = q d + m where m = zero - 8 d is exact (Q4_1's own m), and float16
+scales / offsets where every value is one (GGUF's always are: no more bytes than the file).
+`*_linear(x, packed)` is `(x.float() @ dequantize(packed).T).to(x.dtype)` with float32 sums;
+only where float32 rounds differs (tests/runtime/test_quant_matmul.py states the bound).
+`available()` says whether the native library runs here; without it the same calls take a
+torch path (dequantize, then matmul): slower, same semantics.
+
+One kernel serves every M (measured on the 2-core AVX-512 EPYC, one thread, with
+benchmarks/quant_matmul.py). At M = 1 it reads weights faster than torch's own int4 and int8
+kernels. Beyond 8 rows of x it expands each 16-row block's integers once into a per-thread
+scratch that every 8-row tile reuses (for bfloat16 x as exact bfloat16 integers, for the
+AVX512-BF16 dot product): at M = 32 and 512, int4 and int8 with bfloat16 x run within
+0.8-1x of dense bfloat16 F.linear, and with float32 x ahead of float32 F.linear. So no
+dequantize-then-torch path: a bfloat16 copy would change the weights, and a float32 copy
+for F.linear is no faster than this kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from quire.attention import cpu_kernels
+
+ROWS = 16  # output rows per block: quant_matmul.cpp's kRows
+INT4_GROUPS = (32, 64, 128)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    lib = cpu_kernels.load_library("quant_matmul.cpp", march)
+    if lib is None:
+        return None
+    lib.quire_quant_linear.restype = ctypes.c_int
+    lib.quire_quant_linear.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.quire_quant_linear_packed.restype = ctypes.c_int
+    lib.quire_quant_linear_packed.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p]
+    lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
+    lib.quire_stream_read.restype = ctypes.c_uint64
+    lib.quire_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """The native library is built and runs on this CPU."""
+    return _library() is not None
+
+
+def isa(march: str = "native") -> str | None:
+    """The vector path the library was built with ("avx512-bf16": AVX-512 plus the bfloat16
+    dot product for int4 weights and bfloat16 x, "avx512", "avx2", "scalar"), or None."""
+    lib = _library(march)
+    return lib.quire_quant_matmul_isa().decode() if lib is not None else None
+
+
+# The weight forms of quant_matmul.cpp; pack_int4 picks the one that gives the canonical
+# values exactly with the least work and the fewest bytes.
+INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN = 0, 1, 2, 3
+
+
+class _PackedArgs(ctypes.Structure):  # quant_matmul.cpp's PackedArgs
+    _fields_ = [("form", ctypes.c_int32), ("half", ctypes.c_int32), ("q", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64)]
+
+
+class PackedWeight:
+    """A weight in the kernel's layout, with its ctypes arguments made once into one struct
+    (a decode step calls the kernel a few hundred times; each call passes x, y and its
+    address).
+
+    form: INT8 (w = q s), INT4_SYMMETRIC (w = (q - 8) s), INT4_ZERO (w = (q - 8) s + z) or
+    INT4_MIN (w = q s + m); `offsets` holds z or m; scales and offsets are float16 where
+    every value is exactly one, else float32."""
+
+    __slots__ = ("form", "bits", "n", "k", "group", "qweight", "scales", "offsets", "_march",
+                 "_struct", "_address", "_fn")
+
+    def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
+        self.form, self.n, self.k, self.group = form, n, k, group
+        self.bits = 8 if form == INT8 else 4
+        self.qweight, self.scales, self.offsets = qweight, scales, offsets
+        self._march = march
+        self._struct = _PackedArgs(form, scales.dtype == torch.float16, qweight.data_ptr(),
+                                   scales.data_ptr(),
+                                   offsets.data_ptr() if offsets is not None else None,
+                                   n, k, group)
+        self._address = ctypes.addressof(self._struct)  # what each call passes
+        lib = _library(march)
+        self._fn = lib.quire_quant_linear_packed if lib is not None else None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.offsets) if t is not None)
+
+    def __repr__(self) -> str:
+        return (f"PackedWeight(form={self.form}, n={self.n}, k={self.k}, group={self.group}, "
+                f"scales {self.scales.dtype})")
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def _row_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / 16), C, 16]: padded with zero rows, one k of 16 rows contiguous."""
+    n, c = t.shape
+    padded = torch.zeros((n + ROWS - 1) // ROWS * ROWS, c, dtype=t.dtype)
+    padded[:n] = t
+    return padded.view(-1, ROWS, c).transpose(1, 2).contiguous()
+
+
+def _exact_in(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every value of t (float64 or float32) is exactly a `dtype` value."""
+    return bool((t.to(dtype).to(t.dtype) == t).all())
+
+
+def _compact(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float16 copies where every value is exactly a float16 (GGUF's d and m are), else
+    float32: the kernel reads them per group, half the bytes for the same values."""
+    dtype = torch.float16 if all(_exact_in(t, torch.float16) for t in tensors) else torch.float32
+    return tuple(_row_blocks(t.to(dtype)) for t in tensors)
+
+
+def _check_group(k: int, group: int, allowed: tuple[int, ...] | None) -> None:
+    if allowed is not None and group not in allowed:
+        raise ValueError(f"group must be one of {allowed}, got {group}")
+    if not isinstance(group, int) or group <= 0 or k % group:
+        raise ValueError(f"group must be a positive divisor of K={k}, got {group}")
+
+
+def pack_int8(qweight: torch.Tensor, scales: torch.Tensor, group: int,
+              _march: str = "native") -> PackedWeight:
+    """int8 `qweight` [N, K] and float32 `scales` [N, K // group] -> the kernel's layout."""
+    if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2:
+        raise ValueError("qweight must be a 2-D int8 tensor [N, K]")
+    n, k = qweight.shape
+    _check_group(k, group, None)
+    _check("qweight", qweight, torch.int8, (n, k))
+    _check("scales", scales, torch.float32, (n, k // group))
+    (blocked_scales,) = _compact(scales)
+    return PackedWeight(INT8, n, k, group, _row_blocks(qweight), blocked_scales, None, _march)
+
+
+def pack_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+              _march: str = "native") -> PackedWeight:
+    """uint8 `qweight` [N, K // 2] (two nibbles a byte, low = even k) with float32 `scales`
+    and `zeros` [N, K // group] -> the kernel's layout."""
+    if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2:
+        raise ValueError("qweight must be a 2-D uint8 tensor [N, K // 2]")
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    _check_group(k, group, INT4_GROUPS)
+    _check("qweight", qweight, torch.uint8, (n, k // 2))
+    _check("scales", scales, torch.float32, (n, k // group))
+    _check("zeros", zeros, torch.float32, (n, k // group))
+    signed = _row_blocks(qweight ^ 0x88)  # each nibble, read as signed 4 bits, is q - 8
+    if not zeros.any():  # Q4_0, symmetric int4: no offset to read at all
+        return PackedWeight(INT4_SYMMETRIC, n, k, group, signed, *_compact(scales), None,
+                            _march)
+    # w = (q - 8) s + z = q s + m with m = z - 8 s (Q4_1's own m): one op less per weight,
+    # taken where m is exact, so both forms are the same real number
+    mins = zeros.double() - 8 * scales.double()
+    half = torch.float16
+    if _exact_in(scales, half) and _exact_in(mins, half):
+        return PackedWeight(INT4_MIN, n, k, group, _row_blocks(qweight),
+                            *_compact(scales, mins.float()), _march)
+    if (_exact_in(scales, half) and _exact_in(zeros, half)) or not _exact_in(mins, torch.float32):
+        return PackedWeight(INT4_ZERO, n, k, group, signed, *_compact(scales, zeros), _march)
+    return PackedWeight(INT4_MIN, n, k, group, _row_blocks(qweight),
+                        *_compact(scales, mins.float()), _march)
+
+
+def _unblock(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def dequantize(packed: PackedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] the kernel multiplies by (the torch path and tests use it)."""
+    q = _unblock(packed.qweight, packed.n)
+    scales = _unblock(packed.scales, packed.n).float().repeat_interleave(packed.group, dim=1)
+    if packed.form == INT8:
+        return q.float() * scales
+    if packed.form != INT4_MIN:
+        q = q ^ 0x88
+    nibbles = torch.stack([q & 15, q >> 4], dim=-1).reshape(packed.n, packed.k).float()
+    if packed.form == INT4_SYMMETRIC:
+        return (nibbles - 8) * scales
+    offsets = _unblock(packed.offsets, packed.n).float().repeat_interleave(packed.group, dim=1)
+    if packed.form == INT4_ZERO:
+        return torch.addcmul(offsets, nibbles - 8, scales)
+    return torch.addcmul(offsets, nibbles, scales)
+
+
+def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
+    # the common case first, in as few Python operations as possible: a decode step makes a
+    # few hundred of these calls
+    code = _DTYPE_CODES.get(x.dtype)
+    fn = packed._fn
+    if (fn is not None and code is not None and x.dim() == 2 and x.is_cpu
+            and x.shape[1] == packed.k and packed.bits == bits):
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty((x.shape[0], packed.n), dtype=x.dtype)
+        fn(x.data_ptr(), y.data_ptr(), x.shape[0], code, torch.get_num_threads(), packed._address)
+        return y
+    if packed.bits != bits:
+        raise ValueError(f"packed must come from pack_int{bits}, got an int{packed.bits} weight")
+    if code is None or not x.is_cpu:
+        raise ValueError(f"x must be a float32 or bfloat16 CPU tensor, got {x.dtype} on "
+                         f"{x.device.type}")
+    if x.dim() != 2:
+        if x.dim() == 0 or x.shape[-1] != packed.k:
+            raise ValueError(f"x must have shape [..., {packed.k}], got {list(x.shape)}")
+        return _linear(x.reshape(-1, packed.k), packed, bits).view(*x.shape[:-1], packed.n)
+    if x.shape[1] != packed.k:
+        raise ValueError(f"x must have shape [M, {packed.k}], got {list(x.shape)}")
+    return (x.float() @ dequantize(packed).T).to(x.dtype)  # no library: the torch path
+
+
+def int8_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ W^T for a pack_int8 weight -> [M, N], x's dtype."""
+    return _linear(x, packed, 8)
+
+
+def int4_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ W^T for a pack_int4 weight -> [M, N], x's dtype."""
+    return _linear(x, packed, 4)

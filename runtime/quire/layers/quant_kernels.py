@@ -1,0 +1,209 @@
+"""Weight-only int8 / int4 matmul kernels behind one interface, picked once per layer.
+
+    kernel = int8_kernel(qweight, scales, exact=...)   # or int4_kernel(qweight, scales, zeros)
+    y = kernel(x)          # (x.float() @ dequant(W).T).to(x.dtype), x [M, K]
+
+In order of preference (benchmarks/quant_kernels.py prints each one's us/call and GB/s):
+1. the native CPU kernels (attention/cpu_kernels/quant_matmul.py: AVX-512 VNNI / AVX2), on
+   the canonical fp32 scales, so exact wherever the format promises it;
+2. torch's own weight-only ops (_weight_int8pack_mm per output channel,
+   _weight_int4pack_mm_for_cpu group-wise). They take their scales (and zeros) in the
+   activation dtype, i.e. rounded to bf16 in a bf16 model: allowed only where no exactness
+   is promised (`exact=False`: quantized on load from float), never for a GGUF's own values;
+3. the Triton kernels on CUDA (layers/triton_quant.py);
+4. dequantize once, then an fp32 matmul: always right, but the weight then takes fp32
+   memory (a warning says so once); kept for machines where no quantized kernel runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from quire.layers import quant_formats as qf
+from quire.layers.quant_formats import dequantize_int4, dequantize_int8, unpack_nibbles
+
+logger = logging.getLogger(__name__)
+
+
+def native():
+    """The native kernel module when it is built and usable here, else None."""
+    try:
+        from quire.attention.cpu_kernels import quant_matmul
+    except ImportError:
+        return None
+    try:
+        return quant_matmul if quant_matmul.available() else None
+    except Exception as e:  # a failed build must not stop the model from loading
+        logger.warning("native quantized matmul unavailable (%s)", e)
+        return None
+
+
+class Kernel:
+    name = "?"
+    owns_weights = False  # holds its own packed copy: the canonical tensors may be freed
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight this kernel multiplies by (tests, the transformers oracle)."""
+        raise NotImplementedError
+
+    def extra_bytes(self) -> int:
+        """Memory it holds beyond the layer's parameters (its packed or dequantized copy)."""
+        held = [getattr(self, a, None) for a in ("weight", "packed", "scales_zeros")]
+        packed = getattr(self, "packed", None)
+        held += [getattr(packed, a, None) for a in ("qweight", "scales", "offsets")]
+        return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+_warned = False
+
+
+class DequantMatmul(Kernel):
+    """Reference path: the fp32 weight dequantized once (on first use), then x.float() @ W.T
+    (exactly the semantics every kernel promises)."""
+
+    name = "dequant"
+
+    def __init__(self, dequantize_fn, *tensors) -> None:
+        self.dequantize_fn, self.tensors, self.weight = dequantize_fn, tensors, None
+
+    def __call__(self, x):
+        if self.weight is None:
+            global _warned
+            if not _warned:
+                _warned = True
+                logger.warning("no quantized matmul kernel runs here; quantized layers are "
+                               "dequantized to fp32 (correct, but no memory saved)")
+            self.weight = self.dequantize_fn(*self.tensors)
+        return (x.float() @ self.weight.T).to(x.dtype)
+
+    def dequantize(self):
+        return self.weight if self.weight is not None else self.dequantize_fn(*self.tensors)
+
+
+class NativeKernel(Kernel):
+    owns_weights = True
+
+    def __init__(self, name, module, fn, packed) -> None:
+        self.name, self.module, self.fn, self.packed = name, module, fn, packed
+
+    def __call__(self, x):
+        if x.dtype in (torch.float32, torch.bfloat16):
+            return self.fn(x, self.packed)
+        return self.fn(x.float(), self.packed).to(x.dtype)  # it takes fp32 or bf16 only
+
+    def dequantize(self):
+        return self.module.dequantize(self.packed)
+
+
+class TorchInt8(Kernel):
+    """aten._weight_int8pack_mm: per-output-channel int8, scales in the activation dtype."""
+
+    name = "torch-int8"
+
+    def __init__(self, qweight, scales) -> None:
+        self.qweight, self.scales = qweight.contiguous(), scales[:, 0].contiguous()
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, x):
+        s = self._by_dtype.get(x.dtype)
+        if s is None:
+            s = self._by_dtype[x.dtype] = self.scales.to(x.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, s)
+
+    def dequantize(self):  # the fp32 values (in bf16 the op rounds the scales first)
+        return dequantize_int8(self.qweight, self.scales[:, None])
+
+
+class TorchInt4(Kernel):
+    """aten._weight_int4pack_mm_for_cpu: group-wise int4 with w = (q - 8) * scale + zero,
+    our canonical formula; scales and zeros travel as [K/G, N, 2] in the activation dtype."""
+
+    name = "torch-int4"
+
+    def __init__(self, qweight, scales, zeros) -> None:
+        self.canonical = (qweight, scales, zeros)
+        q = unpack_nibbles(qweight).to(torch.int32)
+        self.group = q.shape[1] // scales.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.scales_zeros = torch.stack([scales.float().T, zeros.float().T], dim=-1).contiguous()
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, x):
+        sz = self._by_dtype.get(x.dtype)
+        if sz is None:
+            sz = self._by_dtype[x.dtype] = self.scales_zeros.to(x.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, sz)
+
+    def dequantize(self):  # the fp32 values (in bf16 the op rounds scales and zeros first)
+        return dequantize_int4(*self.canonical)
+
+
+def _torch_ok(kernel: Kernel, k: int, dequantized: torch.Tensor) -> bool:
+    """Probe the op on this torch/CPU once: it runs and agrees with dequantize-then-matmul."""
+    try:
+        x = torch.randn(3, k)
+        got = kernel(x)
+        want = x @ dequantized.T
+        return bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item()))
+    except (RuntimeError, NotImplementedError) as e:
+        logger.debug("%s unavailable here: %s", kernel.name, e)
+        return False
+
+
+def _native_kernel(kind: str, *tensors, group: int) -> NativeKernel | None:
+    mod = native()
+    if mod is None:
+        return None
+    pack, fn = ((mod.pack_int8, mod.int8_linear) if kind == qf.INT8
+                else (mod.pack_int4, mod.int4_linear))
+    try:
+        packed = pack(*(t.contiguous() for t in tensors), group)
+    except ValueError as e:  # a group size it does not take (int4: 32/64/128)
+        logger.info("native %s kernel does not take this weight (%s)", kind, e)
+        return None
+    return NativeKernel(f"native-{kind}", mod, fn, packed)
+
+
+def _triton(kind: str, tensors):
+    from quire.layers import triton_quant
+    return triton_quant.kernel(kind, *tensors)
+
+
+def int8_kernel(qweight: torch.Tensor, scales: torch.Tensor, exact: bool = True,
+                prefer: str = "auto") -> Kernel:
+    group = qweight.shape[1] // scales.shape[1]
+    if prefer in ("auto", "native") and qweight.device.type == "cpu":
+        kernel = _native_kernel(qf.INT8, qweight, scales, group=group)
+        if kernel is not None:
+            return kernel
+    if prefer in ("auto", "triton") and qweight.is_cuda:
+        return _triton("int8", (qweight, scales))
+    if (prefer in ("auto", "torch") and not exact and scales.shape[1] == 1
+            and qweight.device.type == "cpu"):
+        kernel = TorchInt8(qweight, scales)
+        if _torch_ok(kernel, qweight.shape[1], dequantize_int8(qweight, scales)):
+            return kernel
+    return DequantMatmul(dequantize_int8, qweight, scales)
+
+
+def int4_kernel(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                exact: bool = True, prefer: str = "auto") -> Kernel:
+    k = qweight.shape[1] * 2
+    group = k // scales.shape[1]
+    if prefer in ("auto", "native") and qweight.device.type == "cpu":
+        kernel = _native_kernel(qf.INT4, qweight, scales, zeros, group=group)
+        if kernel is not None:
+            return kernel
+    if prefer in ("auto", "triton") and qweight.is_cuda:
+        return _triton("int4", (qweight, scales, zeros))
+    if (prefer in ("auto", "torch") and not exact and group in (32, 64, 128, 256)
+            and qweight.device.type == "cpu"):
+        kernel = TorchInt4(qweight, scales, zeros)
+        if _torch_ok(kernel, k, dequantize_int4(qweight, scales, zeros)):
+            return kernel
+    return DequantMatmul(dequantize_int4, qweight, scales, zeros)

@@ -1,0 +1,87 @@
+"""--quantization and the GGUF conversion cache: each quantization reads the folder made for
+it (never a float one for a quantized run or the reverse), and bad values are named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from quire.config import EngineArgs
+from quire.layers.quantization import CheckpointQuantConfig, QuantizeOnLoadConfig
+from quire.models import loader
+from quire.models.loader import ModelSource
+
+
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch):
+    """materialize() with the slow conversion replaced by a stub that records what it was
+    asked to write (float or the file's blocks)."""
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def convert(source, folder, blocks=False):
+        calls.append(blocks)
+        os.makedirs(folder)
+        if blocks:
+            with open(os.path.join(folder, loader.QUANT_MANIFEST), "w") as f:
+                json.dump({"layers": {"layers.0.qkv_proj": {"method": "int4",
+                                                            "group_size": 32}}}, f)
+        open(os.path.join(folder, ".complete"), "w").close()
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    return ModelSource("gguf", str(gguf), "m"), calls
+
+
+def test_cache_folder_keys_on_the_quantization(fake_conversion):
+    source, calls = fake_conversion
+    auto = loader.materialize(source, "auto")
+    none = loader.materialize(source, "none")
+    assert auto.path != none.path and calls == [True, False]
+    # int8/int4 start from the float values: they share the float folder, made once
+    assert loader.materialize(source, "int8").path == none.path
+    assert loader.materialize(source, "auto").path == auto.path and calls == [True, False]
+    assert isinstance(loader.quant_config(auto, "auto", 32), CheckpointQuantConfig)
+    assert loader.quant_config(none, "auto", 32).name == "none"
+    assert isinstance(loader.quant_config(none, "int4", 64), QuantizeOnLoadConfig)
+
+
+def test_a_float_folder_made_by_an_older_quire_is_not_read_as_quantized(fake_conversion):
+    source, calls = fake_conversion
+    none = loader.materialize(source, "none")
+    assert loader.quant_manifest(none, "auto") is None  # float folder: no manifest
+    auto = loader.materialize(source, "auto")
+    assert calls == [False, True] and auto.path != none.path
+
+
+def test_quantized_folder_refuses_a_float_or_requantized_run(fake_conversion):
+    source, _ = fake_conversion
+    auto = loader.materialize(source, "auto")
+    for q in ("none", "int8"):
+        with pytest.raises(ValueError, match="holds quantized weights.*quantization='auto'"):
+            loader.quant_config(auto, q, 32)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("quantization", "int3", "quantization must be one of auto, none, int8, int4"),
+    ("quantization_group_size", 48, "quantization_group_size must be one of 32, 64, 128"),
+])
+def test_bad_quantization_args_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**{field: value})
+
+
+def test_quantization_flags_reach_engine_args():
+    import argparse
+
+    from quire.entrypoints.engine_args import add_engine_flags, engine_args_from
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    ns = parser.parse_args(["--quantization", "int4", "--quantization-group-size", "64"])
+    args = engine_args_from(ns, None)
+    assert (args.quantization, args.quantization_group_size) == ("int4", 64)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "fp4"])

@@ -1,0 +1,307 @@
+"""The native int8 / int4 weight-only matmul (cpu_kernels/quant_matmul) against
+dequantize-then-matmul in float64, on this CPU's vector path and on an AVX2-only build, plus
+its torch path where the library can't be built.
+
+Tolerance, from float32 rounding alone. The kernel never rounds a weight or x to a narrower
+type: per group of G it sums x_k * q'_k in float32 (q' the small integer q or q - 8,
+converted exactly), then adds s * part and offset * sum(x) with FMAs (w = q s + m is the same
+real number as (q - 8) s + z when pack_int4 picks it: m = z - 8 s exactly; the AVX512-BF16
+path multiplies bfloat16 x by q' looked up as an exact bfloat16, products exact). Every term
+of y = sum_k x_k w_k is then a sum of at most G + 2 K / G + 1 <= K + 4 float32 roundings
+away from exact, so (Higham, Accuracy and Stability of Numerical Algorithms, 3.1)
+    |y - y64| <= (K + 4) u * sum_k |x_k| * mag_k,     u = 2^-24,
+mag_k = |q' s| + |offset| (for int4 the larger of the two forms' magnitudes), plus one bfloat16
+rounding of y for bfloat16 x. It holds for any summation order, and a wrong nibble, scale or
+row breaks it by orders of magnitude (test_one_wrong_weight_is_far_outside_the_bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quire.attention import cpu_kernels
+from quire.attention.cpu_kernels import quant_matmul as qm
+
+U32 = 2.0 ** -24
+# (M, N, K): odd M, M above the kernel's row tile, N not a multiple of the 16-row block
+SHAPES = [(1, 16, 64), (3, 37, 128), (8, 960, 576), (9, 100, 256), (17, 33, 384),
+          (32, 576, 1536), (70, 50, 128), (2, 2051, 128), (10, 24, 63)]  # odd K: int8 only
+
+
+def _cases(groups):
+    """Every shape with every group that divides its K (576 = 4.5 x 128 takes 32 and 64)."""
+    return [(m, n, k, g) for m, n, k in SHAPES for g in groups if g == "channel" or k % g == 0]
+
+
+def _int8_case(n, k, group, seed, half=False):
+    """Random int8 weight; `half`: scales that are exactly float16 (GGUF Q8_0's d)."""
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-4
+    return qweight, scales.half().float() if half else scales
+
+
+# int4 scale / zero flavours and the weight form and scale dtype pack_int4 must pick for each
+INT4_FLAVOURS = {
+    "symmetric16": (qm.INT4_SYMMETRIC, torch.float16),  # GGUF Q4_0
+    "symmetric32": (qm.INT4_SYMMETRIC, torch.float32),
+    "min16": (qm.INT4_MIN, torch.float16),  # GGUF Q4_1: zero = m + 8 d
+    "min32": (qm.INT4_MIN, torch.float32),  # z - 8 s exact in float32 only
+    "zero16": (qm.INT4_ZERO, torch.float16),  # s and z float16, z - 8 s not
+    "zero32": (qm.INT4_ZERO, torch.float32),  # z - 8 s not even a float32
+}
+
+
+def _int4_case(n, k, group, seed, flavour="zero32"):
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    shape = (n, k // group)
+    scales = torch.rand(shape, generator=g) * 0.02 + 1e-4
+    zeros = torch.randn(shape, generator=g) * 0.05
+    if flavour.startswith("symmetric"):
+        zeros = torch.zeros(shape)
+    if flavour.endswith("16"):
+        scales = scales.half().float()
+    if flavour == "zero16":
+        zeros = zeros.half().float()
+    if flavour == "min16":
+        zeros = -(torch.rand(shape, generator=g) * 0.1).half().float() + 8 * scales
+    if flavour == "min32":  # s on a 2^-30 grid (not float16), m on 2^-24: z = m + 8 s exact
+        scales = torch.randint(1, 1 << 12, shape, generator=g) * 2.0 ** -30
+        zeros = torch.randint(-(1 << 12), 1 << 12, shape, generator=g) * 2.0 ** -24 + 8 * scales
+    return qweight, scales, zeros
+
+
+def _int8_exact(qweight, scales, group):
+    """float64 weight and the per-element magnitude the rounding bound scales with."""
+    w = qweight.double() * scales.double().repeat_interleave(group, dim=1)
+    return w, w.abs()
+
+
+def _int4_exact(qweight, scales, zeros, group):
+    q = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1).double()
+    s = scales.double().repeat_interleave(group, dim=1)
+    z = zeros.double().repeat_interleave(group, dim=1)
+    magnitude = torch.maximum(((q - 8) * s).abs() + z.abs(), (q * s).abs() + (z - 8 * s).abs())
+    return (q - 8) * s + z, magnitude
+
+
+def _assert_within_bound(y, x, w64, magnitude):
+    x64 = x.double()
+    want = x64 @ w64.T
+    bound = (x.shape[1] + 4) * U32 * (x64.abs() @ magnitude.T)
+    if y.dtype == torch.bfloat16:  # one rounding of the result to 8 significant bits
+        bound = bound * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
+    err = (y.double() - want).abs()
+    worst = (err / bound.clamp_min(1e-300)).max().item()
+    assert worst <= 1.0, f"error {worst:.3g} x the fp32 rounding bound"
+    return want
+
+
+def _x(m, k, dtype, seed):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+with open("/proc/cpuinfo") as _f:
+    _FLAGS = _f.read()
+# "haswell" is AVX2 without AVX-512: this CPU runs that path too whenever it has AVX2
+MARCHES = ["native"] + (["haswell"] if " avx2" in _FLAGS else [])
+
+
+@pytest.fixture(params=MARCHES)
+def march(request):
+    """The library built for this CPU and again for an AVX2-only one (no AVX-512)."""
+    if qm._library(request.param) is None:
+        pytest.fail(f"quant_matmul.cpp did not build with -march={request.param}")
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plain_cpp_path_without_avx2(dtype):
+    """-march=x86-64 (SSE2 only) builds the scalar fallback: every form, on a few shapes."""
+    assert qm.isa("x86-64") == "scalar"
+    for m, n, k in ((1, 16, 64), (5, 37, 128), (9, 20, 256)):
+        x = _x(m, k, dtype, seed=m)
+        for flavour in INT4_FLAVOURS:
+            qweight, scales, zeros = _int4_case(n, k, 32, seed=n, flavour=flavour)
+            packed = qm.pack_int4(qweight, scales, zeros, 32, _march="x86-64")
+            _assert_within_bound(qm.int4_linear(x, packed), x,
+                                 *_int4_exact(qweight, scales, zeros, 32))
+        for group, half in ((32, True), (k, False)):
+            qweight, scales = _int8_case(n, k, group, seed=n, half=half)
+            packed = qm.pack_int8(qweight, scales, group, _march="x86-64")
+            _assert_within_bound(qm.int8_linear(x, packed), x,
+                                 *_int8_exact(qweight, scales, group))
+
+
+def test_builds_use_the_vector_paths_this_cpu_has(march):
+    if march == "haswell":
+        assert qm.isa(march) == "avx2"
+    else:
+        assert qm.isa(march) == ("avx512-bf16" if " avx512_bf16" in _FLAGS else
+                                 "avx512" if " avx512f" in _FLAGS else
+                                 "avx2" if " avx2" in _FLAGS else "scalar")
+    assert qm.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,group", _cases(["channel", 32, 64, 128]))
+def test_int8_linear_matches_dequantize_then_matmul(march, m, n, k, group, dtype):
+    group = k if group == "channel" else group
+    half = (m + n) % 2 == 0  # half the cases with float16 scales (as GGUF Q8_0 has)
+    qweight, scales = _int8_case(n, k, group, seed=m * n + k, half=half)
+    packed = qm.pack_int8(qweight, scales, group, _march=march)
+    assert packed.scales.dtype == (torch.float16 if half else torch.float32)
+    x = _x(m, k, dtype, seed=m)
+    y = qm.int8_linear(x, packed)
+    assert y.shape == (m, n) and y.dtype == dtype
+    _assert_within_bound(y, x, *_int8_exact(qweight, scales, group))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,group,flavour", [
+    case + (list(INT4_FLAVOURS)[i % len(INT4_FLAVOURS)],)
+    for i, case in enumerate(_cases(qm.INT4_GROUPS))])
+def test_int4_linear_matches_dequantize_then_matmul(march, m, n, k, group, flavour, dtype):
+    qweight, scales, zeros = _int4_case(n, k, group, seed=m * n + k, flavour=flavour)
+    packed = qm.pack_int4(qweight, scales, zeros, group, _march=march)
+    assert (packed.form, packed.scales.dtype) == INT4_FLAVOURS[flavour]
+    x = _x(m, k, dtype, seed=m)
+    y = qm.int4_linear(x, packed)
+    assert y.shape == (m, n) and y.dtype == dtype
+    _assert_within_bound(y, x, *_int4_exact(qweight, scales, zeros, group))
+
+
+@pytest.mark.parametrize("flavour", INT4_FLAVOURS)
+def test_each_int4_flavour_packs_to_its_form_with_the_same_weight(flavour):
+    qweight, scales, zeros = _int4_case(33, 128, 32, seed=7, flavour=flavour)
+    packed = qm.pack_int4(qweight, scales, zeros, 32)
+    assert (packed.form, packed.scales.dtype) == INT4_FLAVOURS[flavour]
+    want, _ = _int4_exact(qweight, scales, zeros, 32)
+    assert (qm.dequantize(packed).double() - want).abs().max() <= U32 * want.abs().max()
+    x = _x(3, 128, torch.float32, seed=7)
+    _assert_within_bound(qm.int4_linear(x, packed), x, *_int4_exact(qweight, scales, zeros, 32))
+
+
+def test_gguf_q4_0_q4_1_and_q8_0_blocks(march):
+    """The formats the GGUF loader hands in: Q4_0 (zero = 0), Q4_1 (zero = m + 8 d), Q8_0;
+    each kept with its own float16 d (and m): the kernel reads no more bytes than the file."""
+    n, k = 49, 576
+    g = torch.Generator().manual_seed(5)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    mins = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    x = _x(5, k, torch.float32, seed=1)
+    for zeros, form in ((torch.zeros_like(d), qm.INT4_SYMMETRIC), (mins + 8 * d, qm.INT4_MIN)):
+        packed = qm.pack_int4(q4, d, zeros, 32, _march=march)
+        assert packed.form == form and packed.scales.dtype == torch.float16
+        if form == qm.INT4_MIN:
+            assert torch.equal(qm._unblock(packed.offsets, n).float(), mins)
+        _assert_within_bound(qm.int4_linear(x, packed), x, *_int4_exact(q4, d, zeros, 32))
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    packed = qm.pack_int8(q8, d, 32, _march=march)
+    assert packed.scales.dtype == torch.float16
+    _assert_within_bound(qm.int8_linear(x, packed), x, *_int8_exact(q8, d, 32))
+
+
+def test_one_wrong_weight_is_far_outside_the_bound(march):
+    """The bound is tight enough to matter: a kernel that reads one nibble wrong fails it."""
+    n, k, group = 20, 128, 32
+    qweight, scales, zeros = _int4_case(n, k, group, seed=3)
+    x = _x(4, k, torch.float32, seed=2)
+    y = qm.int4_linear(x, qm.pack_int4(qweight, scales, zeros, group, _march=march))
+    corrupted = qweight.clone()
+    corrupted[17, 40] ^= 0x10  # k = 81 of row 17, high nibble
+    with pytest.raises(AssertionError, match="rounding bound"):
+        _assert_within_bound(y, x, *_int4_exact(corrupted, scales, zeros, group))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_thread_count_does_not_change_a_bit(dtype):
+    """Each output row is summed by one thread in one order, however many threads there are."""
+    qweight, scales, zeros = _int4_case(300, 256, 64, seed=11, flavour="min16")
+    p4 = qm.pack_int4(qweight, scales, zeros, 64)
+    p8 = qm.pack_int8(*_int8_case(300, 256, 32, seed=12), 32)
+    x = _x(11, 256, dtype, seed=5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = qm.int4_linear(x, p4), qm.int8_linear(x, p8)
+        torch.set_num_threads(max(2, before))
+        many = qm.int4_linear(x, p4), qm.int8_linear(x, p8)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+
+
+def test_dequantize_gives_back_the_canonical_weight():
+    n, k = 21, 64
+    qweight, scales = _int8_case(n, k, 32, seed=1)
+    torch.testing.assert_close(qm.dequantize(qm.pack_int8(qweight, scales, 32)),
+                               _int8_exact(qweight, scales, 32)[0].float(), rtol=0, atol=0)
+    qweight, scales, zeros = _int4_case(n, k, 64, seed=2)
+    want = _int4_exact(qweight, scales, zeros, 64)[0]
+    got = qm.dequantize(qm.pack_int4(qweight, scales, zeros, 64)).double()
+    assert ((got - want).abs() <= U32 * want.abs() + 1e-12).all()
+
+
+def test_leading_dims_and_non_contiguous_x():
+    qweight, scales = _int8_case(24, 64, 64, seed=4)
+    packed = qm.pack_int8(qweight, scales, 64)
+    x = _x(6, 128, torch.float32, seed=3)[:, ::2]  # stride 2 along K
+    y = qm.int8_linear(x.reshape(2, 3, 64), packed)
+    assert y.shape == (2, 3, 24)
+    torch.testing.assert_close(y.reshape(6, 24), qm.int8_linear(x.contiguous(), packed),
+                               rtol=0, atol=0)
+
+
+def test_empty_batch():
+    qweight, scales = _int8_case(24, 64, 64, seed=4)
+    assert qm.int8_linear(torch.zeros(0, 64), qm.pack_int8(qweight, scales, 64)).shape == (0, 24)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: qm.pack_int8(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), 32),
+     "qweight must be torch.int8"),
+    (lambda: qm.pack_int8(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 3), 32),
+     r"scales must have shape \[4, 2\]"),
+    (lambda: qm.pack_int8(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2), 48),
+     "group must be a positive divisor of K=64"),
+    (lambda: qm.pack_int4(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 8),
+                          torch.ones(4, 8), 16), r"group must be one of \(32, 64, 128\)"),
+    (lambda: qm.pack_int4(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 4),
+                          torch.ones(4, 4, dtype=torch.float16), 32), "zeros must be torch.float32"),
+    (lambda: qm.int8_linear(torch.zeros(2, 64, dtype=torch.float16), _packed8()),
+     "x must be a float32 or bfloat16 CPU tensor"),
+    (lambda: qm.int8_linear(torch.zeros(2, 65), _packed8()), r"x must have shape \[M, 64\]"),
+    (lambda: qm.int4_linear(torch.zeros(2, 64), _packed8()), "packed must come from pack_int4"),
+])
+def test_bad_input_names_the_field(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _packed8():
+    return qm.pack_int8(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), 64)
+
+
+def test_without_the_library_the_torch_path_gives_the_same_results(monkeypatch):
+    qweight, scales, zeros = _int4_case(40, 128, 32, seed=8)
+    q8, s8 = _int8_case(40, 128, 128, seed=9)
+    x = _x(5, 128, torch.bfloat16, seed=4)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setenv("QUIRE_CPU_KERNELS", "0")
+            qm._library.cache_clear()
+            cpu_kernels.load_library.cache_clear()
+            assert not qm.available() and qm.isa() is None
+            y4 = qm.int4_linear(x, qm.pack_int4(qweight, scales, zeros, 32))
+            y8 = qm.int8_linear(x, qm.pack_int8(q8, s8, 128))
+    finally:
+        qm._library.cache_clear()
+        cpu_kernels.load_library.cache_clear()
+    _assert_within_bound(y4, x, *_int4_exact(qweight, scales, zeros, 32))
+    _assert_within_bound(y8, x, *_int8_exact(q8, s8, 128))
+    assert qm.available()
