@@ -52,8 +52,9 @@ class EngineArgs:
         "help": "bytes of host memory for swapped-out KV blocks (preemption_mode=swap)"})
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     num_threads: int | None = field(default=None, metadata={
-        "help": "CPU threads for torch (per rank); default: torch's own choice, or the "
-                "cores divided among the ranks under tensor parallelism"})
+        "help": "CPU threads for torch (per rank); default: the CPU quota the process has "
+                "(cgroup cpu.max, affinity; or $QUIRE_NUM_THREADS), divided among the ranks "
+                "under tensor parallelism"})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks one model is split across (one process and device each); the model's "
                 "attention heads must divide evenly, KV heads too (or be replicated)"})
