@@ -93,28 +93,34 @@ def gguf_weight_bytes(path: str) -> tuple[int, int]:
 
 def quire_weight_bytes(model) -> int:
     """Bytes a Quire decode step reads: each module's packed weight where it has one (the float
-    copy then sits unread), its other parameters and weight buffers, each storage once; an
-    embedding table only where the LM head reads it too (tied)."""
+    copy then sits unread), its other parameters and weight buffers, each storage once. An
+    embedding table is looked up one row per token, so it counts only through the LM head
+    (tied or not, the head reads its whole weight, or its packed copy)."""
     import torch
     seen, total = set(), 0
-    lm_head = getattr(model, "lm_head", None)
-    head_ptrs = {p.data_ptr() for p in lm_head.parameters()} if lm_head is not None else set()
     for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or "embed" in type(module).__name__.lower():
+            continue
         packed = getattr(module, "packed_weight", None)
         tensors = [(n, t) for n, t in module.named_parameters(recurse=False)]
         tensors += [(n, t) for n, t in module.named_buffers(recurse=False)
                     if not any(s in n for s in NOT_WEIGHTS)]
         if packed is not None:
             tensors = [(n, t) for n, t in tensors if n != "weight"] + [("packed", packed)]
-        for name, t in tensors:
-            if not isinstance(t, torch.Tensor) or t.data_ptr() in seen:
-                continue
-            if isinstance(module, torch.nn.Embedding) or "embed" in type(module).__name__.lower():
-                if name == "weight" and t.data_ptr() not in head_ptrs:
-                    continue  # looked up one row per token
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+        for _, t in tensors:
+            if isinstance(t, torch.Tensor) and t.numel() and _key(t) not in seen:
+                seen.add(_key(t))
+                total += t.numel() * t.element_size()
     return total
+
+
+def _key(t) -> int:
+    """A tensor's storage, for counting shared weights once (an opaque packed tensor has no
+    storage pointer: it is its own)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return id(t)
 
 
 def kv_bytes_per_token(cfg, mean_context: float, bytes_per_value: int) -> float:
