@@ -64,16 +64,27 @@ def get(url: str, timeout: float = 5.0) -> bytes:
         return r.read()
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    """Quire: /ready (its /health answers while the model loads); llama-server, which has no
+    /ready: /health (503 until loaded)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            get(url + "/health", 2.0)
+        ready = status(url + "/ready")
+        if ready == 200 or (ready == 404 and status(url + "/health") == 200):
             return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.5)
+        time.sleep(0.5)
     raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
@@ -93,7 +104,7 @@ def measure(cmd: list[str], port: int, args) -> dict[str, int]:
     log = open(os.devnull, "w") if not args.verbose else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     try:
-        wait_healthy(proc, url, args.start_timeout)
+        wait_ready(proc, url, args.start_timeout)
         time.sleep(args.settle)
         idle = proc_status(proc.pid)["VmRSS"]
         complete(url, args.requests, args.max_tokens)
@@ -174,7 +185,7 @@ def main() -> None:
         cmd = [c.replace("{port}", str(port)) for c in cmd]
         try:
             r = measure(cmd, port, args)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:
             print(f"| {label} | failed: {e} | | |")
             continue
         mib = 1 << 20

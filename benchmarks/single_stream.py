@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import random
 import time
 
@@ -66,10 +67,13 @@ def step_times(engine, prompt: list[int], max_tokens: int) -> list[float]:
     return stamps
 
 
-def measure(llm, prompt_len: int, decode_tokens: int, prefill_len: int, repeats: int,
-            seed: int = 0) -> tuple[float, float, float, float]:
+_runs = itertools.count()  # a fresh seed per call: never a prefix-cache hit on an earlier prompt
+
+
+def measure(llm, prompt_len: int, decode_tokens: int, prefill_len: int, repeats: int
+            ) -> tuple[float, float, float, float]:
     """(prefill tok/s, decode tok/s, ITL p50 ms, ITL p90 ms)."""
-    rng = random.Random(seed)
+    rng = random.Random(next(_runs))
     engine = llm.engine
     step_times(engine, random_prompt(rng, 16), 4)  # warm-up: first-call costs
     prefill = max(prefill_len / step_times(engine, random_prompt(rng, prefill_len), 1)[0]
