@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -135,6 +136,8 @@ def main() -> None:
     ap.add_argument("--modes", default="none,int8,int4,auto",
                     help="Quire --quantization modes, comma-separated")
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--quire-args", default="",
+                    help="more `quire serve` flags, e.g. '--kv-cache-memory 512M'")
     ap.add_argument("--requests", type=int, default=4, help="completions after the load")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--settle", type=float, default=3.0, help="seconds idle before reading")
@@ -156,13 +159,13 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         cmd = [sys.executable, "-m", "quire.entrypoints.cli", "serve", "--port", "{port}",
-               "--num-threads", str(threads)]
-        label = f"quire --quantization {mode}"
+               "--num-threads", str(threads)] + shlex.split(args.quire_args)
+        label = f"quire --quantization {mode} {args.quire_args}".rstrip()
         if choices is None:
             if mode != "none":
                 print(f"skipped {label}: this Quire has no --quantization flag yet")
                 continue
-            label = "quire (float weights; no --quantization flag yet)"
+            label = f"quire {args.quire_args} (float weights; no --quantization flag yet)"
         elif mode not in choices:
             print(f"skipped {label}: not among its choices {', '.join(choices)}")
             continue

@@ -139,7 +139,7 @@ def main() -> None:
     with StealMeter() as steal:
         r = run(args)
     print(describe_machine(r.threads))
-    print(r.engine_note)
+    print(r.engine_note)  # the engine, and a note where a flag was ignored
     print(f"prefill ({args.prefill_len} tokens): {r.prefill_tok_s:.1f} tok/s")
     print(f"decode ({args.prompt_len}-token prompt, {args.decode_tokens} tokens): "
           f"{r.decode_tok_s:.1f} tok/s, inter-token latency p50 {r.itl_p50_ms:.1f} ms, "
