@@ -85,7 +85,18 @@ def dense_folder() -> str:
     if not os.path.exists(os.path.join(folder, ".complete")):
         src, name = os.path.split(gguf)
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-        model.save_pretrained(folder)
+        # save_pretrained refuses a model read from GGUF: write the (dense) tensors and a
+        # config without the GGUF quantization note ourselves
+        from safetensors.torch import save_file
+        os.makedirs(folder, exist_ok=True)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(folder)
         open(os.path.join(folder, ".complete"), "w").close()
     return folder
 
