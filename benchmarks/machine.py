@@ -29,3 +29,40 @@ class StealMeter:
 
     def __str__(self) -> str:
         return "steal n/a" if self.steal_percent is None else f"CPU steal {self.steal_percent:.0f}%"
+
+
+INTERESTING_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                     "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return model, [f for f in INTERESTING_FLAGS if f in flags]
+
+
+def load_average() -> str:
+    try:
+        import os
+        return "load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "load average n/a"
+
+
+def describe_machine(threads: int | None = None) -> str:
+    """One paragraph for a benchmark's header: CPU, flags, the quota Quire sees, threads, load."""
+    from quire.cpu_threads import detect_quota
+    model, flags = cpu_model_and_flags()
+    quota = detect_quota()
+    t = f"{threads} threads" if threads is not None else "threads: Quire's default"
+    return (f"machine: {model}; flags {' '.join(flags) or 'none of note'}; {quota.describe()} "
+            f"(quota {quota.cpus} cpus); {t}; {load_average()}")

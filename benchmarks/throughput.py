@@ -1,22 +1,33 @@
-"""Offline throughput: Quire vs transformers' generate on the same requests.
+"""Offline throughput: Quire vs transformers' generate (and llama-server) on the same requests.
 
-N requests (seeded) with random-token prompts of 32-512 tokens and outputs of 32-256 tokens
-(ignore_eos), greedy, on the default model (SmolLM2-135M-Instruct). transformers runs at each
-batch size and dtype asked for, left-padded, requests sorted by length so that padding wastes
-as little as possible (its best case); only the tokens each request asked for count.
+N requests (seeded; 32 by default) with random-token prompts of 32-512 tokens and outputs of
+32-256 tokens (ignore_eos), greedy, on the default model (SmolLM2-135M-Instruct GGUF).
+transformers runs at each batch size and dtype asked for (float32 and bfloat16 at 8, 16, 32),
+on dense weights (the GGUF dequantized by transformers once, saved to ~/.cache/quire/hf-dense),
+left-padded, requests sorted by length so that padding wastes as little as possible (its best
+case); only the tokens each request asked for count. With --llama-server, llama.cpp's server
+(16 slots, -np 16 -c 16384) gets the same requests, all at once, through its /completion API.
 
-    python benchmarks/throughput.py --num-requests 128
-    python benchmarks/throughput.py --num-requests 128 --skip-hf      # Quire only
+    python benchmarks/throughput.py
+    python benchmarks/throughput.py --skip-hf                         # Quire only
+    python benchmarks/throughput.py --llama-server /tmp/llamabuild/bin/llama-server
+    python benchmarks/throughput.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import json
+import os
 import random
 import resource
+import signal
+import subprocess
 import time
+import urllib.request
 
-from machine import StealMeter
+from machine import StealMeter, describe_machine
 
 
 def make_requests(n: int, seed: int, vocab: int = 49152):
@@ -30,9 +41,13 @@ def make_requests(n: int, seed: int, vocab: int = 49152):
 
 def run_quire(reqs, args) -> float:
     from quire import LLM, SamplingParams
+    from quire.config import EngineArgs
     kw = {k: v for k, v in (("dtype", args.dtype), ("max_num_seqs", args.max_num_seqs),
                             ("max_num_batched_tokens", args.max_num_batched_tokens),
-                            ("num_threads", args.num_threads)) if v is not None}
+                            ("num_threads", args.num_threads),
+                            ("quantization", args.quantization)) if v is not None}
+    if "quantization" in kw and "quantization" not in EngineArgs.field_names():
+        print(f"--quantization {kw.pop('quantization')} ignored: this Quire has no such option")
     llm = LLM(**kw)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate([p for p, _ in reqs[:4]], params[:4], use_tqdm=False)  # warm-up
@@ -45,7 +60,9 @@ def run_quire(reqs, args) -> float:
     prompt_tokens = sum(len(p) for p, _ in reqs)
     ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
     e = llm.engine
-    print(f"quire ({str(e.dtype).removeprefix('torch.')}, attention {e.attention_backend}, "
+    quant = getattr(e.args, "quantization", None)
+    print(f"quire ({str(e.dtype).removeprefix('torch.')}"
+          f"{', quantization ' + str(quant) if quant else ''}, attention {e.attention_backend}, "
           f"max_num_seqs {e.args.max_num_seqs}, max_num_batched_tokens "
           f"{e.args.max_num_batched_tokens}): {len(reqs)} requests in {wall:.1f} s, "
           f"{generated / wall:.1f} generated tok/s, {(generated + prompt_tokens) / wall:.1f} "
@@ -54,16 +71,42 @@ def run_quire(reqs, args) -> float:
     return generated / wall
 
 
+def dense_folder() -> str:
+    """The default GGUF dequantized by transformers itself, saved once as a safetensors folder:
+    transformers then runs plain dense Linear layers (its best case), and the weights are its
+    own reading of the file, not Quire's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quire.models.loader import default_model_path
+    gguf = default_model_path()
+    folder = os.path.join(os.path.expanduser("~/.cache/quire/hf-dense"),
+                          f"{os.path.basename(gguf).removesuffix('.gguf')}-{os.path.getsize(gguf)}")
+    if not os.path.exists(os.path.join(folder, ".complete")):
+        src, name = os.path.split(gguf)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        # save_pretrained refuses a model read from GGUF: write the (dense) tensors and a
+        # config without the GGUF quantization note ourselves
+        from safetensors.torch import save_file
+        os.makedirs(folder, exist_ok=True)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(folder)
+        open(os.path.join(folder, ".complete"), "w").close()
+    return folder
+
+
 def run_hf(reqs, batch_size: int, dtype: str, limit: int | None) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quire.models.loader import materialize, resolve_model
-    # Dense weights, from the Hugging Face folder Quire converts the GGUF file into: loaded
-    # with gguf_file=, transformers 5 keeps the tensors quantized and dequantizes them in
-    # every matmul, which would make it several times slower than it needs to be.
-    folder = materialize(resolve_model(None)).path
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(dense_folder(),
+                                                 dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # ignore_eos
     order = sorted(reqs, key=lambda r: len(r[0]) + r[1])
     if limit and limit < len(order):  # an evenly spaced subset: representative lengths
@@ -87,29 +130,107 @@ def run_hf(reqs, batch_size: int, dtype: str, limit: int | None) -> float:
     return generated / wall
 
 
+def run_llama_server(reqs, binary: str, threads: int, slots: int, context: int) -> float:
+    """llama-server on the same GGUF, all requests at once (it serves `slots` at a time)."""
+    from quire.models.loader import default_model_path
+    port = _free_port()
+    cmd = [binary, "-m", default_model_path(), "-t", str(threads), "-np", str(slots),
+           "-c", str(context), "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+
+        def one(req) -> int:
+            prompt, max_tokens = req
+            body = {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True,
+                    "temperature": 0, "cache_prompt": False}
+            r = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                       {"Content-Type": "application/json"})
+            with urllib.request.urlopen(r, timeout=3600) as resp:
+                return int(json.loads(resp.read())["tokens_predicted"])
+
+        one(([1, 2, 3], 4))  # warm-up
+        start = time.perf_counter()
+        with StealMeter() as steal, concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
+            generated = sum(pool.map(one, reqs))
+        wall = time.perf_counter() - start
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"llama-server ({threads} threads, -np {slots} -c {context}): {len(reqs)} requests "
+          f"in {wall:.1f} s, {generated / wall:.1f} generated tok/s, {steal}")
+    return generated / wall
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc, url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("llama-server not healthy in time")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default=None, help="Quire's dtype (default: auto)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="torch threads (default: the CPU quota, as Quire picks)")
+    ap.add_argument("--quantization", default=None,
+                    help="Quire's --quantization, where it has the option")
     ap.add_argument("--hf-batch-sizes", default="8,16,32")
     ap.add_argument("--hf-dtypes", default="float32,bfloat16")
     ap.add_argument("--hf-limit", type=int, default=None,
                     help="time transformers on an evenly spaced subset of this many requests "
                          "(its tok/s still compares; the full set takes hours)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="also run llama-server (e.g. /tmp/llamabuild/bin/llama-server)")
+    ap.add_argument("--llama-slots", type=int, default=16)
+    ap.add_argument("--llama-context", type=int, default=16384)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 8 requests, transformers float32 at batch 8 only")
     args = ap.parse_args()
+    if args.quick:
+        args.num_requests, args.hf_batch_sizes, args.hf_dtypes = 8, "8", "float32"
+    from quire.cpu_threads import detect_quota
+    threads = args.num_threads or detect_quota().cpus
+    print(describe_machine(threads))
     reqs = make_requests(args.num_requests, args.seed)
     print(f"{len(reqs)} requests: prompts {sum(len(p) for p, _ in reqs)} tokens, outputs "
           f"{sum(m for _, m in reqs)} tokens")
     quire = run_quire(reqs, args)
     print(f"peak RSS after Quire: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    if args.llama_server:
+        llama = run_llama_server(reqs, args.llama_server, threads, args.llama_slots,
+                                 args.llama_context)
+        print(f"Quire / llama-server = {quire / llama:.2f}x")
     if args.skip_hf:
         return
+    import torch
+    torch.set_num_threads(threads)  # the same threads for transformers
     best = max((run_hf(reqs, b, d, args.hf_limit), f"{d}, batch {b}")
                for d in args.hf_dtypes.split(",") for b in map(int, args.hf_batch_sizes.split(",")))
     print(f"best transformers: {best[0]:.1f} tok/s ({best[1]}); Quire / best = "

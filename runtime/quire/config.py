@@ -64,8 +64,9 @@ class EngineArgs:
     enforce_eager: bool = field(default=False, metadata={
         "help": "on CUDA, run decode steps eagerly instead of replaying CUDA graphs"})
     num_threads: int | None = field(default=None, metadata={
-        "help": "CPU threads for torch (per rank); default: torch's own choice, or the "
-                "cores divided among the ranks under tensor parallelism"})
+        "help": "CPU threads for torch (per rank); default: the CPU quota the process has "
+                "(cgroup cpu.max, affinity; or $QUIRE_NUM_THREADS), divided among the ranks "
+                "under tensor parallelism"})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks one model is split across (one process and device each); the model's "
                 "attention heads must divide evenly, KV heads too (or be replicated)"})

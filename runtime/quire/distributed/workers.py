@@ -93,7 +93,7 @@ class Workers:
         self.size = size = args.tensor_parallel_size
         threads = args.num_threads
         if threads is None and device.type == "cpu":  # the ranks share the cores
-            threads = max(1, (os.cpu_count() or 1) // size)
+            threads = max(1, torch.get_num_threads() // size)  # the quota's (cpu_threads)
             torch.set_num_threads(threads)
         self._tmp = tempfile.mkdtemp(prefix="quire-tp-")
         init_method = "file://" + os.path.join(self._tmp, "rendezvous")

@@ -167,7 +167,7 @@ class AsyncLLMEngine:
             from quire.engine.engine import LLMEngine
 
             def engine_factory():
-                return LLMEngine(args)
+                return LLMEngine(args, serving=True)
         self._factory = engine_factory
         self._served_model_name = served_model_name
         self.max_queue_len = max_queue_len

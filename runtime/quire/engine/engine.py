@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from quire.config import EngineArgs
+from quire.cpu_threads import configure_threads
 from quire.distributed.errors import TensorParallelError
 from quire.distributed.workers import Workers
 from quire.engine.beam_search import (
@@ -53,10 +54,10 @@ PromptType = str | Sequence[int] | dict
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, serving: bool = False) -> None:
+        """`serving`: an HTTP server's event loop shares the CPUs (cpu_threads.py)."""
         self.args = args
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        self.num_threads = configure_threads(args.num_threads, serving)
         t0 = time.perf_counter()
         self.device = resolve_device(args.device)
         source = resolve_model(args.model, args.revision, args.download_dir)
