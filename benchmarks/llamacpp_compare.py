@@ -107,6 +107,12 @@ def quire_weight_bytes(model) -> int:
                     if not any(s in n for s in NOT_WEIGHTS)]
         if packed is not None:
             tensors = [(n, t) for n, t in tensors if n != "weight"] + [("packed", packed)]
+        kernel = getattr(module, "quant_kernel", None)
+        if kernel is not None and kernel.extra_bytes():
+            # a quantized layer multiplies by its kernel's packed copy; its canonical
+            # qweight/scales (kept only where lookups read them) sit unread by the matmul
+            total += kernel.extra_bytes()
+            tensors = [(n, t) for n, t in tensors if n == "bias"]
         for _, t in tensors:
             if isinstance(t, torch.Tensor) and t.numel() and _key(t) not in seen:
                 seen.add(_key(t))
