@@ -114,10 +114,12 @@ def step_limit(engine, max_steps: int):
         engine.step = step
 
 
-def run_triton_interpreter_suite(suite, tmp_path) -> None:
+def run_triton_interpreter_suite(suite, tmp_path) -> int:
     """Run a Triton kernel suite under TRITON_INTERPRET=1 in a child pytest (the interpreter
-    must be on before triton is imported) and fail with its output if any case fails."""
+    must be on before triton is imported), fail with its output if any case fails, and
+    return how many cases passed (the caller asserts the suite did not shrink to nothing)."""
     import os
+    import re
     import subprocess
     import sys
     from pathlib import Path
@@ -130,3 +132,6 @@ def run_triton_interpreter_suite(suite, tmp_path) -> None:
     print(child.stdout[-4000:])
     assert child.returncode == 0, f"interpreter suite failed:\n{child.stdout[-12000:]}\n" \
                                   f"{child.stderr[-3000:]}"
+    summary = child.stdout.strip().splitlines()[-1]
+    assert "skipped" not in summary, summary
+    return int(re.search(r"(\d+) passed", summary).group(1))
