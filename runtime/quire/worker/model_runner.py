@@ -86,6 +86,10 @@ class ModelRunner:
             from quire.worker.cuda_graphs import CUDAGraphRunner
             self.cuda_graphs = CUDAGraphRunner(model, kv_cache.layers, max_num_seqs,
                                                model.rope.cos_table.shape[0], block_size, device)
+        self.decode_stack = None  # decode steps' layers in one native call (CPU, quantized)
+        if device.type == "cpu" and workers is None and lora is None:
+            from quire.models.decode_stack import DecodeStack
+            self.decode_stack = DecodeStack.build(model, kv_cache.layers)
         if workers is not None:  # they allocate the same blocks for their KV heads
             workers.allocate_kv_cache(kv_cache.num_blocks,
                                       host_cache.num_blocks if host_cache else 0)
@@ -124,6 +128,10 @@ class ModelRunner:
             hidden = self.cuda_graphs.run(host)  # None: no bucket this large
         if hidden is None:
             batch = self._to_device(host)
+            if self.decode_stack is not None:
+                hidden = self.decode_stack(batch.input_ids, batch.positions, batch.meta,
+                                           batch.rope_seq_lens)
+        if hidden is None:
             self.model.prepare(batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, batch.meta,
                                 self.kv_cache.layers, batch.rope_seq_lens)

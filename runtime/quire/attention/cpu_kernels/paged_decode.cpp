@@ -240,11 +240,15 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int64_t row_stride = int64_t(num_kv_heads) * head_dim;  // between tokens of a block
   const int64_t block_stride = block_size * row_stride;
   const int chunks = head_dim / 16;
+  // work items per grab: 4 amortizes the scheduler over a batch, but one sequence has only
+  // num_kv_heads items (3 for SmolLM2), which a chunk of 4 would give to a single thread
+  const int64_t items = num_seqs * num_kv_heads;
+  const int chunk = items >= 32 ? 4 : 1;
 #if defined(__AVX512F__)
   const bool vector_path = head_dim % 16 == 0 && chunks <= kMaxChunks && group <= kMaxGroup;
   if (const ItemFn<T> item = fixed_shape_item<T>(group, head_dim, block_size)) {
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
+#pragma omp parallel for schedule(dynamic, chunk)
+    for (int64_t work = 0; work < items; ++work) {
       const int64_t i = work / num_kv_heads;
       const int64_t qrow = rows ? rows[i] : i, seq = row_seq ? row_seq[i] : i;
       const int kv_head = work % num_kv_heads;
@@ -266,8 +270,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
 #if defined(__AVX512F__)
     std::vector<__m512> qv(vector_path ? group * chunks : 0);
 #endif
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t work = 0; work < items; ++work) {
       const int64_t i = work / num_kv_heads;
       const int64_t qrow = rows ? rows[i] : i, seq = row_seq ? row_seq[i] : i;
       const int kv_head = work % num_kv_heads;

@@ -391,7 +391,18 @@ void row_block(const X* x, const float* xsum, const Weight& w, int64_t block,
 #if defined(__AVX512BF16__)
   const __m512i table = nibble_table<Form>();
 #endif
+  const int64_t block_bytes = (Form == kInt8 ? w.K : w.K / 2) * kRows,
+                group_bytes = block_bytes / groups;
   for (int64_t g = 0; g < groups; ++g) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    // a decode step streams each weight once from memory: fetch the same group of the next
+    // row block (this thread's next one under the schedule's contiguous chunks) meanwhile
+    // (a prefetch past the last block is harmless: it never faults)
+    if (!expanded && MT <= 2)
+      for (int64_t off = 0; off < group_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + g * group_bytes + off),
+                     _MM_HINT_T0);
+#endif
     if (expanded) {
       expanded_sums<MT>(x, w.K, expanded, g * w.G, (g + 1) * w.G, part);
     } else if constexpr (std::is_same_v<X, float>) {
