@@ -4,7 +4,9 @@ in bfloat16 and float32, and 32 sequences decoding side by side, on the default 
 For each case it prints the decode speed (steps timed after the prefill), then a
 torch.profiler table of the top ops over a stretch of decode steps: each op's share of the
 profiled step's wall time and its milliseconds per step; what no torch op accounts for (Python,
-the native kernels called through ctypes, scheduling, sampling) is the last row.
+the native kernels called through ctypes, scheduling, sampling) is the last row. Where decode
+steps run in the native decode stack (a quantized model: quire/models/decode_stack.py), a
+second table splits the stack's time by phase (its own timers, summed over the layers).
 
     python benchmarks/decode_profile.py
     python benchmarks/decode_profile.py --cases bf16-1 --steps 64 --top 12
@@ -52,6 +54,9 @@ def profile(llm, batch: int, args) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     _start(llm, batch, args.prompt_len, args.steps + 2, seed=2)
+    stack = getattr(llm.engine.runner, "decode_stack", None)
+    if stack is not None:
+        stack.profile()
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -75,6 +80,18 @@ def profile(llm, batch: int, args) -> None:
     outside = total_us - sum(e.self_cpu_time_total for e in events)
     print(f"  | (outside torch ops: Python, the native ctypes kernels, scheduler, sampler) | "
           f"{100 * outside / total_us:.1f} | {outside / 1e3 / args.steps:.2f} | |")
+    if stack is not None:
+        phases = stack.timings()
+        stack.profile(False)
+        print(f"  decode stack (all {len(llm.engine.model.layers)} layers in one native call), "
+              f"by phase:")
+        print("  | phase | % of step | ms/step |")
+        print("  |---|---|---|")
+        for name, sec in phases.items():
+            print(f"  | {name} | {100 * sec * 1e6 / total_us:.1f} | {sec * 1e3 / args.steps:.2f} |")
+        inside = sum(phases.values())
+        print(f"  | (the stack in all) | {100 * inside * 1e6 / total_us:.1f} | "
+              f"{inside * 1e3 / args.steps:.2f} |")
 
 
 def main() -> None:

@@ -115,3 +115,17 @@ def test_turned_off_by_the_environment(tiny_llama, monkeypatch):
     monkeypatch.setenv("QUIRE_DECODE_STACK", "0")
     llm = LLM(tiny_llama, dtype="bfloat16", quantization="int4", kv_cache_memory=32 << 20)
     assert llm.engine.runner.decode_stack is None
+
+
+def test_the_stack_times_its_phases_when_asked(tiny_llama):
+    llm = LLM(tiny_llama, dtype="bfloat16", quantization="int4", kv_cache_memory=32 << 20)
+    stack = llm.engine.runner.decode_stack
+    assert stack.timings() == {}
+    stack.profile()
+    _run(llm, random_prompts(lengths=[5, 20]))
+    phases = stack.timings()
+    assert set(phases) >= {"qkv_proj", "attention", "down_proj"}
+    assert all(t >= 0 for t in phases.values()) and phases["attention"] > 0
+    stack.profile(False)
+    assert stack.timings() == {}
+    _run(llm, random_prompts(lengths=[3]))  # and runs on without the timers

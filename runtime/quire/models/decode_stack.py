@@ -39,7 +39,12 @@ class _Model(ctypes.Structure):
                 ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("layers", _P), ("rms_norm", _P), ("rope", _P),
-                ("silu_and_mul", _P), ("paged_decode", _P), ("linear", _P), ("exp_fn", _P)]
+                ("silu_and_mul", _P), ("paged_decode", _P), ("linear", _P), ("exp_fn", _P),
+                ("timings", _P)]
+
+
+PHASES = ("input norm", "qkv_proj", "rope", "kv write", "attention", "o_proj",
+          "post norm", "gate_up_proj", "silu_and_mul", "down_proj")
 
 
 @functools.cache
@@ -77,6 +82,18 @@ class DecodeStack:
         self._struct = struct
         self._address = ctypes.addressof(struct)
         self.dtype = model.layers[0].input_layernorm.weight.dtype
+        self._timings: torch.Tensor | None = None
+
+    def profile(self, on: bool = True) -> None:
+        """Start (from zero) or stop adding each phase's seconds up (`timings`)."""
+        self._timings = torch.zeros(len(PHASES), dtype=torch.float64) if on else None
+        self._struct.timings = self._timings.data_ptr() if on else None
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase, summed over the layers and the steps since `profile()`."""
+        if self._timings is None:
+            return {}
+        return dict(zip(PHASES, self._timings.tolist()))
 
     @classmethod
     def build(cls, model, kv_caches) -> DecodeStack | None:
@@ -126,7 +143,7 @@ class DecodeStack:
             cfg.intermediate_size, kv_caches[0][0].shape[1], first.input_layernorm.eps,
             first.backend.scale, ctypes.addressof(layers), _address(lib.quire_rms_norm),
             _address(lib.quire_rope), _address(lib.quire_silu_and_mul), _address(decode_lib),
-            _address(parts[0]._fn), exp_fn)
+            _address(parts[0]._fn), exp_fn, None)
         refs.append(layers)
         logger.info("decode steps run their %d decoder layers in one native call",
                     len(model.layers))

@@ -8,6 +8,7 @@
 // addresses come from the caller: fused_ops.cpp, quant_matmul.cpp, paged_decode.cpp), in the
 // same order, on the same dtypes and strides, so its output is bit-identical to that path
 // (tests/runtime/test_decode_stack.py). Only the orchestration moved.
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +25,11 @@ using DecodeFn = int (*)(int, const void*, const void*, const void*, void*, cons
                          const int32_t*, int64_t, int, int, int, int, int64_t, int64_t,
                          int64_t, float, int);
 using LinearFn = int (*)(const void*, void*, int64_t, int, int, const void*);
+
+inline double seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 }  // namespace
 
@@ -55,6 +61,9 @@ struct QuireStackModel {
   DecodeFn paged_decode;
   LinearFn linear;
   const void* exp_fn;
+  // where non-null, seconds spent per phase are added here (benchmarks/decode_profile.py):
+  // input norm, qkv, rope, kv write, attention, o, post norm, gate_up, silu_and_mul, down
+  double* timings;
 };
 
 // x [T, hidden]: the embeddings in, the last layer's MLP output out; residual [T, hidden]:
@@ -91,6 +100,15 @@ int quire_decode_stack(const QuireStackModel* m, void* x, void* residual, const 
   char* act = gate_up + gu_bytes;
   const int dt = static_cast<int>(m->dtype), width = static_cast<int>(m->width);
   char* xb = static_cast<char*>(x);
+  double* timings = m->timings;
+  double mark = timings ? seconds() : 0.0;
+  auto lap = [&](int phase) {
+    if (timings) {
+      const double now = seconds();
+      timings[phase] += now - mark;
+      mark = now;
+    }
+  };
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const QuireStackLayer& L = m->layers[i];
     // the first layer normalizes the embeddings (x, which is also the residual) into a
@@ -106,13 +124,16 @@ int quire_decode_stack(const QuireStackModel* m, void* x, void* residual, const 
         return 2;
       hin = xb;
     }
+    lap(0);
     if (m->linear(hin, qkv, tokens, dt, threads, L.qkv)) return 3;
+    lap(1);
     if (m->rope(dt, qkv, cos, sin, tokens, static_cast<int>(m->num_heads), static_cast<int>(d),
                 qkv_width, cs_stride))
       return 4;
     if (m->rope(dt, qkv + q_size * es, cos, sin, tokens, static_cast<int>(m->num_kv_heads),
                 static_cast<int>(d), qkv_width, cs_stride))
       return 5;
+    lap(2);
     for (int64_t t = 0; t < tokens; ++t) {
       const char* row = qkv + t * qkv_width * es;
       std::memcpy(static_cast<char*>(L.k_cache) + slots[t] * kv_size * es, row + q_size * es,
@@ -120,18 +141,25 @@ int quire_decode_stack(const QuireStackModel* m, void* x, void* residual, const 
       std::memcpy(static_cast<char*>(L.v_cache) + slots[t] * kv_size * es,
                   row + (q_size + kv_size) * es, kv_size * es);
     }
+    lap(3);
     if (m->paged_decode(dt, qkv, L.k_cache, L.v_cache, attn, block_tables, seq_lens, tokens,
                         static_cast<int>(m->num_heads), static_cast<int>(m->num_kv_heads),
                         static_cast<int>(d), static_cast<int>(m->block_size), qkv_width, q_size,
                         bt_stride, m->scale, static_cast<int>(L.window)))
       return 6;
+    lap(4);
     if (m->linear(attn, x, tokens, dt, threads, L.o)) return 7;
+    lap(5);
     if (m->rms_norm(dt, width, x, residual, L.post_norm, x, tokens, h, h, h, h, m->eps))
       return 8;
+    lap(6);
     if (m->linear(x, gate_up, tokens, dt, threads, L.gate_up)) return 9;
+    lap(7);
     if (m->silu_and_mul(dt, width, gate_up, act, tokens, inter, 2 * inter, inter, m->exp_fn))
       return 10;
+    lap(8);
     if (m->linear(act, x, tokens, dt, threads, L.down)) return 11;
+    lap(9);
   }
   return 0;
 }
