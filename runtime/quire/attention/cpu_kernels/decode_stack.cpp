@@ -31,6 +31,12 @@ inline double seconds() {
       .count();
 }
 
+struct Scratch {
+  char* data = nullptr;
+  int64_t bytes = 0;
+  ~Scratch() { std::free(data); }
+};
+
 }  // namespace
 
 extern "C" {
@@ -78,9 +84,11 @@ int quire_decode_stack(const QuireStackModel* m, void* x, void* residual, const 
   const int64_t h = m->hidden, d = m->head_dim, q_size = m->num_heads * d,
                 kv_size = m->num_kv_heads * d, qkv_width = q_size + 2 * kv_size,
                 inter = m->intermediate;
-  // scratch, grown as needed and kept for the next step (64-byte aligned like torch's)
-  static thread_local char* scratch = nullptr;
-  static thread_local int64_t scratch_bytes = 0;
+  // scratch, grown as needed and kept for the next step (64-byte aligned like torch's); one
+  // per calling thread, freed when that thread ends
+  static thread_local Scratch held;
+  char*& scratch = held.data;
+  int64_t& scratch_bytes = held.bytes;
   auto round_up = [](int64_t n) { return (n + 63) / 64 * 64; };
   const int64_t norm_bytes = round_up(tokens * h * es), qkv_bytes = round_up(tokens * qkv_width * es),
                 attn_bytes = round_up(tokens * q_size * es),
