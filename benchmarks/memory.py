@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import urllib.error
 import urllib.request
 
 from machine import describe_machine
+from processes import stop
 
 DEFAULT_LLAMA_SERVER = "/tmp/llamabuild/bin/llama-server"
 
@@ -112,12 +112,7 @@ def measure(cmd: list[str], port: int, args) -> dict[str, int]:
         after = proc_status(proc.pid)
         return {"idle": idle, "after": after["VmRSS"], "peak": after["VmHWM"]}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         if log:
             log.close()
 

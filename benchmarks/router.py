@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import StealMeter  # noqa: E402
+from processes import stop  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which "
          "this be or had not but what all when there can said who been one more time so some "
@@ -73,13 +73,7 @@ class Child:
         raise RuntimeError(f"{self.name} not ready:\n{tail}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
         self.log.close()
         os.unlink(self.log.name)
 

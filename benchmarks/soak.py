@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import threading
 import time
 
 import requests
+from processes import stop
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "List three colors:", "The quick brown fox"]
@@ -170,11 +170,7 @@ def main() -> int:
               f"{'OK' if growth <= args.bound_mb else 'OVER'}")
         return 0 if growth <= args.bound_mb else 1
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server, timeout=60)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,12 @@ import json
 import os
 import random
 import resource
-import signal
 import subprocess
 import time
 import urllib.request
 
 from machine import StealMeter, describe_machine
+from processes import stop
 
 
 def make_requests(n: int, seed: int, vocab: int = 49152):
@@ -156,11 +156,7 @@ def run_llama_server(reqs, binary: str, threads: int, slots: int, context: int) 
             generated = sum(pool.map(one, reqs))
         wall = time.perf_counter() - start
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     print(f"llama-server ({threads} threads, -np {slots} -c {context}): {len(reqs)} requests "
           f"in {wall:.1f} s, {generated / wall:.1f} generated tok/s, {steal}")
     return generated / wall

@@ -115,19 +115,23 @@ class FixedRouterMetrics:
         return "\n".join(lines) + "\n"
 
 
+class _QuietHandler(BaseHTTPRequestHandler):
+    """Logs nothing (the test's output stays readable) and sends whole bodies."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _send(self, status: int, body: str, content_type: str = "application/json") -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 def _handler(engine: FakeEngine | FixedMetrics | FixedRouterMetrics) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:  # quiet: the test's output stays readable
-            pass
-
-        def _send(self, status: int, body: str, content_type: str = "application/json") -> None:
-            data = body.encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(_QuietHandler):
         def do_GET(self) -> None:
             if self.path in ("/health", "/ready"):
                 self._send(200, '{"status": "ok"}')
@@ -315,18 +319,7 @@ class FakeLoraRuntime:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         runtime = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _send(self, status: int, body: str, content_type: str = "application/json") -> None:
-                data = body.encode()
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(_QuietHandler):
             def _error(self, status: int, message: str) -> None:
                 self._send(status, json.dumps({"error": {"message": message, "type": "invalid_request_error",
                                                          "code": status}}))

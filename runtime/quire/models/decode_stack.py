@@ -76,9 +76,9 @@ class DecodeStack:
     """Built once the weights are packed and the KV cache is allocated; `run` serves every
     decode-only step it `accepts`."""
 
-    def __init__(self, model, kv_caches, fn, refs, struct) -> None:
-        self.model, self.kv_caches, self.fn = model, kv_caches, fn
-        self._refs = refs          # what the struct points into: kept alive with it
+    def __init__(self, model, fn, refs, struct) -> None:
+        self.model, self.fn = model, fn
+        self._refs = refs          # what the struct points into (weights, KV cache): kept alive
         self._struct = struct
         self._address = ctypes.addressof(struct)
         self.dtype = model.layers[0].input_layernorm.weight.dtype
@@ -147,7 +147,7 @@ class DecodeStack:
         refs.append(layers)
         logger.info("decode steps run their %d decoder layers in one native call",
                     len(model.layers))
-        return cls(model, kv_caches, fn, refs, struct)
+        return cls(model, fn, refs, struct)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                  rope_seq_lens: torch.Tensor | None = None) -> torch.Tensor | None:

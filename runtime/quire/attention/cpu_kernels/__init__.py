@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -60,6 +61,9 @@ def _cpu_signature() -> str:
 def _build(compiler: str, source_path: str, flags: list[str]) -> str:
     with open(source_path, "rb") as f:
         source = f.read()
+    for header in sorted(glob.glob(os.path.join(os.path.dirname(source_path), "*.h"))):
+        with open(header, "rb") as f:  # what the sources include: a changed header rebuilds
+            source += f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # -march=native code is only good on this CPU: a cache shared by nodes keys on it too
     key = hashlib.sha256(source + " ".join(flags).encode() + version.encode()

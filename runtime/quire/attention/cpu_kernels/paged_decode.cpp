@@ -13,26 +13,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using quire_bf16::bf16_to_float;
+using quire_bf16::float_to_bf16;
 
 inline float load_scalar(const float* p) { return *p; }
 inline float load_scalar(const uint16_t* p) { return bf16_to_float(*p); }
