@@ -3,6 +3,8 @@ pure-torch fallback where the kernel can't be built."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,14 +31,24 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
     return out
 
 
+_FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+# every build this CPU can run: native, then AVX2 without AVX-512 ("haswell": the path of a
+# CPU that has no AVX-512), then plain C++ ("x86-64")
+MARCHES = ["native"] + (["haswell"] if " avx2" in _FLAGS and " fma" in _FLAGS else []) + [
+    "x86-64"]
+
+
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size,window", [
     (2, 1, 64, 16, None), (3, 3, 64, 16, None), (1, 8, 128, 8, None), (2, 2, 16, 32, None),
     (2, 3, 64, 16, 20), (1, 2, 48, 16, None), (2, 4, 128, 16, None), (1, 8, 128, 16, 33),
 ])
-def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size, window):
+def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size, window,
+                                    march):
     assert cpu_kernels.native_decode_supported(torch.zeros(1, dtype=dtype),
                                                torch.zeros(1, dtype=dtype))
+    assert cpu_kernels._library(march) is not None, f"paged_decode.cpp did not build for {march}"
     torch.manual_seed(0)
     num_blocks, max_blocks = 64, 6
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
@@ -47,7 +59,8 @@ def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size
     tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens]).int()
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode(q, k_cache, v_cache, out, tables, seq_lens, head_dim ** -0.5, window)
+    cpu_kernels.paged_decode(q, k_cache, v_cache, out, tables, seq_lens, head_dim ** -0.5, window,
+                             _march=march)
     want = _reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)

@@ -106,8 +106,8 @@ def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _library():
-    lib = load_library("paged_decode.cpp")
+def _library(march: str = "native"):
+    lib = load_library("paged_decode.cpp", march)
     if lib is None:
         return None
     fn = lib.quire_paged_decode
@@ -125,17 +125,18 @@ def native_decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, window: int | None) -> None:
+                 scale: float, window: int | None, _march: str = "native") -> None:
     """out[i] = attention of q[i] (one token) over the first seq_lens[i] tokens of sequence i,
     read through block_tables[i]. q/out [n, H, D] with contiguous rows; caches
-    [num_blocks, block_size, Hkv, D] contiguous; block_tables/seq_lens int32."""
+    [num_blocks, block_size, Hkv, D] contiguous; block_tables/seq_lens int32. `_march` (tests)
+    runs a build for an older CPU: "haswell" the AVX2 path, "x86-64" the plain C++ one."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     seq_lens = seq_lens.contiguous()
-    rc = _library()(_DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    rc = _library(_march)(_DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                     out.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), n, num_heads,
                     num_kv_heads, head_dim, block_size, q.stride(0), out.stride(0),
                     block_tables.stride(0), scale, window or 0)

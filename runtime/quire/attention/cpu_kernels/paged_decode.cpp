@@ -15,7 +15,7 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -209,12 +209,172 @@ ItemFn<T> pick_group(int group) {
 }
 
 // The fixed-shape path for this layout, or nullptr (then the general loop runs).
+#define QUIRE_FIXED_SHAPE_PATH 1
 template <typename T>
 ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
   if (block_size != 16) return nullptr;
   switch (head_dim) {
     case 64: return pick_group<T, 4>(group);
     case 128: return pick_group<T, 8>(group);
+    default: return nullptr;
+  }
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define QUIRE_FIXED_SHAPE_PATH 1
+// The AVX2 fixed-shape path (no AVX-512): the same algorithm as decode_item16 on 8-lane
+// vectors; head_dim / 8 = C chunks, blocks of 16 tokens scored as two halves of 8.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16 is the high half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax8(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Eight dot-product vectors reduced to one vector of their eight sums (lane t = vector t).
+inline __m256 sums8(const __m256 (&d)[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// e^x for 8 lanes (the same Cephes polynomial as exp16). x is clamped to [-87, 88] so that
+// 2^n stays a normal float; e^-87 is ~1e-38, far below any probability softmax keeps.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The online-softmax update for one head over one block of 16 scores (lanes [t0, n) valid).
+inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 valid[2], x[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i t = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * h));
+    valid[h] = _mm256_castsi256_ps(_mm256_and_si256(
+        _mm256_cmpgt_epi32(t, _mm256_set1_epi32(t0 - 1)), _mm256_cmpgt_epi32(_mm256_set1_epi32(n), t)));
+    x[h] = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                            _mm256_loadu_ps(s + 8 * h), valid[h]);
+  }
+  const float mx = std::max(m, hmax8(_mm256_max_ps(x[0], x[1])));
+  const float correction = std::exp(m - mx);
+  __m256 total = _mm256_setzero_ps();
+  for (int h = 0; h < 2; ++h) {
+    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x[h], _mm256_set1_ps(mx))), valid[h]);
+    _mm256_storeu_ps(s + 8 * h, p);
+    total = _mm256_add_ps(total, p);
+  }
+  l = l * correction + hsum8(total);
+  m = mx;
+  return correction;
+}
+
+template <typename T, int G, int C>
+void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  int len, int lo, int64_t block_stride, int64_t row_stride,
+                  int64_t q_head_stride, float scale) {
+  __m256 qv[G][C], acc[G][C];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      qv[g][c] = _mm256_mul_ps(load8(q + g * q_head_stride + c * 8), _mm256_set1_ps(scale));
+      acc[g][c] = _mm256_setzero_ps();
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  alignas(32) float s[G][16];
+  for (int first = lo / 16 * 16; first < len; first += 16) {
+    const int64_t phys = table[first / 16];
+    const T* kb = k_cache + phys * block_stride;
+    const T* vb = v_cache + phys * block_stride;
+    const int t0 = std::max(first, lo) - first;
+    const int n = std::min(16, len - first);
+    for (int half = 0; half < 2; ++half) {
+      if (8 * half >= n) break;
+      // rows past n (or before t0) are stale or another sequence's: their lanes are masked
+      const int rows = std::min(8, n - 8 * half);
+      for (int g = 0; g < G; ++g) {
+        __m256 d[8];
+        for (int t = 0; t < 8; ++t) {
+          d[t] = _mm256_setzero_ps();
+          if (t >= rows) continue;
+          const T* kr = kb + (8 * half + t) * row_stride;
+          for (int c = 0; c < C; ++c) d[t] = _mm256_fmadd_ps(qv[g][c], load8(kr + c * 8), d[t]);
+        }
+        _mm256_store_ps(s[g] + 8 * half, sums8(d));
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const float correction = softmax_block16(s[g], t0, n, m[g], l[g]);
+      if (correction != 1.f)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_mul_ps(acc[g][c], _mm256_set1_ps(correction));
+    }
+    for (int t = t0; t < n; ++t) {
+      for (int c = 0; c < C; ++c) {
+        const __m256 vv = load8(vb + t * row_stride + c * 8);
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[g][t]), vv, acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+    alignas(32) float row[C * 8];
+    for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(acc[g][c], inv));
+    for (int d = 0; d < C * 8; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
+  }
+}
+
+template <typename T>
+using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
+                        int64_t, int64_t, float);
+
+template <typename T, int C>
+ItemFn<T> pick_group(int group) {
+  switch (group) {
+    case 1: return decode_item8<T, 1, C>;
+    case 2: return decode_item8<T, 2, C>;
+    case 3: return decode_item8<T, 3, C>;
+    case 4: return decode_item8<T, 4, C>;
+    case 5: return decode_item8<T, 5, C>;
+    case 6: return decode_item8<T, 6, C>;
+    case 7: return decode_item8<T, 7, C>;
+    case 8: return decode_item8<T, 8, C>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
+  if (block_size != 16) return nullptr;
+  switch (head_dim) {
+    case 64: return pick_group<T, 8>(group);
+    case 128: return pick_group<T, 16>(group);
     default: return nullptr;
   }
 }
@@ -229,13 +389,12 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int group = num_heads / num_kv_heads;
   const int64_t row_stride = int64_t(num_kv_heads) * head_dim;  // between tokens of a block
   const int64_t block_stride = block_size * row_stride;
-  const int chunks = head_dim / 16;
+  [[maybe_unused]] const int chunks = head_dim / 16;
   // work items per grab: 4 amortizes the scheduler over a batch, but one sequence has only
   // num_kv_heads items (3 for SmolLM2), which a chunk of 4 would give to a single thread
   const int64_t items = num_seqs * num_kv_heads;
   const int chunk = items >= 32 ? 4 : 1;
-#if defined(__AVX512F__)
-  const bool vector_path = head_dim % 16 == 0 && chunks <= kMaxChunks && group <= kMaxGroup;
+#if defined(QUIRE_FIXED_SHAPE_PATH)
   if (const ItemFn<T> item = fixed_shape_item<T>(group, head_dim, block_size)) {
 #pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t work = 0; work < items; ++work) {
@@ -251,6 +410,9 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
     }
     return;
   }
+#endif
+#if defined(__AVX512F__)
+  const bool vector_path = head_dim % 16 == 0 && chunks <= kMaxChunks && group <= kMaxGroup;
 #endif
 
 #pragma omp parallel
