@@ -4,6 +4,7 @@ it agrees with the per-sequence torch path it replaces, and an engine with prefi
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -17,6 +18,10 @@ from quire.attention.torch_backend import TorchAttentionBackend
 from runtime_helpers import assert_no_blocks_in_use
 
 BS = 16
+_FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+# native, AVX2 without AVX-512 ("haswell"), plain C++ ("x86-64"): what this CPU can run
+MARCHES = ["native"] + (["haswell"] if " avx2" in _FLAGS and " fma" in _FLAGS else []) + [
+    "x86-64"]
 
 
 def _step(dtype, window=None, heads=6, kv_heads=2, head_dim=64, decodes=(40,),
@@ -62,11 +67,17 @@ def _forward(args, native: bool, monkeypatch):
         return backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
 
 
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 40])
-def test_batched_extend_matches_the_per_sequence_torch_path(dtype, tol, window, monkeypatch):
-    args = _step(dtype, window)
+def test_batched_extend_matches_the_per_sequence_torch_path(dtype, tol, window, march,
+                                                            monkeypatch):
+    # every build this CPU runs: the AVX2 one walks rows in tiles, the others row by row
+    args = _step(dtype, window, extends=((100, 37), (16, 1), (33, 16), (250, 64), (7, 9)))
     assert paged_extend.supported(args[1], args[4])  # the native kernel is what runs
+    library = paged_extend._library(march)
+    assert library is not None, f"paged_decode.cpp did not build for {march}"
+    monkeypatch.setattr(paged_extend, "_library", lambda: library)
     got = _forward(args, True, monkeypatch)
     want = _forward(args, False, monkeypatch)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

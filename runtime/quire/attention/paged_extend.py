@@ -1,8 +1,9 @@
 """Batched prefill chunks that extend a cached prefix, on the CPU: every query row of every such
 chunk attends, in one native call, to its own sequence's first (position + 1) tokens read in
 place through the block table (cpu_kernels/paged_decode.cpp, quire_paged_extend: the decode
-kernel with a row -> sequence map). The chunk's own K/V are already in the cache, so the
-cached prefix and the causal part are one read. The torch backend's per-sequence SDPA path is
+kernel with a row -> sequence map; on AVX2 it walks the context once per tile of up to 8
+consecutive rows of a sequence, which share each K/V block while it is in L1). The chunk's
+own K/V are already in the cache, so the cached prefix and the causal part are one read. The torch backend's per-sequence SDPA path is
 the fallback, and the reference the tests compare with.
 """
 
@@ -19,8 +20,9 @@ from quire.attention.base import AttentionMetadata
 
 
 @functools.cache
-def _library():
-    lib = cpu_kernels.load_library("paged_decode.cpp")
+def _library(march: str = "native"):
+    """quire_paged_extend; `march` other than native (tests) builds for an older CPU."""
+    lib = cpu_kernels.load_library("paged_decode.cpp", march)
     if lib is None:
         return None
     fn = lib.quire_paged_extend

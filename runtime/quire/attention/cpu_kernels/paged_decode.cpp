@@ -282,7 +282,7 @@ inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
                             _mm256_loadu_ps(s + 8 * h), valid[h]);
   }
   const float mx = std::max(m, hmax8(_mm256_max_ps(x[0], x[1])));
-  const float correction = std::exp(m - mx);
+  const float correction = m == mx ? 1.f : std::exp(m - mx);  // (the max rarely moves)
   __m256 total = _mm256_setzero_ps();
   for (int h = 0; h < 2; ++h) {
     const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x[h], _mm256_set1_ps(mx))), valid[h]);
@@ -378,6 +378,152 @@ ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
     default: return nullptr;
   }
 }
+
+// Extend (prefill chunks over a cached prefix): a tile of up to kTileRows consecutive query
+// rows of one sequence walks the context block by block, every row of the tile attending to
+// the same K/V block while it sits in L1. Row by row, each would stream the whole context
+// from memory again; tiled, a row costs what its FLOPs cost. Each row's sums run in the same
+// order as decode_item8's (bit-identical results); its state lives in L1 between blocks.
+template <int G, int C>
+struct TileRow {
+  __m256 q[G][C];
+  __m256 acc[G][C];
+  float m[G], l[G];
+  int len, lo;
+};
+
+template <typename T, int G, int C>
+inline void tile_row_block(TileRow<G, C>& st, const T* kb, const T* vb, int t0, int n,
+                           int64_t row_stride) {
+  alignas(32) float s[G][16];
+  for (int g = 0; g < G; ++g) {
+    __m256 qg[C];
+    for (int c = 0; c < C; ++c) qg[c] = st.q[g][c];
+    for (int half = 0; half < 2 && 8 * half < n; ++half) {
+      const int rows = std::min(8, n - 8 * half);
+      __m256 d[8];
+      for (int t = 0; t < 8; ++t) {
+        d[t] = _mm256_setzero_ps();
+        if (t >= rows) continue;
+        const T* kr = kb + (8 * half + t) * row_stride;
+        for (int c = 0; c < C; ++c) d[t] = _mm256_fmadd_ps(qg[c], load8(kr + c * 8), d[t]);
+      }
+      _mm256_store_ps(s[g] + 8 * half, sums8(d));
+    }
+    const float correction = softmax_block16(s[g], t0, n, st.m[g], st.l[g]);
+    if (correction != 1.f)
+      for (int c = 0; c < C; ++c) st.acc[g][c] = _mm256_mul_ps(st.acc[g][c], _mm256_set1_ps(correction));
+  }
+  // CU chunks at once: G * CU independent accumulator chains keep both FMA pipes busy (G
+  // alone, 3 for SmolLM2, would wait on FMA latency); G * CU + G + 1 <= 16 registers
+  constexpr int kUnroll = G >= 5 ? 1 : (G >= 3 ? 4 : (G == 2 ? 4 : 8));
+  constexpr int CU = kUnroll < C ? kUnroll : C;
+  for (int c0 = 0; c0 < C; c0 += CU) {
+    __m256 a[G][CU];
+    for (int g = 0; g < G; ++g)
+      for (int u = 0; u < CU; ++u) a[g][u] = st.acc[g][c0 + u];
+    for (int t = t0; t < n; ++t)
+      for (int u = 0; u < CU; ++u) {
+        const __m256 vv = load8(vb + t * row_stride + (c0 + u) * 8);
+        for (int g = 0; g < G; ++g) a[g][u] = _mm256_fmadd_ps(_mm256_set1_ps(s[g][t]), vv, a[g][u]);
+      }
+    for (int g = 0; g < G; ++g)
+      for (int u = 0; u < CU; ++u) st.acc[g][c0 + u] = a[g][u];
+  }
+}
+
+constexpr int kTileRows = 8;
+
+// rows[r] / lens[r] for r < count: one sequence's consecutive query rows (lens ascending by
+// one); q and out point at this KV head's first query head of row 0.
+template <typename T, int G, int C>
+void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  const int32_t* rows, const int32_t* lens, int count, int window,
+                  int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
+                  int64_t q_head_stride, float scale) {
+  TileRow<G, C> st[kTileRows];
+  int max_len = 0, min_lo = std::numeric_limits<int>::max();
+  for (int r = 0; r < count; ++r) {
+    const T* qr = q + int64_t(rows[r]) * q_stride;
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) {
+        st[r].q[g][c] = _mm256_mul_ps(load8(qr + g * q_head_stride + c * 8), _mm256_set1_ps(scale));
+        st[r].acc[g][c] = _mm256_setzero_ps();
+      }
+      st[r].m[g] = -std::numeric_limits<float>::infinity();
+      st[r].l[g] = 0.f;
+    }
+    st[r].len = lens[r];
+    st[r].lo = window > 0 ? std::max(0, lens[r] - window) : 0;
+    max_len = std::max(max_len, st[r].len);
+    min_lo = std::min(min_lo, st[r].lo);
+  }
+  // bfloat16 K/V rows are widened once per block into float32 here (every row and head of
+  // the tile would widen them again)
+  alignas(32) float kf[std::is_same_v<T, float> ? 1 : 16 * C * 8];
+  alignas(32) float vf[std::is_same_v<T, float> ? 1 : 16 * C * 8];
+  for (int first = min_lo / 16 * 16; first < max_len; first += 16) {
+    const int64_t phys = table[first / 16];
+    const T* kb = k_cache + phys * block_stride;
+    const T* vb = v_cache + phys * block_stride;
+    const int n = std::min(16, max_len - first);
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int t = 0; t < n; ++t)
+        for (int c = 0; c < C; ++c) {
+          _mm256_store_ps(kf + (t * C + c) * 8, load8(kb + t * row_stride + c * 8));
+          _mm256_store_ps(vf + (t * C + c) * 8, load8(vb + t * row_stride + c * 8));
+        }
+    }
+    for (int r = 0; r < count; ++r) {
+      if (first >= st[r].len || first + 16 <= st[r].lo) continue;
+      const int t0 = std::max(first, st[r].lo) - first, nr = std::min(16, st[r].len - first);
+      if constexpr (std::is_same_v<T, float>)
+        tile_row_block<float, G, C>(st[r], kb, vb, t0, nr, row_stride);
+      else
+        tile_row_block<float, G, C>(st[r], kf, vf, t0, nr, C * 8);
+    }
+  }
+  for (int r = 0; r < count; ++r) {
+    T* dst = out + int64_t(rows[r]) * out_stride;
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_set1_ps(1.f / st[r].l[g]);
+      alignas(32) float row[C * 8];
+      for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(st[r].acc[g][c], inv));
+      for (int d = 0; d < C * 8; ++d) store_scalar(dst + g * q_head_stride + d, row[d]);
+    }
+  }
+}
+
+template <typename T>
+using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
+                        const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float);
+
+template <typename T, int C>
+TileFn<T> pick_tile_group(int group) {
+  switch (group) {
+    case 1: return extend_tile8<T, 1, C>;
+    case 2: return extend_tile8<T, 2, C>;
+    case 3: return extend_tile8<T, 3, C>;
+    case 4: return extend_tile8<T, 4, C>;
+    case 5: return extend_tile8<T, 5, C>;
+    case 6: return extend_tile8<T, 6, C>;
+    case 7: return extend_tile8<T, 7, C>;
+    case 8: return extend_tile8<T, 8, C>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
+  if (block_size != 16) return nullptr;
+  switch (head_dim) {
+    case 64: return pick_tile_group<T, 8>(group);
+    case 128: return pick_tile_group<T, 16>(group);
+    default: return nullptr;
+  }
+}
+#define QUIRE_EXTEND_TILES 1
 #endif
 
 template <typename T>
@@ -394,6 +540,30 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   // num_kv_heads items (3 for SmolLM2), which a chunk of 4 would give to a single thread
   const int64_t items = num_seqs * num_kv_heads;
   const int chunk = items >= 32 ? 4 : 1;
+#if defined(QUIRE_EXTEND_TILES)
+  if (rows != nullptr)
+    if (const TileFn<T> tile = fixed_shape_tile<T>(group, head_dim, block_size)) {
+      // tiles: runs of at most kTileRows rows of one sequence at consecutive positions
+      std::vector<int64_t> starts;
+      for (int64_t i = 0; i < num_seqs; ++i)
+        if (i == 0 || row_seq[i] != row_seq[i - 1] || seq_lens[i] != seq_lens[i - 1] + 1 ||
+            i - starts.back() >= kTileRows)
+          starts.push_back(i);
+      starts.push_back(num_seqs);
+      const int64_t tile_items = int64_t(starts.size() - 1) * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1)
+      for (int64_t work = 0; work < tile_items; ++work) {
+        const int64_t i0 = starts[work / num_kv_heads], i1 = starts[work / num_kv_heads + 1];
+        const int kv_head = work % num_kv_heads;
+        const int64_t head = int64_t(kv_head) * group * head_dim;
+        tile(q + head, k_cache + int64_t(kv_head) * head_dim, v_cache + int64_t(kv_head) * head_dim,
+             out + head, block_tables + int64_t(row_seq[i0]) * bt_stride, rows + i0,
+             seq_lens + i0, int(i1 - i0), window, block_stride, row_stride, q_stride, out_stride,
+             head_dim, scale);
+      }
+      return;
+    }
+#endif
 #if defined(QUIRE_FIXED_SHAPE_PATH)
   if (const ItemFn<T> item = fixed_shape_item<T>(group, head_dim, block_size)) {
 #pragma omp parallel for schedule(dynamic, chunk)

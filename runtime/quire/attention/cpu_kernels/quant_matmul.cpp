@@ -73,6 +73,7 @@ constexpr const char* kIsa = "avx512-bf16";  // + the bfloat16 dot product for i
 constexpr const char* kIsa = "avx512";
 #endif
 constexpr int kTile = 8;    // rows of x per pass over a row block
+constexpr int kExpandedTile = 8;  // the same over an expanded block (prefill)
 constexpr int kChains = 4;  // independent accumulators per pass (FMA latency x throughput)
 struct V {
   __m512 v;
@@ -104,6 +105,9 @@ inline void load_sint4(const uint8_t* p, V& even, V& odd) {  // signed nibbles
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 constexpr int kTile = 2;    // 16 registers: accumulators of two 8-lane halves each
+// an expanded block needs no registers for unpacking: 4 rows of x are 8 accumulator chains,
+// as many as FMA latency x throughput asks for (2 rows left the FMA units half idle)
+constexpr int kExpandedTile = 4;
 constexpr int kChains = 2;
 struct V {
   __m256 lo, hi;
@@ -151,6 +155,7 @@ inline void load_sint4(const uint8_t* p, V& even, V& odd) {
 #else
 constexpr const char* kIsa = "scalar";
 constexpr int kTile = 2;
+constexpr int kExpandedTile = 2;
 constexpr int kChains = 2;
 struct V {
   float f[kRows];
@@ -418,9 +423,11 @@ void row_block_tile(int mt, const X* x, const float* xsum, const Weight& w, int6
   switch (mt) {
     case 1: row_block<Form, S, 1>(x, xsum, w, block, e, out); break;
     case 2: row_block<Form, S, 2>(x, xsum, w, block, e, out); break;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     case 3: row_block<Form, S, 3>(x, xsum, w, block, e, out); break;
     case 4: row_block<Form, S, 4>(x, xsum, w, block, e, out); break;
+#endif
+#if defined(__AVX512F__)
     case 5: row_block<Form, S, 5>(x, xsum, w, block, e, out); break;
     case 6: row_block<Form, S, 6>(x, xsum, w, block, e, out); break;
     case 7: row_block<Form, S, 7>(x, xsum, w, block, e, out); break;
@@ -452,16 +459,17 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
   // call (each row block is still summed by one thread in one order: results don't change)
   const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
   const bool expand = M > kTile;
+  const int tile_rows = expand ? kExpandedTile : kTile;
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
   {
     std::vector<float> scratch(expand ? w.K * kRows : 0);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t b = 0; b < blocks; ++b) {
-      alignas(64) float tile[kTile * kRows];
+      alignas(64) float tile[std::max(kTile, kExpandedTile) * kRows];
       const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
       if (expand) expand_block<Form, X>(w, b, scratch.data());
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        const int mt = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+        const int mt = static_cast<int>(std::min<int64_t>(tile_rows, M - m0));
         row_block_tile<Form, S>(mt, x + m0 * w.K, xsum + m0 * groups, w, b,
                                 expand ? scratch.data() : nullptr, tile);
         store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
