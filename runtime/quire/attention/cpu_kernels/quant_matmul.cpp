@@ -573,6 +573,53 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
                             w->offsets, w->N, w->K, w->G);
 }
 
+// W^T [K][N] in float32: the values the kernel multiplies by, for a matmul library to take
+// at large M where its GEMM beats this kernel (AVX2: no bfloat16 dot product). Returns 0.
+int quire_quant_dequantize_t(const PackedArgs* w, float* out, int threads) {
+  const int64_t N = w->N, K = w->K, G = w->G, groups = K / G;
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t block_bytes = (w->form == kInt8 ? K : K / 2) * kRows;
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* q = static_cast<const uint8_t*>(w->q) + b * block_bytes;
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, N - b * kRows));
+    alignas(64) float last[kRows];  // a partial block's rows go through here (no overrun)
+    const auto store = [&](int64_t k, V value) {
+      if (rows == kRows) {
+        vstore(out + k * N + b * kRows, value);
+      } else {
+        vstore(last, value);
+        std::memcpy(out + k * N + b * kRows, last, rows * sizeof(float));
+      }
+    };
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (b * groups + g) * kRows;
+      V s, o = vzero();
+      if (w->half) {
+        s = vload(static_cast<const uint16_t*>(w->scales) + at);
+        if (w->form == kInt4Zero || w->form == kInt4Min)
+          o = vload(static_cast<const uint16_t*>(w->offsets) + at);
+      } else {
+        s = vload(static_cast<const float*>(w->scales) + at);
+        if (w->form == kInt4Zero || w->form == kInt4Min)
+          o = vload(static_cast<const float*>(w->offsets) + at);
+      }
+      for (int64_t k = g * G; k < (g + 1) * G; k += w->form == kInt8 ? 1 : 2) {
+        if (w->form == kInt8) {
+          store(k, vfma(load_int8(q + k * kRows), s, o));
+          continue;
+        }
+        V even, odd;  // q (INT4_MIN) or q - 8 (stored XOR 8)
+        if (w->form == kInt4Min) load_int4(q + (k / 2) * kRows, even, odd);
+        else load_sint4(q + (k / 2) * kRows, even, odd);
+        store(k, vfma(even, s, o));
+        store(k + 1, vfma(odd, s, o));
+      }
+    }
+  }
+  return 0;
+}
+
 // Reads `bytes` (a multiple of 64) once with `threads` threads and returns a checksum: the
 // benchmark's measure of the machine's read bandwidth, the bound of a memory-bound matmul.
 uint64_t quire_stream_read(const void* data, int64_t bytes, int threads) {
