@@ -108,7 +108,7 @@ constexpr int kTile = 2;    // 16 registers: accumulators of two 8-lane halves e
 // an expanded block needs no registers for unpacking: 4 rows of x are 8 accumulator chains,
 // as many as FMA latency x throughput asks for (2 rows left the FMA units half idle)
 constexpr int kExpandedTile = 4;
-constexpr int kChains = 2;
+constexpr int kChains = 4;  // at M = 1: 4 x (lo, hi) = 8 chains, FMA latency x 2 pipes
 struct V {
   __m256 lo, hi;
 };
