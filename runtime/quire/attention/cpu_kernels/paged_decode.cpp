@@ -294,96 +294,12 @@ inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
   return correction;
 }
 
-template <typename T, int G, int C>
-void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                  int len, int lo, int64_t block_stride, int64_t row_stride,
-                  int64_t q_head_stride, float scale) {
-  __m256 qv[G][C], acc[G][C];
-  float m[G], l[G];
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) {
-      qv[g][c] = _mm256_mul_ps(load8(q + g * q_head_stride + c * 8), _mm256_set1_ps(scale));
-      acc[g][c] = _mm256_setzero_ps();
-    }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-  }
-  alignas(32) float s[G][16];
-  for (int first = lo / 16 * 16; first < len; first += 16) {
-    const int64_t phys = table[first / 16];
-    const T* kb = k_cache + phys * block_stride;
-    const T* vb = v_cache + phys * block_stride;
-    const int t0 = std::max(first, lo) - first;
-    const int n = std::min(16, len - first);
-    for (int half = 0; half < 2; ++half) {
-      if (8 * half >= n) break;
-      // rows past n (or before t0) are stale or another sequence's: their lanes are masked
-      const int rows = std::min(8, n - 8 * half);
-      for (int g = 0; g < G; ++g) {
-        __m256 d[8];
-        for (int t = 0; t < 8; ++t) {
-          d[t] = _mm256_setzero_ps();
-          if (t >= rows) continue;
-          const T* kr = kb + (8 * half + t) * row_stride;
-          for (int c = 0; c < C; ++c) d[t] = _mm256_fmadd_ps(qv[g][c], load8(kr + c * 8), d[t]);
-        }
-        _mm256_store_ps(s[g] + 8 * half, sums8(d));
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const float correction = softmax_block16(s[g], t0, n, m[g], l[g]);
-      if (correction != 1.f)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_mul_ps(acc[g][c], _mm256_set1_ps(correction));
-    }
-    for (int t = t0; t < n; ++t) {
-      for (int c = 0; c < C; ++c) {
-        const __m256 vv = load8(vb + t * row_stride + c * 8);
-        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[g][t]), vv, acc[g][c]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-    alignas(32) float row[C * 8];
-    for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(acc[g][c], inv));
-    for (int d = 0; d < C * 8; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
-  }
-}
-
-template <typename T>
-using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                        int64_t, int64_t, float);
-
-template <typename T, int C>
-ItemFn<T> pick_group(int group) {
-  switch (group) {
-    case 1: return decode_item8<T, 1, C>;
-    case 2: return decode_item8<T, 2, C>;
-    case 3: return decode_item8<T, 3, C>;
-    case 4: return decode_item8<T, 4, C>;
-    case 5: return decode_item8<T, 5, C>;
-    case 6: return decode_item8<T, 6, C>;
-    case 7: return decode_item8<T, 7, C>;
-    case 8: return decode_item8<T, 8, C>;
-    default: return nullptr;
-  }
-}
-
-template <typename T>
-ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
-  if (block_size != 16) return nullptr;
-  switch (head_dim) {
-    case 64: return pick_group<T, 8>(group);
-    case 128: return pick_group<T, 16>(group);
-    default: return nullptr;
-  }
-}
-
 // Extend (prefill chunks over a cached prefix): a tile of up to kTileRows consecutive query
 // rows of one sequence walks the context block by block, every row of the tile attending to
 // the same K/V block while it sits in L1. Row by row, each would stream the whole context
 // from memory again; tiled, a row costs what its FLOPs cost. Each row's sums run in the same
-// order as decode_item8's (bit-identical results); its state lives in L1 between blocks.
+// order as a decode step's (decode_item8 is a tile of one); its state lives in L1 between
+// blocks.
 template <int G, int C>
 struct TileRow {
   __m256 q[G][C];
@@ -491,6 +407,45 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
       for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(st[r].acc[g][c], inv));
       for (int d = 0; d < C * 8; ++d) store_scalar(dst + g * q_head_stride + d, row[d]);
     }
+  }
+}
+
+// Decode: one sequence's row is a tile of one (lo as a window of len - lo tokens).
+template <typename T, int G, int C>
+void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  int len, int lo, int64_t block_stride, int64_t row_stride,
+                  int64_t q_head_stride, float scale) {
+  const int32_t row = 0;
+  extend_tile8<T, G, C>(q, k_cache, v_cache, out, table, &row, &len, 1, lo > 0 ? len - lo : 0,
+                        block_stride, row_stride, 0, 0, q_head_stride, scale);
+}
+
+template <typename T>
+using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
+                        int64_t, int64_t, float);
+
+template <typename T, int C>
+ItemFn<T> pick_group(int group) {
+  switch (group) {
+    case 1: return decode_item8<T, 1, C>;
+    case 2: return decode_item8<T, 2, C>;
+    case 3: return decode_item8<T, 3, C>;
+    case 4: return decode_item8<T, 4, C>;
+    case 5: return decode_item8<T, 5, C>;
+    case 6: return decode_item8<T, 6, C>;
+    case 7: return decode_item8<T, 7, C>;
+    case 8: return decode_item8<T, 8, C>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
+  if (block_size != 16) return nullptr;
+  switch (head_dim) {
+    case 64: return pick_group<T, 8>(group);
+    case 128: return pick_group<T, 16>(group);
+    default: return nullptr;
   }
 }
 
