@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+# CI: the interpreter on CPU tensors; QUIRE_TRITON_DEVICE=cuda: compiled on a GPU.
+DEVICE_TYPE = os.environ.get("QUIRE_TRITON_DEVICE", "cpu")
+if DEVICE_TYPE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run this module in a fresh process with TRITON_INTERPRET=1 "
-                       "(see tests/lora/test_lora_triton.py)")
+                       "(see tests/lora/test_lora_triton.py), or on a GPU with "
+                       "QUIRE_TRITON_DEVICE=cuda")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -32,17 +35,18 @@ TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 3e-2}  # 
 
 
 def test_kernels_run_in_the_interpreter():
-    assert type(triton_ops._shrink_kernel).__name__ == "InterpretedFunction"
+    interpreted = type(triton_ops._shrink_kernel).__name__ == "InterpretedFunction"
+    assert interpreted == (DEVICE_TYPE != "cuda")
 
 
 def _case(t, k, width, n, num_slots, slots_of_rows, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, k, generator=gen).to(dtype)
-    y = torch.randn(t, n, generator=gen).to(dtype)
-    a = (torch.randn(num_slots, k, width, generator=gen) * 0.3).to(dtype)
-    b = (torch.randn(num_slots, width, n, generator=gen) * 0.3).to(dtype)
-    batch = build_lora_batch(np.asarray(slots_of_rows, dtype=np.int64), torch.device("cpu"),
-                             use_triton=True)
+    x = torch.randn(t, k, generator=gen).to(DEVICE_TYPE, dtype)
+    y = torch.randn(t, n, generator=gen).to(DEVICE_TYPE, dtype)
+    a = (torch.randn(num_slots, k, width, generator=gen) * 0.3).to(DEVICE_TYPE, dtype)
+    b = (torch.randn(num_slots, width, n, generator=gen) * 0.3).to(DEVICE_TYPE, dtype)
+    batch = build_lora_batch(np.asarray(slots_of_rows, dtype=np.int64),
+                             torch.device(DEVICE_TYPE), use_triton=True)
     return x, y, a, b, batch
 
 
@@ -67,7 +71,7 @@ def test_shrink_expand_match_torch(dtype, t, k, width, n, num_slots):
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item()
     assert err <= TOLERANCE[dtype] * scale, f"max error {err} on outputs up to {scale}"
-    base = torch.from_numpy(rows < 0)
+    base = torch.from_numpy(rows < 0).to(DEVICE_TYPE)
     assert torch.equal(got[base], y[base]), "base-model rows must be left untouched"
 
 
@@ -113,7 +117,8 @@ def test_engine_with_triton_gives_the_torch_paths_tokens(tmp_path):
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(base, dtype="float32", attention_backend=backend, enable_lora=True,
-                  max_loras=2, kv_cache_memory=4 << 20, max_num_batched_tokens=32)
+                  max_loras=2, kv_cache_memory=4 << 20, max_num_batched_tokens=32,
+                  device=DEVICE_TYPE)
         res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6),
                            lora_request=per_prompt, use_tqdm=False)
         outs[backend] = [o.outputs[0].token_ids for o in res]

@@ -13,9 +13,13 @@ from __future__ import annotations
 import os
 import random
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+# CI runs the suite in the interpreter on CPU tensors; QUIRE_TRITON_DEVICE=cuda runs the same
+# cases compiled on a GPU (benchmarks/cuda_check.sh).
+DEVICE_TYPE = os.environ.get("QUIRE_TRITON_DEVICE", "cpu")
+if DEVICE_TYPE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run this module in a fresh process with TRITON_INTERPRET=1 "
-                       "(see tests/runtime/test_triton_backend.py)")
+                       "(see tests/runtime/test_triton_backend.py), or on a GPU with "
+                       "QUIRE_TRITON_DEVICE=cuda")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -26,6 +30,7 @@ from quire.attention.torch_backend import TorchAttentionBackend, write_kv  # noq
 from quire.attention.triton_kernels.cache_write import write_kv_cache  # noqa: E402
 from quire.attention.triton_kernels.common import is_interpreted  # noqa: E402
 
+DEVICE = torch.device(DEVICE_TYPE)
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # Output tolerance (absolute, relative) against the torch backend, on outputs of magnitude
 # ~1-4. fp32: both sides accumulate in fp32, in a different order (errors seen: <= 2e-6).
@@ -38,10 +43,13 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 2e-3),
 
 
 def test_kernels_run_in_the_interpreter():
-    """Ours and Triton's own library (tl.max, tl.sum, ...), which it defines on import."""
+    """Ours and Triton's own library (tl.max, tl.sum, ...), which it defines on import; on a
+    GPU, neither is interpreted."""
     import triton.language.standard as tl_standard
-    assert triton_backend.INTERPRETED
-    assert is_interpreted(tl_standard.max), "triton was imported before TRITON_INTERPRET=1"
+    interpreted = DEVICE.type != "cuda"
+    assert triton_backend.INTERPRETED == interpreted
+    assert is_interpreted(tl_standard.max) == interpreted, \
+        "triton was imported before TRITON_INTERPRET=1"
 
 
 def fused_qkv(t, h, hkv, d, dtype, gen):
@@ -66,9 +74,10 @@ def test_cache_write_stores_the_same_bytes_as_torch(dtype, kv, scale):
     if kv:  # fp8 subnormals, round-up carries, and past the largest finite value (saturates)
         k = k * torch.exp2(torch.randint(-24, 18, k.shape, generator=gen).float())
         k = k.clamp(-6e4, 6e4)   # within fp16's range
-    k, v = k.to(dtype), v.to(dtype)
-    slots = torch.randperm(blocks * bs, generator=gen)[:t]
-    got = [torch.zeros(blocks, bs, hkv, d, dtype=cache_dtype) for _ in range(2)]
+    k, v = k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+    slots = torch.randperm(blocks * bs, generator=gen)[:t].to(DEVICE)
+    got = [torch.zeros(blocks, bs, hkv, d, dtype=cache_dtype, device=DEVICE)
+           for _ in range(2)]
     want = [torch.zeros_like(got[0]) for _ in range(2)]
     write_kv_cache(k, v, *got, slots, scale, scale)
     write_kv(k, v, *want, slots, scale, scale)
@@ -126,7 +135,9 @@ def paged_batch(seqs, h, hkv, d, dtype, bs, cache_dtype, k_scale, v_scale, seed=
                                 for i, (ctx, ql) in enumerate(seqs)]),
         max_query_len=max(qls), max_seq_len=max(ctx for ctx, _ in seqs), block_size=bs,
         query_start_loc_cpu=qsl, seq_lens_cpu=[ctx for ctx, _ in seqs])
-    return q, k, v, caches, meta
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), [c.to(DEVICE) for c in caches], meta
 
 
 def fresh(meta: AttentionMetadata) -> AttentionMetadata:
@@ -268,7 +279,7 @@ def test_engine_greedy_tokens_equal_torch_backend(family, tmp_path):
     results = {}
     for backend in ("torch", "triton"):
         llm = LLM(path, dtype="float32", attention_backend=backend, kv_cache_memory=kv_bytes,
-                  max_num_batched_tokens=40)
+                  max_num_batched_tokens=40, device=DEVICE.type)
         assert llm.engine.attention_backend == backend
         tokens = [o.outputs[0].token_ids
                   for batch in (first, second) for o in llm.generate(batch, params, use_tqdm=False)]

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What only a CUDA GPU shows, in one run sized for a short GPU lease (about 6 minutes on an
+# H100/H200): the Triton kernel suites compiled on the GPU (the same cases CI runs in the
+# interpreter), the engine's greedy parity with transformers and its throughput with CUDA
+# graphs, eagerly and quantized, and the kernel timings. Each step has its own time limit, so
+# one that hangs costs only its own slot. Logs go to $OUT (or /tmp/cuda_check).
+#
+#     bash benchmarks/cuda_check.sh            # from the repository root; python3 holds torch
+set -u
+out=${OUT:-/tmp/cuda_check}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+step() {  # name, time limit (s), command...
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - start)) s (limit $limit s)"
+    grep -E "${SHOW:-^(PARITY|QUIRE|HF|device|workload)|passed|failed|error|Error}" \
+        "$out/$name.log" | tail -n 40
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+$py -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton',
+triton.__version__, '| transformers', transformers.__version__)"
+
+QUIRE_TRITON_DEVICE=cuda step triton_suites "${SUITE_LIMIT:-200}" $py -m pytest -q -n 8 \
+    -p no:cacheprovider tests/runtime/triton_interpreter_suite.py \
+    tests/quant/triton_quant_suite.py tests/lora/triton_interpreter_suite.py \
+    -k "not engine_with_triton_gives_the_torch_paths_tokens"
+step engine "${ENGINE_LIMIT:-200}" $py benchmarks/cuda_engine.py ${ENGINE_ARGS:-}
+SHOW=. step quant_matmul 60 $py benchmarks/cuda_quant_matmul.py
+SHOW=. step attention 90 $py benchmarks/attention_kernels.py --batches 1 16 64 256 \
+    --contexts 512 2048 8192 --chunks 512 2048
