@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What only a CUDA GPU shows, in one run sized for a short GPU lease (about 6 minutes on an
-# H100/H200): the Triton kernel suites compiled on the GPU (the same cases CI runs in the
-# interpreter), the engine's greedy parity with transformers and its throughput with CUDA
+# H100/H200, plus a minute to start): the Triton kernel suites compiled on the GPU (the same
+# cases CI runs in the interpreter), the engine's greedy parity with transformers and its throughput with CUDA
 # graphs, eagerly and quantized, and the kernel timings. Each step has its own time limit, so
 # one that hangs costs only its own slot. Logs go to $OUT (or /tmp/cuda_check).
 #
@@ -30,7 +30,9 @@ QUIRE_TRITON_DEVICE=cuda step triton_suites "${SUITE_LIMIT:-200}" $py -m pytest 
     -p no:cacheprovider tests/runtime/triton_interpreter_suite.py \
     tests/quant/triton_quant_suite.py tests/lora/triton_interpreter_suite.py \
     -k "not engine_with_triton_gives_the_torch_paths_tokens"
-step engine "${ENGINE_LIMIT:-200}" $py benchmarks/cuda_engine.py ${ENGINE_ARGS:-}
-SHOW=. step quant_matmul 60 $py benchmarks/cuda_quant_matmul.py
-SHOW=. step attention 90 $py benchmarks/attention_kernels.py --batches 1 16 64 256 \
+step engine "${ENGINE_LIMIT:-150}" $py benchmarks/cuda_engine.py
+step engine_1b "${ENGINE_LIMIT:-150}" $py benchmarks/cuda_engine.py --shape llama-1b \
+    --skip-parity --hf-batch-sizes 64 128
+SHOW=. step quant_matmul "${QUANT_LIMIT:-120}" $py benchmarks/cuda_quant_matmul.py
+SHOW=. step attention 60 $py benchmarks/attention_kernels.py --batches 1 16 64 256 \
     --contexts 512 2048 8192 --chunks 512 2048

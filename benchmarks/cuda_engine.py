@@ -54,13 +54,14 @@ def word_tokenizer(vocab: int):
                                    eos_token="w2")
 
 
-def save_model(path: str, shape: str, initializer_range: float, seed: int = 0) -> str:
+def save_model(path: str, shape: str, initializer_range: float, seed: int = 0,
+               dtype: torch.dtype = torch.float32) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
     cfg = LlamaConfig(**SHAPES[shape], initializer_range=initializer_range, bos_token_id=1,
                       eos_token_id=2)
     torch.manual_seed(seed)
     with torch.device(DEVICE):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.save_pretrained(path)
     word_tokenizer(cfg.vocab_size).save_pretrained(path)
     del model
@@ -236,7 +237,8 @@ def main() -> int:
         if not args.skip_parity:
             ok = parity(args, tmp)
         if not args.skip_throughput:
-            path = save_model(f"{tmp}/bench", args.shape, initializer_range=0.02)
+            path = save_model(f"{tmp}/bench", args.shape, initializer_range=0.02,
+                              dtype=getattr(torch, args.dtype))
             vocab = SHAPES[args.shape]["vocab_size"]
             prompts = random_prompts(args.num_requests, *args.prompt_len, vocab)
             print(f"workload: {len(prompts)} requests, prompts {args.prompt_len[0]}-"

@@ -2,16 +2,18 @@
 torch's bf16 matmul on the same shapes: us per call and weight GB/s (the weight's bytes in its
 own format, what a decode step must stream), against the GPU's memory bandwidth.
 
-`ieee` multiplies in fp32 (the engine's default: dequantize-then-matmul's values); `fast`
-multiplies in the activation dtype on tensor cores.
+Paths (triton_quant.py says what each does): gemv (decode rows), dequant (dequantize, then
+cuBLAS), fused and fused-fast (tl.dot on dequantized tiles, fp32 / activation dtype). `auto`
+is what the engine runs. Then a sweep of the gemv's tile sizes at decode M.
 
-    python benchmarks/cuda_quant_matmul.py [--m 1 16 256] [--group 64]
+    python benchmarks/cuda_quant_matmul.py [--m 1 8 64 512] [--group 64] [--no-sweep]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 
 import torch
 
@@ -20,46 +22,82 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 
 
+def weights(n: int, k: int, group: int):
+    from quire.layers import quant_formats as qf
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q8, s8 = qf.quantize_int8(w)
+    q4, s4, z4 = qf.quantize_int4(w, group)
+    return w.to(torch.bfloat16), {
+        "int8": ((q8, s8, None), qf.dequantize_int8(q8, s8)),
+        "int4": ((q4, s4, z4), qf.dequantize_int4(q4, s4, z4))}
+
+
+def nbytes(q, s, z) -> int:
+    return sum(t.numel() * t.element_size() for t in (q, s, z) if t is not None)
+
+
+def table(args, bench) -> None:
+    from quire.layers.triton_quant import GEMV_MAX_M, quant_matmul
+    print(f"{'shape':>8} {'M':>4} {'kernel':>16} {'us':>9} {'weight GB/s':>12} "
+          f"{'max rel err':>12}")
+    for name, (n, k) in SHAPES.items():
+        wb, quant = weights(n, k, args.group)
+        for m in args.m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            us = bench(partial(torch.matmul, x, wb.T))
+            print(f"{name:>8} {m:>4} {'bf16 cuBLAS':>16} {us:>9.1f} "
+                  f"{wb.numel() * 2 / us / 1e3:>12.0f}")
+            for kind, (qsz, dense) in quant.items():
+                want = x.float() @ dense.T
+                paths = ["auto", "dequant", "fused", "fused-fast"]
+                if m <= GEMV_MAX_M:
+                    paths.insert(1, "gemv")
+                for path in paths:
+                    fn = partial(quant_matmul, x, *qsz, path=path)
+                    err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+                    us = bench(fn)
+                    print(f"{name:>8} {m:>4} {kind + ' ' + path:>16} {us:>9.1f} "
+                          f"{nbytes(*qsz) / us / 1e3:>12.0f} {err:>12.1e}")
+
+
+def sweep(args, bench) -> None:
+    from quire.layers import triton_quant
+    print("\ngemv tiles (split_k automatic)")
+    print(f"{'shape':>8} {'M':>3} {'kind':>5} {'block_n':>8} {'block_k':>8} {'warps':>6} "
+          f"{'us':>8} {'GB/s':>6}")
+    for name in ("qkv", "gate_up"):
+        n, k = SHAPES[name]
+        _, quant = weights(n, k, args.group)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        for kind, (qsz, _) in quant.items():
+            for block_n in (8, 16, 32, 64):
+                for block_k in (64, 128, 256, 512):
+                    warps = 4 if block_n * block_k <= 4096 else 8
+                    us = bench(partial(triton_quant.gemv, x, *qsz, block_n=block_n,
+                                       block_k=block_k, num_warps=warps))
+                    print(f"{name:>8} {1:>3} {kind:>5} {block_n:>8} {block_k:>8} "
+                          f"{warps:>6} {us:>8.1f} {nbytes(*qsz) / us / 1e3:>6.0f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 256])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU")
         return 2
     import triton.testing
 
-    from quire.layers import quant_formats as qf
-    from quire.layers.triton_quant import quant_matmul
-    print(f"device: {torch.cuda.get_device_name()}; activations bf16; int4 group "
-          f"{args.group}")
-    print(f"{'shape':>8} {'M':>4} {'kernel':>10} {'us':>9} {'weight GB/s':>12} "
-          f"{'max rel err':>12}")
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda") * 0.02
-        q8, s8 = qf.quantize_int8(w)
-        q4, s4, z4 = qf.quantize_int4(w, args.group)
-        dense = {"int8": qf.dequantize_int8(q8, s8), "int4": qf.dequantize_int4(q4, s4, z4)}
-        wb = w.to(torch.bfloat16)
-        for m in args.m:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            runs = {"bf16": (lambda: x @ wb.T, wb.numel() * 2, None)}
-            for kind, (q, s, z) in {"int8": (q8, s8, None), "int4": (q4, s4, z4)}.items():
-                nbytes = q.numel() * q.element_size() + s.numel() * 4 \
-                    + (z.numel() * 4 if z is not None else 0)
-                for fast in (False, True):
-                    label = f"{kind}-{'fast' if fast else 'ieee'}"
-                    runs[label] = (lambda q=q, s=s, z=z, fast=fast:
-                                   quant_matmul(x, q, s, z, fast=fast), nbytes, kind)
-            for label, (fn, nbytes, kind) in runs.items():
-                err = ""
-                if kind is not None:
-                    want = x.float() @ dense[kind].T
-                    err = f"{((fn().float() - want).abs().max() / want.abs().max()).item():.1e}"
-                us = triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3
-                print(f"{name:>8} {m:>4} {label:>10} {us:>9.1f} {nbytes / us / 1e3:>12.0f} "
-                      f"{err:>12}")
+    def bench(fn) -> float:
+        return triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3
+
+    print(f"device: {torch.cuda.get_device_name()}; activations bf16; int8 per channel, int4 "
+          f"group {args.group}")
+    table(args, bench)
+    if not args.no_sweep:
+        sweep(args, bench)
     return 0
 
 

@@ -82,7 +82,10 @@ def test_cache_write_stores_the_same_bytes_as_torch(dtype, kv, scale):
     write_kv_cache(k, v, *got, slots, scale, scale)
     write_kv(k, v, *want, slots, scale, scale)
     for g, w in zip(got, want):
-        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+        g, w = g.view(torch.uint8).cpu(), w.view(torch.uint8).cpu()
+        bad = (g != w).nonzero()
+        assert not len(bad), (f"{len(bad)} bytes differ; first at {bad[0].tolist()}: "
+                              f"{g[tuple(bad[0])]} stored, torch stores {w[tuple(bad[0])]}")
 
 
 # -------------------------------------------------------------------------- paged attention

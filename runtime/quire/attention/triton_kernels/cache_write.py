@@ -35,7 +35,9 @@ def round_to_fp8_grid(x, DROP_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
     # subnormal range: fixed spacing, which is the fp32 ulp of SUBNORMAL_MAGIC, so the add
     # rounds to it (ties to even) and the subtraction is exact
     small = (tl.abs(x) + SUBNORMAL_MAGIC) - SUBNORMAL_MAGIC
-    small = tl.where(x.to(tl.int32, bitcast=True) < 0, -small, small)  # keeps -0.0
+    # x's sign bit, or'ed in: -small is 0 - small on a GPU, which turns -0.0 into +0.0
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    small = (small.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < MIN_NORMAL, small, normal)
 
 
@@ -64,10 +66,12 @@ def _write_kv_kernel(
     k = tl.load(k_ptr + t64 * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
     v = tl.load(v_ptr + t64 * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
     if QUANTIZE:
-        k = round_to_fp8_grid(k.to(tl.float32) / k_scale, DROP_BITS, MIN_NORMAL,
-                              SUBNORMAL_MAGIC, MAX_FINITE)
-        v = round_to_fp8_grid(v.to(tl.float32) / v_scale, DROP_BITS, MIN_NORMAL,
-                              SUBNORMAL_MAGIC, MAX_FINITE)
+        # div_rn: IEEE division, as torch divides; `/` is ~2 ulps on a GPU, enough to move
+        # a value across an fp8 rounding boundary
+        k = round_to_fp8_grid(tl.math.div_rn(k.to(tl.float32), k_scale), DROP_BITS,
+                              MIN_NORMAL, SUBNORMAL_MAGIC, MAX_FINITE)
+        v = round_to_fp8_grid(tl.math.div_rn(v.to(tl.float32), v_scale), DROP_BITS,
+                              MIN_NORMAL, SUBNORMAL_MAGIC, MAX_FINITE)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -11,21 +11,23 @@ LOG2E = 1.4426950408889634   # kernels use exp2: scores are scaled by log2(e) up
 
 # Activations -> (dtype of tl.dot operands, input_precision).
 # fp32 asks for "ieee" so a GPU doesn't quietly drop to TF32: float32 serving exists to match
-# the reference token for token. bf16 tiles are upcast to fp32 ("tf32" holds a bf16 operand
-# exactly and rounds P more finely than bf16 would): Triton's CPU interpreter multiplies bf16
-# operands as raw integers, so a native bf16 tl.dot could never be checked here.
+# the reference token for token. bf16 multiplies natively on a GPU (tensor cores at the bf16
+# rate, P rounded to bf16 as the torch reference rounds it; benchmarks/cuda_check.sh runs the
+# kernel suite compiled there). Triton's CPU interpreter multiplies bf16 operands as raw
+# integers, so there bf16 tiles are upcast to fp32 ("tf32" holds a bf16 operand exactly).
 _DOT = {
     torch.float32: (tl.float32, "ieee"),
     torch.float16: (tl.float16, None),     # the default: fp16 operands have no variants
-    torch.bfloat16: (tl.float32, "tf32"),
+    torch.bfloat16: (tl.bfloat16, None),
 }
+_DOT_INTERPRETED = {**_DOT, torch.bfloat16: (tl.float32, "tf32")}
 
 
 def dot_config(dtype: torch.dtype):
     if dtype not in _DOT:
         raise ValueError(f"triton attention supports float32, float16 and bfloat16 "
                          f"activations, got {dtype}")
-    return _DOT[dtype]
+    return (_DOT_INTERPRETED if is_interpreted(kv_tile_offsets) else _DOT)[dtype]
 
 
 def padded_head_dim(head_dim: int) -> int:
