@@ -26,13 +26,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 $py -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton',
 triton.__version__, '| transformers', transformers.__version__)"
 
-QUIRE_TRITON_DEVICE=cuda step triton_suites "${SUITE_LIMIT:-200}" $py -m pytest -q -n 8 \
-    -p no:cacheprovider tests/runtime/triton_interpreter_suite.py \
-    tests/quant/triton_quant_suite.py tests/lora/triton_interpreter_suite.py \
-    -k "not engine_with_triton_gives_the_torch_paths_tokens"
-step engine "${ENGINE_LIMIT:-150}" $py benchmarks/cuda_engine.py
-step engine_1b "${ENGINE_LIMIT:-150}" $py benchmarks/cuda_engine.py --shape llama-1b \
-    --skip-parity --hf-batch-sizes 64 128
-SHOW=. step quant_matmul "${QUANT_LIMIT:-120}" $py benchmarks/cuda_quant_matmul.py
-SHOW=. step attention 60 $py benchmarks/attention_kernels.py --batches 1 16 64 256 \
-    --contexts 512 2048 8192 --chunks 512 2048
+# STEPS picks and orders them; STEP_LIMIT_<name> overrides a step's time limit (s)
+for name in ${STEPS:-triton_suites engine engine_1b quant_matmul attention}; do
+    limit_var=STEP_LIMIT_$name
+    case $name in
+    triton_suites)
+        QUIRE_TRITON_DEVICE=cuda step triton_suites "${!limit_var:-120}" $py -m pytest -q -n 8 \
+            -p no:cacheprovider tests/runtime/triton_interpreter_suite.py \
+            tests/quant/triton_quant_suite.py tests/lora/triton_interpreter_suite.py \
+            -k "not engine_with_triton_gives_the_torch_paths_tokens" ;;
+    engine)
+        step engine "${!limit_var:-170}" $py benchmarks/cuda_engine.py ;;
+    engine_1b)
+        step engine_1b "${!limit_var:-150}" $py benchmarks/cuda_engine.py --shape llama-1b \
+            --skip-parity --hf-batch-sizes 64 128 ;;
+    quant_matmul)
+        SHOW=. step quant_matmul "${!limit_var:-130}" $py benchmarks/cuda_quant_matmul.py ;;
+    attention)
+        SHOW=. step attention "${!limit_var:-60}" $py benchmarks/attention_kernels.py \
+            --batches 1 16 64 256 --contexts 512 2048 8192 --chunks 512 2048 ;;
+    *)
+        echo "unknown step $name" ;;
+    esac
+done

@@ -22,6 +22,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -83,7 +84,7 @@ def free_gpu() -> None:
 
 def sync() -> None:
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def peak_memory() -> str:
@@ -245,10 +246,17 @@ def main() -> int:
                   f"{args.prompt_len[1]} tokens, {args.output_len} out each")
             run = (path, prompts, args.output_len, args.dtype)
             kv = dict(kv_cache_memory=args.kv_cache_gib << 30)
-            quire_throughput(*run, "CUDA graphs", **kv)
-            quire_throughput(*run, "eager", enforce_eager=True, **kv)
-            for q in args.quantizations:
-                quire_throughput(*run, f"{q} + CUDA graphs", quantization=q, **kv)
+            configs = {"CUDA graphs": {}, "eager": dict(enforce_eager=True)}
+            configs.update({f"{q} + CUDA graphs": dict(quantization=q)
+                            for q in args.quantizations})
+            for label, engine in configs.items():
+                try:  # one configuration failing still leaves the others' figures
+                    quire_throughput(*run, label, **engine, **kv)
+                except Exception:
+                    ok = False
+                    print(f"QUIRE {label}: FAILED")
+                    traceback.print_exc()
+                    free_gpu()
             hf_throughput(path, prompts[:args.hf_requests], args.output_len, args.dtype,
                           args.hf_batch_sizes)
     return 0 if ok else 1

@@ -37,7 +37,7 @@ def nbytes(q, s, z) -> int:
 
 
 def table(args, bench) -> None:
-    from quire.layers.triton_quant import GEMV_MAX_M, quant_matmul
+    from quire.layers.triton_quant import quant_matmul
     print(f"{'shape':>8} {'M':>4} {'kernel':>16} {'us':>9} {'weight GB/s':>12} "
           f"{'max rel err':>12}")
     for name, (n, k) in SHAPES.items():
@@ -50,7 +50,7 @@ def table(args, bench) -> None:
             for kind, (qsz, dense) in quant.items():
                 want = x.float() @ dense.T
                 paths = ["auto", "dequant", "fused", "fused-fast"]
-                if m <= GEMV_MAX_M:
+                if m <= 8:
                     paths.insert(1, "gemv")
                 for path in paths:
                     fn = partial(quant_matmul, x, *qsz, path=path)
@@ -61,22 +61,26 @@ def table(args, bench) -> None:
 
 
 def sweep(args, bench) -> None:
+    from quire.layers import quant_formats as qf
     from quire.layers import triton_quant
-    print("\ngemv tiles (split_k automatic)")
-    print(f"{'shape':>8} {'M':>3} {'kind':>5} {'block_n':>8} {'block_k':>8} {'warps':>6} "
-          f"{'us':>8} {'GB/s':>6}")
+    print("\ngemv tiles at M = 1 (split_k automatic)")
+    print(f"{'shape':>8} {'kind':>10} {'block_n':>8} {'block_k':>8} {'us':>8} {'GB/s':>6}")
     for name in ("qkv", "gate_up"):
         n, k = SHAPES[name]
-        _, quant = weights(n, k, args.group)
+        w = torch.randn(n, k, device="cuda") * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        for kind, (qsz, _) in quant.items():
-            for block_n in (8, 16, 32, 64):
-                for block_k in (64, 128, 256, 512):
-                    warps = 4 if block_n * block_k <= 4096 else 8
-                    us = bench(partial(triton_quant.gemv, x, *qsz, block_n=block_n,
-                                       block_k=block_k, num_warps=warps))
-                    print(f"{name:>8} {1:>3} {kind:>5} {block_n:>8} {block_k:>8} "
-                          f"{warps:>6} {us:>8.1f} {nbytes(*qsz) / us / 1e3:>6.0f}")
+        kinds = {"int8": (*qf.quantize_int8(w), None)}
+        for group in (32, 64, 128) if name == "gate_up" else ():
+            kinds[f"int4 g{group}"] = qf.quantize_int4(w, group)
+        for kind, qsz in kinds.items():
+            tiles = ([(bn, bk) for bn in (4, 8, 16) for bk in (256, 512, 1024)]
+                     if kind == "int8" else
+                     [(bn, bk) for bn in (4, 8, 16) for bk in (32, 64, 128, 256)])
+            for block_n, block_k in tiles:
+                us = bench(partial(triton_quant.gemv, x, *qsz, block_n=block_n,
+                                   block_k=block_k))
+                print(f"{name:>8} {kind:>10} {block_n:>8} {block_k:>8} {us:>8.1f} "
+                      f"{nbytes(*qsz) / us / 1e3:>6.0f}")
 
 
 def main() -> int:

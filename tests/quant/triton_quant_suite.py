@@ -87,13 +87,22 @@ def test_gemv_split_k_sums_the_slices_in_order(kind, group, k, split_k, block_k)
     assert torch.equal(got, again)
 
 
-def test_auto_takes_gemv_for_decode_rows_and_dequant_above():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_auto_path_at_every_row_count_boundary(dtype):
+    """gemv for one row; fused tl.dot for batched decode (fp16/bf16 x); dequantize + matmul
+    above, and for fp32 x."""
     torch.manual_seed(0)
     (q, s, z), dense = quantized("int4", 32, 24, 64)
-    for m in (1, triton_quant.GEMV_MAX_M, triton_quant.GEMV_MAX_M + 1):
-        x = torch.randn(m, 64)
+    for m in (1, 2, triton_quant.FUSED_MAX_M, triton_quant.FUSED_MAX_M + 1):
+        x = torch.randn(m, 64).to(dtype)
         got = quant_matmul(*on_device(x, q, s, z)).cpu()
-        assert_within_bound(got, x, dense, torch.float32, rounds_weights=False)
+        assert_within_bound(got, x, dense, dtype, rounds_weights=m > 1)
+
+
+def test_gemv_refuses_more_rows_than_it_is_built_for():
+    (q, s, z), _ = quantized("int8", None, 8, 32)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        triton_quant.gemv(*on_device(torch.randn(9, 32), q, s, z))
 
 
 def test_dequantize_kernel_writes_the_reference_values():

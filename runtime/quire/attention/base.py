@@ -42,6 +42,9 @@ class AttentionBackend:
     """Stateless across layers: one instance serves every layer of a model."""
 
     name = "base"
+    # A captured CUDA graph replays only device work: a backend whose plan holds tensors
+    # derived from one step's values (masks, gathers built on first use) can't be replayed.
+    supports_cuda_graphs = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None) -> None:

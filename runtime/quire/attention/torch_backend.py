@@ -60,6 +60,9 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # no CUDA graphs: its decode plan caches masks computed from one step's seq_lens (on a
+    # GPU, replays attended stale lengths: found on an H100, tokens diverged after a few steps)
+    supports_cuda_graphs = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         prefills, extends = [], []

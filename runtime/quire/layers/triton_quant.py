@@ -1,15 +1,17 @@
 """Weight-only int8 / int4 matmul for CUDA in Triton, on the canonical tensors
 (quant_formats.py): y = x @ dequant(W).T.
 
-Three paths, picked by the number of rows M (measured on an H100: benchmarks/README.md,
-"Weight-only quantization on a GPU"):
-- `gemv` (M <= GEMV_MAX_M: decode): each program streams a [BLOCK_N, BLOCK_K] weight tile
-  along K (coalesced), dequantizes it in registers and multiply-adds every row of x into fp32
+Paths, picked by the number of rows M (measured on an H100: benchmarks/README.md, "Triton
+on a GPU"):
+- `gemv` (M = 1: single-sequence decode): each program streams a [BLOCK_N, BLOCK_K] weight
+  tile along K (coalesced), dequantizes it in registers and multiply-adds x into fp32
   accumulators, no tl.dot; short of programs to fill the GPU, K is split and the partial sums
-  added in a fixed order (deterministic). Memory-bound, as decode is.
-- `dequant` (larger M: prefill): a Triton kernel writes dequant(W) in x's dtype, then cuBLAS
-  multiplies. Reading 1 byte and writing 2 per weight is cheap next to the GEMM at these M.
-- `fused`: the weight dequantized tile by tile into tl.dot (kept for the benchmark's sweep).
+  added in a fixed order (deterministic). int4 loads each byte once and splits its nibbles
+  into the even and odd K positions.
+- `fused-fast` (M up to FUSED_MAX_M, fp16/bf16 x: batched decode): tiles dequantized in
+  registers into tl.dot on tensor cores. `fused` is the same with fp32 products.
+- `dequant` (larger M: prefill; fp32 x): a Triton kernel writes dequant(W) in x's dtype, then
+  cuBLAS multiplies. Reading 1 byte and writing 2 per weight is cheap next to the GEMM there.
 
 Precision: gemv and fused(ieee) multiply in fp32, so they equal dequantize-then-matmul up to
 the order of the sums; dequant and fused(fast) round each dequantized weight to x's dtype
@@ -27,100 +29,156 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_M = 8          # rows of x up to which the gemv path runs
-GEMV_BLOCK_N = 16       # output columns per gemv program
-GEMV_BLOCK_K = 256      # weights per row per gemv step (128 bytes of int4, 256 of int8)
+GEMV_MAX_M = 1          # rows of x the gemv path takes (at 8 it ran 5x slower than at 1)
+FUSED_MAX_M = 64        # rows up to which fp16/bf16 x takes the fused tl.dot kernel
 GEMV_MIN_PROGRAMS = 2   # per streaming multiprocessor: below it, K is split
 
 
+def gemv_tiles(int4: bool, group: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the gemv: the fastest in benchmarks/cuda_quant_matmul.py's sweep
+    on an H100 (Llama-3-8B's qkv and gate/up at M = 1). int4 tiles stay inside one group."""
+    if not int4:
+        return 8, 512
+    return 8, max(32, min(group, 256))
+
+
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, offs_k, k0, mask, stride_qn, stride_sn,
-                  G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] fp32 weights; offs_n must be in bounds (masked rows clamped).
-    TILE_GROUP: the tile lies in one group (BLOCK_K divides the group size, or one group
-    spans K), so each row loads one scale, not one per weight. G is a compile-time constant
-    so that the compiler sees scales repeat along K."""
+def _group_params(ptr, offs_n, idx, first, mask, stride_sn, G: tl.constexpr,
+                  TILE_GROUP: tl.constexpr):
+    """Per-group values (scales or zeros) for weights at K positions `idx` [1, B] of rows
+    offs_n: one per row ([BLOCK_N, 1]) when the tile lies in one group (TILE_GROUP: the
+    tile's first position `first` names it), else one per weight."""
     if TILE_GROUP:
-        s = tl.load(s_ptr + offs_n * stride_sn + k0 // G)[:, None]
-    else:
-        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_k[None, :] // G, mask=mask,
-                    other=0.0)
-    if INT4:
-        byte = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] // 2, mask=mask,
-                       other=0)
-        q = (byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 0xF
-        if TILE_GROUP:
-            z = tl.load(z_ptr + offs_n * stride_sn + k0 // G)[:, None]
-        else:
-            z = tl.load(z_ptr + offs_n[:, None] * stride_sn + offs_k[None, :] // G, mask=mask,
-                        other=0.0)
-        w = (q.to(tl.float32) - 8.0) * s + z
-    else:
-        q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask, other=0)
-        w = q.to(tl.float32) * s
-    return tl.where(mask, w, 0.0)
+        return tl.load(ptr + offs_n * stride_sn + first // G)[:, None]
+    return tl.load(ptr + offs_n[:, None] * stride_sn + idx // G, mask=mask, other=0.0)
+
+
+@triton.jit
+def _int8_tile(q_ptr, s_ptr, offs_n, offs_k, k0, mask, stride_qn, stride_sn, G: tl.constexpr,
+               TILE_GROUP: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] fp32 weights (offs_n in bounds: masked rows are clamped)."""
+    s = _group_params(s_ptr, offs_n, offs_k[None, :], k0, mask, stride_sn, G, TILE_GROUP)
+    q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask, other=0)
+    return tl.where(mask, q.to(tl.float32) * s, 0.0)
+
+
+@triton.jit
+def _int4_pair(q_ptr, s_ptr, z_ptr, offs_n, offs_b, b0, mask, stride_qn, stride_sn,
+               G: tl.constexpr, TILE_GROUP: tl.constexpr):
+    """The weights at even and odd K positions of bytes offs_b ([BLOCK_N, BLOCK_B] fp32
+    each): every byte is loaded once, its two nibbles split; both share a group (G even)."""
+    byte = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=mask, other=0)
+    byte = byte.to(tl.int32)
+    k_even = 2 * offs_b[None, :]
+    s = _group_params(s_ptr, offs_n, k_even, 2 * b0, mask, stride_sn, G, TILE_GROUP)
+    z = _group_params(z_ptr, offs_n, k_even, 2 * b0, mask, stride_sn, G, TILE_GROUP)
+    even = ((byte & 0xF).to(tl.float32) - 8.0) * s + z
+    odd = ((byte >> 4).to(tl.float32) - 8.0) * s + z
+    return tl.where(mask, even, 0.0), tl.where(mask, odd, 0.0)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                  stride_xm, stride_qn, stride_sn, stride_ys, stride_ym,
-                 G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     # the clamp keeps masked-off rows' addresses in bounds; the mask drops their values
     offs_n_safe = tl.minimum(offs_n, N - 1)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_k, k0, mask, stride_qn,
-                          stride_sn, G, INT4, TILE_GROUP)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        if INT4:  # K and every slice are even: bytes never straddle a slice
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            in_k = 2 * offs_b < k_end
+            w_even, w_odd = _int4_pair(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_b, k0 // 2,
+                                       (offs_n[:, None] < N) & in_k[None, :], stride_qn,
+                                       stride_sn, G, TILE_GROUP)
+            x_mask = (offs_m[:, None] < M) & in_k[None, :]
+            x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
+            acc += tl.sum(x_even.to(tl.float32)[:, None, :] * w_even[None, :, :], axis=2)
+            acc += tl.sum(x_odd.to(tl.float32)[:, None, :] * w_odd[None, :, :], axis=2)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_k = offs_k < k_end
+            w = _int8_tile(q_ptr, s_ptr, offs_n_safe, offs_k, k0,
+                           (offs_n[:, None] < N) & in_k[None, :], stride_qn, stride_sn, G,
+                           TILE_GROUP)
+            x = tl.load(x_rows + offs_k[None, :], mask=(offs_m[:, None] < M) & in_k[None, :],
+                        other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     tl.store(y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
-                       G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    w = _dequant_tile(q_ptr, s_ptr, z_ptr, tl.minimum(offs_n, N - 1), offs_k, k0, mask,
-                      stride_qn, stride_sn, G, INT4, TILE_GROUP)
-    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-             w.to(w_ptr.dtype.element_ty), mask=mask)
+    rows = w_ptr + offs_n[:, None] * stride_wn
+    offs_n_safe = tl.minimum(offs_n, N - 1)
+    if INT4:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = (offs_n[:, None] < N) & (2 * offs_b[None, :] < K)
+        w_even, w_odd = _int4_pair(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_b, k0 // 2, mask,
+                                   stride_qn, stride_sn, G, TILE_GROUP)
+        tl.store(rows + 2 * offs_b[None, :], w_even.to(w_ptr.dtype.element_ty), mask=mask)
+        tl.store(rows + 2 * offs_b[None, :] + 1, w_odd.to(w_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+        w = _int8_tile(q_ptr, s_ptr, offs_n_safe, offs_k, k0, mask, stride_qn, stride_sn, G,
+                       TILE_GROUP)
+        tl.store(rows + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _fused_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K,
                   stride_xm, stride_qn, stride_sn, stride_ym,
-                  G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr, DOT_FP32: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr,
+                  DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n_safe = tl.minimum(offs_n, N - 1)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-        w = tl.trans(_dequant_tile(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_k, k0, mask,
-                                   stride_qn, stride_sn, G, INT4, TILE_GROUP))
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        if INT4:  # two dots of half the depth: even K positions, then odd ones
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            in_k = 2 * offs_b < K
+            w_even, w_odd = _int4_pair(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_b, k0 // 2,
+                                       (offs_n[:, None] < N) & in_k[None, :], stride_qn,
+                                       stride_sn, G, TILE_GROUP)
+            x_mask = (offs_m[:, None] < M) & in_k[None, :]
+            x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
+            if DOT_FP32:
+                acc += tl.dot(x_even.to(tl.float32), tl.trans(w_even), input_precision="ieee")
+                acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), input_precision="ieee")
+            else:
+                acc += tl.dot(x_even, tl.trans(w_even.to(x_even.dtype)))
+                acc += tl.dot(x_odd, tl.trans(w_odd.to(x_odd.dtype)))
         else:
-            acc += tl.dot(x, w.to(x.dtype))
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_k = offs_k < K
+            x = tl.load(x_rows + offs_k[None, :], mask=(offs_m[:, None] < M) & in_k[None, :],
+                        other=0.0)
+            w = tl.trans(_int8_tile(q_ptr, s_ptr, offs_n_safe, offs_k, k0,
+                                    (offs_n[:, None] < N) & in_k[None, :], stride_qn,
+                                    stride_sn, G, TILE_GROUP))
+            if DOT_FP32:
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -148,12 +206,17 @@ def _shapes(x, qweight, scales):
     return m, n, k, k // scales.shape[1]
 
 
-def gemv(x: torch.Tensor, qweight, scales, zeros=None, *, block_n: int = GEMV_BLOCK_N,
-         block_k: int = GEMV_BLOCK_K, split_k: int | None = None,
+def gemv(x: torch.Tensor, qweight, scales, zeros=None, *, block_n: int | None = None,
+         block_k: int | None = None, split_k: int | None = None,
          num_warps: int = 4) -> torch.Tensor:
+    """Up to 8 rows of x (the tiles are sized for one)."""
     x = x.contiguous()
     m, n, k, group = _shapes(x, qweight, scales)
-    block_k = min(block_k, triton.next_power_of_2(k))
+    if m > 8:
+        raise ValueError(f"the gemv takes at most 8 rows of x, got {m}")
+    default_n, default_k = gemv_tiles(zeros is not None, group)
+    block_n = block_n or default_n
+    block_k = min(block_k or default_k, triton.next_power_of_2(k))
     programs = triton.cdiv(n, block_n)
     if split_k is None:  # enough (column block, K slice) programs to fill the GPU
         split_k = max(1, min(triton.cdiv(_num_programs_wanted(x.device), programs),
@@ -212,7 +275,13 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x [M, K] (fp32/fp16/bf16) @ dequant(W).T -> [M, N] in x's dtype; int4 when `zeros`
     is given (qweight then [N, K//2]). path: auto, gemv, dequant, fused, fused-fast."""
     if path == "auto":
-        path = "gemv" if x.shape[0] <= GEMV_MAX_M else "dequant"
+        m = x.shape[0]
+        if m <= GEMV_MAX_M:
+            path = "gemv"
+        elif m <= FUSED_MAX_M and x.dtype != torch.float32:
+            path = "fused-fast"
+        else:  # fp32 x keeps IEEE products: exact dequantized weights into cuBLAS
+            path = "dequant"
     if path == "gemv":
         return gemv(x, qweight, scales, zeros)
     if path == "dequant":

@@ -81,8 +81,9 @@ class ModelRunner:
         self.dynamic_rope = model.rope.rope_type == "dynamic"
         self.workers = workers  # quire.distributed.workers.Workers, at tensor-parallel size > 1
         self.cuda_graphs = None  # decode steps replay CUDA graphs: one GPU, no LoRA
+        graph_safe = all(b.supports_cuda_graphs for b in model.backends.values())
         if (cuda_graphs and device.type == "cuda" and workers is None and lora is None
-                and not self.dynamic_rope):
+                and not self.dynamic_rope and graph_safe):
             from quire.worker.cuda_graphs import CUDAGraphRunner
             self.cuda_graphs = CUDAGraphRunner(model, kv_cache.layers, max_num_seqs,
                                                model.rope.cos_table.shape[0], block_size, device)
