@@ -36,12 +36,13 @@ for name in ${STEPS:-triton_suites engine engine_1b quant_matmul attention}; do
             tests/quant/triton_quant_suite.py tests/lora/triton_interpreter_suite.py \
             -k "not engine_with_triton_gives_the_torch_paths_tokens" ;;
     engine)
-        step engine "${!limit_var:-170}" $py benchmarks/cuda_engine.py ;;
+        step engine "${!limit_var:-170}" $py benchmarks/cuda_engine.py ${ENGINE_ARGS:-} ;;
     engine_1b)
         step engine_1b "${!limit_var:-150}" $py benchmarks/cuda_engine.py --shape llama-1b \
             --skip-parity --hf-batch-sizes 64 128 ;;
     quant_matmul)
-        SHOW=. step quant_matmul "${!limit_var:-130}" $py benchmarks/cuda_quant_matmul.py ;;
+        SHOW=. step quant_matmul "${!limit_var:-130}" $py benchmarks/cuda_quant_matmul.py \
+            ${QUANT_ARGS:-} ;;
     attention)
         SHOW=. step attention "${!limit_var:-60}" $py benchmarks/attention_kernels.py \
             --batches 1 16 64 256 --contexts 512 2048 8192 --chunks 512 2048 ;;

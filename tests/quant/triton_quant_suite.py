@@ -125,3 +125,21 @@ def test_unknown_path_is_a_clear_error():
     (q, s, z), _ = quantized("int8", None, 8, 32)
     with pytest.raises(ValueError, match="path must be auto, gemv, dequant"):
         quant_matmul(*on_device(torch.randn(1, 32), q, s, z), path="cublas")
+
+
+@pytest.mark.parametrize("kind,group", [("int8", None), ("int4", 32)])
+def test_the_engine_kernel_object_is_a_quant_kernel(kind, group):
+    """What a quantized linear layer holds on CUDA: picked by quant_kernels, reading the
+    layer's own tensors (the canonical ones stay), dequantizing to the reference values."""
+    from quire.layers import quant_kernels
+    torch.manual_seed(2)
+    (q, s, z), dense = quantized(kind, group, 40, 128)
+    q, s, z = on_device(q, s, z)
+    kernel = (quant_kernels.int8_kernel(q, s, prefer="triton") if kind == "int8"
+              else quant_kernels.int4_kernel(q, s, z, prefer="triton"))
+    assert isinstance(kernel, quant_kernels.Kernel) and kernel.name == f"triton-{kind}"
+    assert not kernel.owns_weights and kernel.extra_bytes() == 0
+    assert torch.equal(kernel.dequantize().cpu(), dense)
+    x = torch.randn(3, 128)
+    assert_within_bound(kernel(x.to(DEVICE_TYPE)).cpu(), x, dense, torch.float32,
+                        rounds_weights=False)

@@ -112,6 +112,25 @@ def test_decode_through_padded_static_buffers_gives_the_same_tokens(tiny_models)
     assert_no_blocks_in_use(llm)
 
 
+def test_capture_all_takes_every_bucket_up_front_and_steps_capture_nothing(tiny_models):
+    prompts = random_prompts(n=9)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    want = [o.outputs[0].token_ids for o in
+            LLM(tiny_models["llama"], dtype="float32").generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_models["llama"], dtype="float32", max_num_seqs=16)
+    engine = llm.engine
+    graphs = _EagerGraphRunner(engine.model, engine.runner.kv_cache.layers, 16,
+                               engine.max_model_len, engine.block_size, torch.device("cpu"))
+    graphs.captured = []
+    graphs.capture_all()
+    assert graphs.captured == sorted(decode_buckets(16), reverse=True)  # largest first
+    engine.runner.cuda_graphs = graphs
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want  # the junk capture wrote into slot 0 was never read
+    assert graphs.captured == sorted(decode_buckets(16), reverse=True)  # none captured later
+    assert_no_blocks_in_use(llm)
+
+
 def test_a_failed_capture_falls_back_to_eager_for_good(caplog):
     class Failing(CUDAGraphRunner):
         attempts = 0

@@ -181,7 +181,7 @@ def int8_kernel(qweight: torch.Tensor, scales: torch.Tensor, exact: bool = True,
         kernel = _native_kernel(qf.INT8, qweight, scales, group=group)
         if kernel is not None:
             return kernel
-    if prefer in ("auto", "triton") and qweight.is_cuda:
+    if prefer == "triton" or (prefer == "auto" and qweight.is_cuda):
         return _triton("int8", (qweight, scales))
     if (prefer in ("auto", "torch") and not exact and scales.shape[1] == 1
             and qweight.device.type == "cpu"):
@@ -199,7 +199,7 @@ def int4_kernel(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
         kernel = _native_kernel(qf.INT4, qweight, scales, zeros, group=group)
         if kernel is not None:
             return kernel
-    if prefer in ("auto", "triton") and qweight.is_cuda:
+    if prefer == "triton" or (prefer == "auto" and qweight.is_cuda):
         return _triton("int4", (qweight, scales, zeros))
     if (prefer in ("auto", "torch") and not exact and group in (32, 64, 128, 256)
             and qweight.device.type == "cpu"):

@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from quire.layers import quant_formats as qf
+from quire.layers.quant_kernels import Kernel
+
 GEMV_MAX_M = 1          # rows of x the gemv path takes (at 8 it ran 5x slower than at 1)
 FUSED_MAX_M = 64        # rows up to which fp16/bf16 x takes the fused tl.dot kernel
 GEMV_MIN_PROGRAMS = 2   # per streaming multiprocessor: below it, K is split
@@ -48,9 +51,12 @@ def _group_params(ptr, offs_n, idx, first, mask, stride_sn, G: tl.constexpr,
     """Per-group values (scales or zeros) for weights at K positions `idx` [1, B] of rows
     offs_n: one per row ([BLOCK_N, 1]) when the tile lies in one group (TILE_GROUP: the
     tile's first position `first` names it), else one per weight."""
+    # one return statement: compiled Triton checks every return's type, taken or not
     if TILE_GROUP:
-        return tl.load(ptr + offs_n * stride_sn + first // G)[:, None]
-    return tl.load(ptr + offs_n[:, None] * stride_sn + idx // G, mask=mask, other=0.0)
+        values = tl.load(ptr + offs_n * stride_sn + first // G)[:, None]
+    else:
+        values = tl.load(ptr + offs_n[:, None] * stride_sn + idx // G, mask=mask, other=0.0)
+    return values
 
 
 @triton.jit
@@ -291,13 +297,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     raise ValueError(f"path must be auto, gemv, dequant, fused or fused-fast, got {path!r}")
 
 
-class TritonQuantKernel:
-    """The quant_kernels.Kernel for CUDA weights."""
+class TritonQuantKernel(Kernel):
+    """The quant_kernels.Kernel for CUDA weights: reads the layer's canonical tensors."""
 
     def __init__(self, kind: str, qweight, scales, zeros=None) -> None:
         self.name = f"triton-{kind}"
         self.qweight, self.scales = qweight.contiguous(), scales.float().contiguous()
         self.zeros = None if zeros is None else zeros.float().contiguous()
+
+    def dequantize(self) -> torch.Tensor:
+        if self.zeros is None:
+            return qf.dequantize_int8(self.qweight, self.scales)
+        return qf.dequantize_int4(self.qweight, self.scales, self.zeros)
 
     def __call__(self, x):
         return quant_matmul(x, self.qweight, self.scales, self.zeros)

@@ -12,6 +12,7 @@ and runs, and is tested, on the CPU; only CUDAGraphRunner needs a GPU.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -118,6 +119,30 @@ class CUDAGraphRunner:
             hidden = self._forward(bucket, meta)
         return graph, hidden, meta
 
+    def _try_capture(self, bucket: int) -> bool:
+        try:
+            self.graphs[bucket] = self._capture(bucket)
+            return True
+        except RuntimeError as e:  # something in the forward cannot be captured
+            logger.warning("CUDA graph capture failed, decode runs eagerly from now on "
+                           "(--enforce-eager skips the attempt): %s", e)
+            self.buckets = []
+            return False
+
+    def capture_all(self) -> None:
+        """Capture every bucket at start-up, largest first (its memory pool then serves the
+        smaller ones), as vLLM does. Captured lazily instead, each bucket costs the step that
+        first needs it a capture, and a draining batch needs them one after another: on an
+        H100 that made graphs slower than eager over a 256-request run. The static inputs
+        hold zeros here: the padded rows write junk K/V into slot 0, a free block's slot that
+        is written again before anything reads it."""
+        start = time.perf_counter()
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket not in self.graphs and not self._try_capture(bucket):
+                return
+        logger.info("captured CUDA graphs for %d decode batch sizes (1 to %d) in %.1f s",
+                    len(self.graphs), max(self.graphs, default=0), time.perf_counter() - start)
+
     def run(self, batch) -> torch.Tensor | None:
         """The hidden states of a decode-only HostBatch, or None if it has no bucket."""
         n = len(batch.input_ids)
@@ -126,14 +151,8 @@ class CUDAGraphRunner:
             return None
         self.inputs.load(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                          batch.block_tables, bucket)
-        if bucket not in self.graphs:
-            try:
-                self.graphs[bucket] = self._capture(bucket)
-            except RuntimeError as e:  # something in the forward cannot be captured
-                logger.warning("CUDA graph capture failed, decode runs eagerly from now on "
-                               "(--enforce-eager skips the attempt): %s", e)
-                self.buckets = []
-                return None
+        if bucket not in self.graphs and not self._try_capture(bucket):
+            return None
         graph, hidden, _ = self.graphs[bucket]
         graph.replay()
         return hidden[:n]

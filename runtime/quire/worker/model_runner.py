@@ -87,6 +87,7 @@ class ModelRunner:
             from quire.worker.cuda_graphs import CUDAGraphRunner
             self.cuda_graphs = CUDAGraphRunner(model, kv_cache.layers, max_num_seqs,
                                                model.rope.cos_table.shape[0], block_size, device)
+            self.cuda_graphs.capture_all()
         self.decode_stack = None  # decode steps' layers in one native call (CPU, quantized)
         if device.type == "cpu" and workers is None and lora is None:
             from quire.models.decode_stack import DecodeStack
