@@ -99,6 +99,17 @@ def test_auto_path_at_every_row_count_boundary(dtype):
         assert_within_bound(got, x, dense, dtype, rounds_weights=m > 1)
 
 
+def test_auto_path_follows_the_measured_winners():
+    pick = triton_quant.pick_path
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert pick(1, 4096, False, bf16) == pick(1, 4096, True, fp32) == "gemv"
+    assert pick(8, 28672, False, bf16) == "fused-fast"   # int8, many columns
+    assert pick(8, 4096, False, bf16) == "dequant"       # int8, few columns
+    assert pick(64, 4096, True, bf16) == "fused-fast"    # int4 dequantizes slowly
+    assert pick(65, 28672, True, bf16) == "dequant"      # prefill
+    assert pick(8, 28672, False, fp32) == "dequant"      # fp32: exact weights, IEEE GEMM
+
+
 def test_gemv_refuses_more_rows_than_it_is_built_for():
     (q, s, z), _ = quantized("int8", None, 8, 32)
     with pytest.raises(ValueError, match="at most 8 rows"):

@@ -32,17 +32,29 @@ import triton.language as tl
 from quire.layers import quant_formats as qf
 from quire.layers.quant_kernels import Kernel
 
-GEMV_MAX_M = 1          # rows of x the gemv path takes (at 8 it ran 5x slower than at 1)
-FUSED_MAX_M = 64        # rows up to which fp16/bf16 x takes the fused tl.dot kernel
+GEMV_MAX_M = 1          # rows of x the gemv path takes (at 8 it ran 2-4x slower than at 1)
+FUSED_MAX_M = 64        # rows up to which fp16/bf16 x may take the fused tl.dot kernel
+FUSED_MIN_N_INT8 = 8192  # int8 output columns below which dequantize + cuBLAS wins there
 GEMV_MIN_PROGRAMS = 2   # per streaming multiprocessor: below it, K is split
 
 
 def gemv_tiles(int4: bool, group: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the gemv: the fastest in benchmarks/cuda_quant_matmul.py's sweep
-    on an H100 (Llama-3-8B's qkv and gate/up at M = 1). int4 tiles stay inside one group."""
-    if not int4:
-        return 8, 512
-    return 8, max(32, min(group, 256))
+    on an H100 (Llama-3-8B's qkv and gate/up at M = 1): int8 8 x 1024 (73 us on gate/up,
+    1.6 TB/s); int4 8 x 32, within 4% of the best for groups 32, 64 and 128 (~200 us)."""
+    return (8, 32) if int4 else (8, 1024)
+
+
+def pick_path(m: int, n: int, int4: bool, dtype: torch.dtype) -> str:
+    """The measured winner per shape (benchmarks/README.md, "Triton on a GPU"): the gemv for
+    one row; for batched decode the fused kernel, except int8 with few output columns, where
+    too few programs fill the GPU and dequantize + cuBLAS wins (2x on o_proj and down_proj);
+    dequantize + cuBLAS for prefill, and for fp32 x (exact dequantized weights)."""
+    if m <= GEMV_MAX_M:
+        return "gemv"
+    if m <= FUSED_MAX_M and dtype != torch.float32 and (int4 or n >= FUSED_MIN_N_INT8):
+        return "fused-fast"
+    return "dequant"
 
 
 @triton.jit
@@ -249,8 +261,12 @@ def dequantize(qweight, scales, zeros=None, dtype=torch.float32) -> torch.Tensor
     k = qweight.shape[1] * (2 if zeros is not None else 1)
     group = k // scales.shape[1]
     w = torch.empty(n, k, device=qweight.device, dtype=dtype)
-    block_n, block_k = 32, min(128, triton.next_power_of_2(k))
+    # int4: tiles inside one group, so a row loads one scale and zero per tile (with a
+    # 128-wide tile over 64-groups, per-weight gathers held it to 36 GB/s on an H100)
     int4 = zeros is not None
+    in_group = group if int4 and group & (group - 1) == 0 else 128
+    block_k = min(128, in_group, triton.next_power_of_2(k))
+    block_n = 4096 // block_k
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         qweight, scales, zeros if int4 else scales, w, n, k, qweight.stride(0),
         scales.stride(0), w.stride(0), G=group, INT4=int4,
@@ -281,13 +297,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x [M, K] (fp32/fp16/bf16) @ dequant(W).T -> [M, N] in x's dtype; int4 when `zeros`
     is given (qweight then [N, K//2]). path: auto, gemv, dequant, fused, fused-fast."""
     if path == "auto":
-        m = x.shape[0]
-        if m <= GEMV_MAX_M:
-            path = "gemv"
-        elif m <= FUSED_MAX_M and x.dtype != torch.float32:
-            path = "fused-fast"
-        else:  # fp32 x keeps IEEE products: exact dequantized weights into cuBLAS
-            path = "dequant"
+        path = pick_path(x.shape[0], qweight.shape[0], zeros is not None, x.dtype)
     if path == "gemv":
         return gemv(x, qweight, scales, zeros)
     if path == "dequant":
