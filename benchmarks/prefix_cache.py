@@ -21,6 +21,8 @@ from machine import StealMeter
 def run(prompts, max_tokens: int, caching: bool, args) -> float:
     from quire import LLM, SamplingParams
     kw = {"num_threads": args.num_threads} if args.num_threads else {}
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(dtype=args.dtype, enable_prefix_caching=caching, **kw)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([[7, 8, 9]], params, use_tqdm=False)  # warm-up (not sharing the prefix)
@@ -47,14 +49,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's per-step token budget (default: the engine's)")
+    ap.add_argument("--only", choices=["on", "off"], default=None,
+                    help="run one side only (no ratio)")
     args = ap.parse_args()
     rng = random.Random(0)
     system = [rng.randrange(3, 49152) for _ in range(args.prefix_len)]
     prompts = [system + [rng.randrange(3, 49152) for _ in range(args.question_len)]
                for _ in range(args.num_requests)]
-    on = run(prompts, args.max_tokens, True, args)
-    off = run(prompts, args.max_tokens, False, args)
-    print(f"mean TTFT is {off / on:.1f}x lower with prefix caching")
+    on = run(prompts, args.max_tokens, True, args) if args.only != "off" else None
+    off = run(prompts, args.max_tokens, False, args) if args.only != "on" else None
+    if on and off:
+        print(f"mean TTFT is {off / on:.1f}x lower with prefix caching")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL_NAME = "smollm2"
@@ -167,6 +167,22 @@ class RuntimePod:
         self._server.server_close()
 
 
+def _serve_args(ip: str, port: int) -> list[str]:
+    return ["serve", "--host", ip, "--port", str(port), "--served-model-name", MODEL_NAME,
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--shutdown-timeout", "5"]
+
+
+@contextmanager
+def start_runtime_pods(ips: list[str], port: int) -> Iterator[list[object]]:
+    """One serving pod per ip, as start_runtime_pod makes them; real ones start together."""
+    if os.environ.get("QUIRE_E2E_RUNTIME", "real") == "real":
+        with quire_processes([(ip, port, _serve_args(ip, port), None) for ip in ips]) as pods:
+            yield pods
+        return
+    with ExitStack() as stack:
+        yield [stack.enter_context(start_runtime_pod(ip, port)) for ip in ips]
+
+
 @contextmanager
 def start_runtime_pod(ip: str, port: int) -> Iterator[object]:
     """One serving pod at ip:port until the block ends; /ready answers 200 when this yields."""
@@ -183,9 +199,7 @@ def start_runtime_pod(ip: str, port: int) -> Iterator[object]:
 
 @contextmanager
 def _real_server(ip: str, port: int, ready_timeout: float = 300) -> Iterator[subprocess.Popen]:
-    with quire_process(ip, port, ["serve", "--host", ip, "--port", str(port), "--served-model-name", MODEL_NAME,
-                                  "--max-num-seqs", str(MAX_NUM_SEQS), "--shutdown-timeout", "5"],
-                       ready_timeout=ready_timeout) as process:
+    with quire_process(ip, port, _serve_args(ip, port), ready_timeout=ready_timeout) as process:
         yield process
 
 
@@ -193,30 +207,51 @@ def _real_server(ip: str, port: int, ready_timeout: float = 300) -> Iterator[sub
 def quire_process(ip: str, port: int, args: list[str], env: dict[str, str] | None = None,
                   ready_timeout: float = 300) -> Iterator[subprocess.Popen]:
     """`quire ARGS` (listening on ip:port) until the block ends; /ready answers 200 when this yields."""
-    quire = pathlib.Path(sys.executable).with_name("quire")
-    process = subprocess.Popen([str(quire), *args], env={**os.environ, **(env or {})})
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"quire serve exited with {process.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://{ip}:{port}/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"quire serve on {ip}:{port} was not ready in {ready_timeout}s")
-            time.sleep(0.5)
+    with quire_processes([(ip, port, args, env)], ready_timeout) as (process,):
         yield process
-    finally:
-        process.terminate()
+
+
+@contextmanager
+def quire_processes(specs: list[tuple[str, int, list[str], dict[str, str] | None]],
+                    ready_timeout: float = 300) -> Iterator[list[subprocess.Popen]]:
+    """Several `quire` servers, (ip, port, args, env) each, started together so that their
+    start-ups (imports, model load) overlap; every one answers /ready when this yields."""
+    quire = pathlib.Path(sys.executable).with_name("quire")
+    with ExitStack() as stack:
+        processes = []
+        for _, _, args, env in specs:
+            process = subprocess.Popen([str(quire), *args], env={**os.environ, **(env or {})})
+            stack.callback(_stop, process)
+            processes.append(process)
+        deadline = time.monotonic() + ready_timeout
+        for (ip, port, _, _), process in zip(specs, processes):
+            _wait_ready(process, ip, port, deadline, ready_timeout)
+        yield processes
+
+
+def _wait_ready(process: subprocess.Popen, ip: str, port: int, deadline: float,
+                ready_timeout: float) -> None:
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"quire serve exited with {process.returncode}")
         try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            with urllib.request.urlopen(f"http://{ip}:{port}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"quire serve on {ip}:{port} was not ready in {ready_timeout}s")
+        time.sleep(0.5)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextmanager

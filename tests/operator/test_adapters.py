@@ -13,7 +13,7 @@ from quire_operator import names
 
 from deployment_controller import DeploymentController
 from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-from runtime_pod import fake_lora_runtimes, free_port, quire_process
+from runtime_pod import fake_lora_runtimes, free_port, quire_processes
 
 POD_IPS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 TIMEOUT = 30  # generous: the machine may be loaded; every wait polls until true
@@ -173,8 +173,7 @@ def test_two_real_replicas_serve_the_adapters_of_the_spec(cluster):
             args[args.index("--host") + 1] = ip
             return args
 
-        with quire_process(ips[0], port, pod_args(ips[0]), env={"QUIRE_API_KEY": key}), \
-                quire_process(ips[1], port, pod_args(ips[1]), env={"QUIRE_API_KEY": key}), \
+        with quire_processes([(ip, port, pod_args(ip), {"QUIRE_API_KEY": key}) for ip in ips]), \
                 DeploymentController(cluster, "chat", ips):
             wait_for(lambda: rows(cluster).get("sql", {}).get("ready") == "2/2", timeout=TIMEOUT, what="sql on 2/2")
             big = wait_for(lambda: rows(cluster).get("big", {}).get("message") and rows(cluster)["big"],

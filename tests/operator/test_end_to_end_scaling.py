@@ -9,7 +9,7 @@ from quire_operator import names
 
 from deployment_controller import DeploymentController
 from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
-from runtime_pod import free_port, start_runtime_pod
+from runtime_pod import free_port, start_runtime_pods
 
 POD_IPS = ["127.0.0.2", "127.0.0.3"]
 SCALE_DOWN_WINDOW = 5
@@ -57,7 +57,7 @@ class Load:
 
 def test_scales_up_under_load_and_down_after_the_window(cluster):
     port = free_port(*POD_IPS)
-    with start_runtime_pod(POD_IPS[0], port), start_runtime_pod(POD_IPS[1], port), running_operator():
+    with start_runtime_pods(POD_IPS, port), running_operator():
         cluster.create(llmdeployment("chat", port=port, replicas=1, autoscaling={
             "enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": 2,
             "targetKVCacheUtilization": 0.9, "pollIntervalSeconds": POLL,

@@ -4,8 +4,6 @@ own quantization (auto) and its Q8_0 embedding / tied LM head. Engines free ever
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,10 +14,10 @@ from quant_helpers import agreement, dequantized_state_dict, hf_with_weights
 from runtime_helpers import (
     TINY_MAX_NEW_TOKENS,
     assert_no_blocks_in_use,
-    default_model_path,
     hf_greedy,
     hf_model,
     random_prompts,
+    smollm2_hf_model,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=TINY_MAX_NEW_TOKENS, ignore_eos=True)
@@ -90,8 +88,7 @@ def test_smollm2_gguf_auto_keeps_its_quantization_and_matches_transformers(smoll
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = _quire_greedy(llm, prompts, params)
     assert_no_blocks_in_use(llm)
-    folder, name = os.path.split(default_model_path())
-    want = hf_greedy(hf_model(folder, gguf_file=name), prompts, 8)
+    want = hf_greedy(smollm2_hf_model(), prompts, 8)
     identical, first = agreement(want, got)
     print(f"SmolLM2 auto: {identical}/{len(prompts)} identical, mean first divergence {first}")
     assert identical >= len(prompts) - 1 and all(g[:2] == w[:2] for g, w in zip(got, want))

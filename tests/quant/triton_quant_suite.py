@@ -49,20 +49,19 @@ def assert_within_bound(got, x, dense, dtype, rounds_weights: bool):
 
 
 # (kind, group, K): per-channel int8 on a K that is no power of two, small groups, and int4
-# groups below, at and above the gemv's K tile
+# groups below, at and above the kernels' K tiles
 WEIGHTS = [("int8", None, 128), ("int8", None, 192), ("int8", 16, 128), ("int4", 32, 128),
            ("int4", 64, 192), ("int4", 128, 512)]
+# (dtype, path, rows of x): the gemv at one row and at its most; the others at a partial and
+# a multiple-tile M
+PATHS = [(torch.float32, "gemv", 1), (torch.float16, "gemv", 5), (torch.float32, "dequant", 5),
+         (torch.float16, "dequant", 33), (torch.float32, "fused", 33),
+         (torch.float16, "fused", 5), (torch.float16, "fused-fast", 33)]
 
 
 @pytest.mark.parametrize("kind,group,k", WEIGHTS)
-@pytest.mark.parametrize("dtype,path", [
-    (torch.float32, "gemv"), (torch.float16, "gemv"), (torch.float32, "dequant"),
-    (torch.float16, "dequant"), (torch.float32, "fused"), (torch.float16, "fused"),
-    (torch.float16, "fused-fast")])
-@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("dtype,path,m", PATHS)
 def test_triton_matches_dequantize_then_matmul(kind, group, k, dtype, path, m):
-    if path == "gemv" and m > 8:
-        m = 8  # the gemv's largest M
     torch.manual_seed(m)
     n = 72
     (q, s, z), dense = quantized(kind, group, n, k)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from runtime_helpers import (
@@ -12,11 +10,11 @@ from runtime_helpers import (
     SMOLLM_MAX_NEW_TOKENS,
     SMOLLM_PROMPTS,
     TINY_MAX_NEW_TOKENS,
-    default_model_path,
     hf_greedy,
     hf_model,
     random_prompts,
     save_tiny_model,
+    smollm2_hf_model,
     smollm2_tokenizer,
     tiny_config,
 )
@@ -45,10 +43,7 @@ def tiny_references(tiny_models):
 
 @pytest.fixture(scope="session")
 def hf_smollm():
-    """SmolLM2 as transformers itself loads it from the GGUF file (its own dequantization and
-    Q/K un-permutation), float32."""
-    folder, name = os.path.split(default_model_path())
-    return hf_model(folder, gguf_file=name)
+    return smollm2_hf_model()
 
 
 @pytest.fixture(scope="session")

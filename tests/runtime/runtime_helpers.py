@@ -4,6 +4,7 @@ transformers' greedy reference (the correctness oracle). Fixtures live in confte
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 
@@ -15,10 +16,19 @@ MODEL_FAMILIES = ("llama", "mistral", "qwen2")
 TINY_MAX_NEW_TOKENS = 32
 
 
+@functools.cache
 def smollm2_tokenizer():
+    """SmolLM2's tokenizer from the engine's GGUF conversion cache (saved there from the GGUF
+    file's own, made by the first load if missing): 0.3 s, where transformers takes 10 s to
+    read it out of the GGUF again in every process and fixture that asks."""
     from transformers import AutoTokenizer
-    folder, name = os.path.split(default_model_path())
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    from quire.models.loader import materialize, resolve_model
+    source = materialize(resolve_model(None), "auto")
+    if source.kind == "gguf":  # QUIRE_CACHE_DIR="": no cache to read
+        folder, name = os.path.split(source.path)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(source.path)
 
 
 def tiny_config(family: str, **overrides):
@@ -68,6 +78,14 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
                                  max_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+@functools.cache
+def smollm2_hf_model():
+    """SmolLM2 as transformers itself loads it from the GGUF file (its own dequantization and
+    Q/K un-permutation), float32: once per process (15 s), for every test that needs it."""
+    folder, name = os.path.split(default_model_path())
+    return hf_model(folder, gguf_file=name)
 
 
 def hf_model(path: str, **kwargs):
