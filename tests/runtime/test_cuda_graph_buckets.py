@@ -94,40 +94,36 @@ class _EagerGraphRunner(CUDAGraphRunner):
 
 
 def test_decode_through_padded_static_buffers_gives_the_same_tokens(tiny_models):
+    """One engine three ways: plain; through the graph runner capturing each bucket when a
+    step first needs it; through a runner that captured every bucket up front (largest
+    first) and captures nothing after. The same tokens each time, and no block left."""
     prompts = random_prompts(n=11)
     params = SamplingParams(temperature=0, max_tokens=12)
-    plain = LLM(tiny_models["llama"], dtype="float32", max_num_seqs=24)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(tiny_models["llama"], dtype="float32", max_num_seqs=24)
+    llm = LLM(tiny_models["llama"], dtype="float32", max_num_seqs=24, kv_cache_memory=16 << 20)
     runner, engine = llm.engine.runner, llm.engine
     assert runner.cuda_graphs is None  # the CPU never captures
-    graphs = _EagerGraphRunner(engine.model, runner.kv_cache.layers, 24, engine.max_model_len,
-                               engine.block_size, torch.device("cpu"))
-    graphs.captured = []
-    runner.cuda_graphs = graphs
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def graph_runner():
+        graphs = _EagerGraphRunner(engine.model, runner.kv_cache.layers, 24,
+                                   engine.max_model_len, engine.block_size, torch.device("cpu"))
+        graphs.captured = []
+        runner.cuda_graphs = graphs
+        return graphs
+
+    lazy = graph_runner()
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert graphs.captured and all(b in decode_buckets(24) for b in graphs.captured)
-    assert len(set(graphs.captured)) == len(graphs.captured)  # each bucket captured once
+    assert lazy.captured and all(b in decode_buckets(24) for b in lazy.captured)
+    assert len(set(lazy.captured)) == len(lazy.captured)  # each bucket captured once
     assert_no_blocks_in_use(llm)
 
-
-def test_capture_all_takes_every_bucket_up_front_and_steps_capture_nothing(tiny_models):
-    prompts = random_prompts(n=9)
-    params = SamplingParams(temperature=0, max_tokens=10)
-    want = [o.outputs[0].token_ids for o in
-            LLM(tiny_models["llama"], dtype="float32").generate(prompts, params, use_tqdm=False)]
-    llm = LLM(tiny_models["llama"], dtype="float32", max_num_seqs=16)
-    engine = llm.engine
-    graphs = _EagerGraphRunner(engine.model, engine.runner.kv_cache.layers, 16,
-                               engine.max_model_len, engine.block_size, torch.device("cpu"))
-    graphs.captured = []
-    graphs.capture_all()
-    assert graphs.captured == sorted(decode_buckets(16), reverse=True)  # largest first
-    engine.runner.cuda_graphs = graphs
+    upfront = graph_runner()
+    upfront.capture_all()
+    assert upfront.captured == sorted(decode_buckets(24), reverse=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want  # the junk capture wrote into slot 0 was never read
-    assert graphs.captured == sorted(decode_buckets(16), reverse=True)  # none captured later
+    assert got == want  # the junk the capture wrote into slot 0 was never read
+    assert upfront.captured == sorted(decode_buckets(24), reverse=True)  # none captured later
     assert_no_blocks_in_use(llm)
 
 
