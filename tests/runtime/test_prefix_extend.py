@@ -91,6 +91,22 @@ def test_batched_extend_over_head_layouts(heads, kv_heads, head_dim, monkeypatch
                                _forward(args, False, monkeypatch), atol=2e-5, rtol=2e-5)
 
 
+def test_long_chunks_take_sdpa_and_short_ones_the_native_kernel(monkeypatch):
+    """A long chunk over a cached prefix (a long prompt's later chunk) goes to SDPA, the short
+    ones in the same step to the native kernel: the step's output is the reference's."""
+    from quire.attention.torch_backend import EXTEND_SDPA_MIN_ROWS
+    long_rows = EXTEND_SDPA_MIN_ROWS + 44
+    args = _step(torch.float32, extends=((100, 37), (120, long_rows), (33, 16)))
+    backend, meta = args[0], args[-1]
+    got = _forward(args, True, monkeypatch)
+    rows, _, _ = meta.backend_state[backend, "extend_rows"]
+    assert len(rows) == 37 + 16  # the short chunks' rows, natively
+    assert [len(range(q0, q1)) for q0, q1, *_ in meta.backend_state[backend, "extend_plan"]] \
+        == [long_rows]  # the long one, through SDPA
+    want = _forward(args, False, monkeypatch)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_extend_rows_index_each_query_token():
     args = _step(torch.float32)
     meta = args[-1]

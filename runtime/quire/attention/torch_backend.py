@@ -58,6 +58,14 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
     return x.view(-1, bs, hk, d)
 
 
+# Chunks of at least this many new tokens over a cached prefix go to SDPA (gathered K/V, its
+# blocked GEMM-like kernel) rather than the native paged extend: on the AVX2 EPYC an 8,000-token
+# prompt in 2,048-token chunks prefilled 8-13% faster that way (its last chunk 22 -> 17 s),
+# and 256-token chunks won too; the native tiles stay for short chunks (prefix-cache
+# suffixes, decode-sized extends), where gathering the context per sequence would cost more.
+EXTEND_SDPA_MIN_ROWS = 256
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     # no CUDA graphs: its decode plan caches masks computed from one step's seq_lens (on a
@@ -78,23 +86,27 @@ class TorchAttentionBackend(AttentionBackend):
         meta.backend_state[self, "extends"] = extends
 
     def _extend(self, q, k_cache, v_cache, out, meta) -> list:
-        """Chunks extending a cached prefix: all in one native call where it serves q's dtype
-        and the cache's; else the per-sequence SDPA plan for them, built once per step."""
+        """Chunks extending a cached prefix: the short ones in one native call where it serves
+        q's dtype and the cache's; the others (long chunks, or no native kernel) get the
+        per-sequence SDPA plan, built once per step and returned to run with the prefills."""
         seqs = meta.backend_state[self, "extends"]
         if not seqs:
             return []
+        native = []
         if paged_extend.supported(q, k_cache):
+            rows = meta.query_start_loc_cpu
+            native = [i for i in seqs if rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS]
+        if native:
             index = meta.backend_state.get((self, "extend_rows"))
             if index is None:
                 index = meta.backend_state[self, "extend_rows"] = paged_extend.extend_rows(
-                    meta, seqs)
+                    meta, native)
             paged_extend.paged_extend(q, k_cache, v_cache, out, meta.block_tables, *index,
                                       self.scale, self.sliding_window)
-            return []
         plan = meta.backend_state.get((self, "extend_plan"))
         if plan is None:
-            plan = meta.backend_state[self, "extend_plan"] = [self._extend_plan(meta, i)
-                                                              for i in seqs]
+            plan = meta.backend_state[self, "extend_plan"] = [
+                self._extend_plan(meta, i) for i in seqs if i not in native]
         return plan
 
     def _extend_plan(self, meta: AttentionMetadata, i: int) -> tuple:
