@@ -225,30 +225,32 @@ def quire_processes(specs: list[tuple[str, int, list[str], dict[str, str] | None
             processes.append(process)
         deadline = time.monotonic() + ready_timeout
         for (ip, port, _, _), process in zip(specs, processes):
-            _wait_ready(process, ip, port, deadline, ready_timeout)
+            _wait_ready(process, f"http://{ip}:{port}/ready", deadline,
+                        f"quire serve on {ip}:{port}")
         yield processes
 
 
-def _wait_ready(process: subprocess.Popen, ip: str, port: int, deadline: float,
-                ready_timeout: float) -> None:
+def _wait_ready(process: subprocess.Popen, url: str, deadline: float, what: str,
+                poll: float = 0.5) -> None:
+    """Until `url` answers 200; fails at once if the process exits, or at the deadline."""
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"quire serve exited with {process.returncode}")
+            raise RuntimeError(f"{what} exited with {process.returncode}")
         try:
-            with urllib.request.urlopen(f"http://{ip}:{port}/ready", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"quire serve on {ip}:{port} was not ready in {ready_timeout}s")
-        time.sleep(0.5)
+            raise TimeoutError(f"{what} ({url}) was not ready in time")
+        time.sleep(poll)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
     process.terminate()
     try:
-        process.wait(30)
+        process.wait(timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -279,27 +281,11 @@ def real_router(ip: str, port: int, *args: str, ready_timeout: float = 120) -> I
     """`python -m quire.router` at ip:port with these arguments, until the block ends."""
     process = subprocess.Popen([sys.executable, "-m", "quire.router", "--host", ip, "--port", str(port), *args])
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"quire router exited with {process.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://{ip}:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"quire router on {ip}:{port} did not answer in {ready_timeout}s")
-            time.sleep(0.2)
+        _wait_ready(process, f"http://{ip}:{port}/health", time.monotonic() + ready_timeout,
+                    f"quire router on {ip}:{port}", poll=0.2)
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process, timeout=15)
 
 
 def free_port(*ips: str) -> int:

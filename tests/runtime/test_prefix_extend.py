@@ -99,10 +99,9 @@ def test_long_chunks_take_sdpa_and_short_ones_the_native_kernel(monkeypatch):
     args = _step(torch.float32, extends=((100, 37), (120, long_rows), (33, 16)))
     backend, meta = args[0], args[-1]
     got = _forward(args, True, monkeypatch)
-    rows, _, _ = meta.backend_state[backend, "extend_rows"]
+    (rows, _, _), plan = meta.backend_state[backend, "extend_split"]
     assert len(rows) == 37 + 16  # the short chunks' rows, natively
-    assert [len(range(q0, q1)) for q0, q1, *_ in meta.backend_state[backend, "extend_plan"]] \
-        == [long_rows]  # the long one, through SDPA
+    assert [len(range(q0, q1)) for q0, q1, *_ in plan] == [long_rows]  # the long one, by SDPA
     want = _forward(args, False, monkeypatch)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 

@@ -92,21 +92,20 @@ class TorchAttentionBackend(AttentionBackend):
         seqs = meta.backend_state[self, "extends"]
         if not seqs:
             return []
-        native = []
-        if paged_extend.supported(q, k_cache):
-            rows = meta.query_start_loc_cpu
-            native = [i for i in seqs if rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS]
-        if native:
-            index = meta.backend_state.get((self, "extend_rows"))
-            if index is None:
-                index = meta.backend_state[self, "extend_rows"] = paged_extend.extend_rows(
-                    meta, native)
+        split = meta.backend_state.get((self, "extend_split"))
+        if split is None:  # once per step: (native kernel's row index or None, SDPA plan)
+            rows, kernel = meta.query_start_loc_cpu, paged_extend.supported(q, k_cache)
+            native, sdpa = [], []
+            for i in seqs:
+                short = kernel and rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS
+                (native if short else sdpa).append(i)
+            split = meta.backend_state[self, "extend_split"] = (
+                paged_extend.extend_rows(meta, native) if native else None,
+                [self._extend_plan(meta, i) for i in sdpa])
+        index, plan = split
+        if index is not None:
             paged_extend.paged_extend(q, k_cache, v_cache, out, meta.block_tables, *index,
                                       self.scale, self.sliding_window)
-        plan = meta.backend_state.get((self, "extend_plan"))
-        if plan is None:
-            plan = meta.backend_state[self, "extend_plan"] = [
-                self._extend_plan(meta, i) for i in seqs if i not in native]
         return plan
 
     def _extend_plan(self, meta: AttentionMetadata, i: int) -> tuple:

@@ -96,6 +96,23 @@ def _int4_pair(q_ptr, s_ptr, z_ptr, offs_n, offs_b, b0, mask, stride_qn, stride_
 
 
 @triton.jit
+def _int4_operands(x_rows, q_ptr, s_ptr, z_ptr, offs_m, M, offs_n, offs_n_safe, N, k0, k_end,
+                   stride_qn, stride_sn, G: tl.constexpr, TILE_GROUP: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """A K tile of int4 weights as (x_even, x_odd, w_even, w_odd): x's values at the even and
+    odd K positions below k_end, and the weights those multiply ([BLOCK_N, BLOCK_K // 2])."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    in_k = 2 * offs_b < k_end  # K and k_end are even: a byte never straddles k_end
+    w_even, w_odd = _int4_pair(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_b, k0 // 2,
+                               (offs_n[:, None] < N) & in_k[None, :], stride_qn, stride_sn, G,
+                               TILE_GROUP)
+    x_mask = (offs_m[:, None] < M) & in_k[None, :]
+    x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
+    x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
+    return x_even, x_odd, w_even, w_odd
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                  stride_xm, stride_qn, stride_sn, stride_ys, stride_ym,
                  G: tl.constexpr, INT4: tl.constexpr, TILE_GROUP: tl.constexpr,
@@ -110,15 +127,10 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     k_begin = split * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if INT4:  # K and every slice are even: bytes never straddle a slice
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            in_k = 2 * offs_b < k_end
-            w_even, w_odd = _int4_pair(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_b, k0 // 2,
-                                       (offs_n[:, None] < N) & in_k[None, :], stride_qn,
-                                       stride_sn, G, TILE_GROUP)
-            x_mask = (offs_m[:, None] < M) & in_k[None, :]
-            x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
-            x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
+        if INT4:
+            x_even, x_odd, w_even, w_odd = _int4_operands(
+                x_rows, q_ptr, s_ptr, z_ptr, offs_m, M, offs_n, offs_n_safe, N, k0, k_end,
+                stride_qn, stride_sn, G, TILE_GROUP, BLOCK_K)
             acc += tl.sum(x_even.to(tl.float32)[:, None, :] * w_even[None, :, :], axis=2)
             acc += tl.sum(x_odd.to(tl.float32)[:, None, :] * w_odd[None, :, :], axis=2)
         else:
@@ -171,14 +183,9 @@ def _fused_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if INT4:  # two dots of half the depth: even K positions, then odd ones
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            in_k = 2 * offs_b < K
-            w_even, w_odd = _int4_pair(q_ptr, s_ptr, z_ptr, offs_n_safe, offs_b, k0 // 2,
-                                       (offs_n[:, None] < N) & in_k[None, :], stride_qn,
-                                       stride_sn, G, TILE_GROUP)
-            x_mask = (offs_m[:, None] < M) & in_k[None, :]
-            x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=x_mask, other=0.0)
-            x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=x_mask, other=0.0)
+            x_even, x_odd, w_even, w_odd = _int4_operands(
+                x_rows, q_ptr, s_ptr, z_ptr, offs_m, M, offs_n, offs_n_safe, N, k0, K,
+                stride_qn, stride_sn, G, TILE_GROUP, BLOCK_K)
             if DOT_FP32:
                 acc += tl.dot(x_even.to(tl.float32), tl.trans(w_even), input_precision="ieee")
                 acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), input_precision="ieee")

@@ -32,6 +32,38 @@ inline void store_scalar(uint16_t* p, float x) { *p = float_to_bf16(x); }
 constexpr int kMaxGroup = 8;     // query heads per KV head on the vector path
 constexpr int kMaxChunks = 16;   // head_dim / 16 on the vector path (head_dim <= 256)
 
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// The fixed-shape instance of a kernel for this layout, or nullptr (then the general loop
+// runs): query heads per KV head 1-8, head_dim 64 or 128 in kLanes-float chunks, blocks of 16
+// tokens. `make(Int<G>, Int<C>)` names the instance, e.g. decode_item16<T, G, C>.
+template <int C, typename Make>
+auto fixed_shape_for_group(int group, Make make) -> decltype(make(Int<1>{}, Int<C>{})) {
+  switch (group) {
+    case 1: return make(Int<1>{}, Int<C>{});
+    case 2: return make(Int<2>{}, Int<C>{});
+    case 3: return make(Int<3>{}, Int<C>{});
+    case 4: return make(Int<4>{}, Int<C>{});
+    case 5: return make(Int<5>{}, Int<C>{});
+    case 6: return make(Int<6>{}, Int<C>{});
+    case 7: return make(Int<7>{}, Int<C>{});
+    case 8: return make(Int<8>{}, Int<C>{});
+    default: return nullptr;
+  }
+}
+
+template <int kLanes, typename Make>
+auto fixed_shape(int group, int head_dim, int block_size, Make make)
+    -> decltype(make(Int<1>{}, Int<64 / kLanes>{})) {
+  if (block_size != 16) return nullptr;
+  switch (head_dim) {
+    case 64: return fixed_shape_for_group<64 / kLanes>(group, make);
+    case 128: return fixed_shape_for_group<128 / kLanes>(group, make);
+    default: return nullptr;
+  }
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {  // bf16 is the high half of a float32
@@ -193,31 +225,13 @@ template <typename T>
 using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
                         int64_t, int64_t, float);
 
-template <typename T, int C>
-ItemFn<T> pick_group(int group) {
-  switch (group) {
-    case 1: return decode_item16<T, 1, C>;
-    case 2: return decode_item16<T, 2, C>;
-    case 3: return decode_item16<T, 3, C>;
-    case 4: return decode_item16<T, 4, C>;
-    case 5: return decode_item16<T, 5, C>;
-    case 6: return decode_item16<T, 6, C>;
-    case 7: return decode_item16<T, 7, C>;
-    case 8: return decode_item16<T, 8, C>;
-    default: return nullptr;
-  }
-}
-
 // The fixed-shape path for this layout, or nullptr (then the general loop runs).
 #define QUIRE_FIXED_SHAPE_PATH 1
 template <typename T>
 ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
-  if (block_size != 16) return nullptr;
-  switch (head_dim) {
-    case 64: return pick_group<T, 4>(group);
-    case 128: return pick_group<T, 8>(group);
-    default: return nullptr;
-  }
+  return fixed_shape<16>(group, head_dim, block_size, [](auto g, auto c) -> ItemFn<T> {
+    return decode_item16<T, decltype(g)::value, decltype(c)::value>;
+  });
 }
 #endif
 
@@ -424,29 +438,11 @@ template <typename T>
 using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
                         int64_t, int64_t, float);
 
-template <typename T, int C>
-ItemFn<T> pick_group(int group) {
-  switch (group) {
-    case 1: return decode_item8<T, 1, C>;
-    case 2: return decode_item8<T, 2, C>;
-    case 3: return decode_item8<T, 3, C>;
-    case 4: return decode_item8<T, 4, C>;
-    case 5: return decode_item8<T, 5, C>;
-    case 6: return decode_item8<T, 6, C>;
-    case 7: return decode_item8<T, 7, C>;
-    case 8: return decode_item8<T, 8, C>;
-    default: return nullptr;
-  }
-}
-
 template <typename T>
 ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
-  if (block_size != 16) return nullptr;
-  switch (head_dim) {
-    case 64: return pick_group<T, 8>(group);
-    case 128: return pick_group<T, 16>(group);
-    default: return nullptr;
-  }
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemFn<T> {
+    return decode_item8<T, decltype(g)::value, decltype(c)::value>;
+  });
 }
 
 template <typename T>
@@ -454,29 +450,11 @@ using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const 
                         const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                         float);
 
-template <typename T, int C>
-TileFn<T> pick_tile_group(int group) {
-  switch (group) {
-    case 1: return extend_tile8<T, 1, C>;
-    case 2: return extend_tile8<T, 2, C>;
-    case 3: return extend_tile8<T, 3, C>;
-    case 4: return extend_tile8<T, 4, C>;
-    case 5: return extend_tile8<T, 5, C>;
-    case 6: return extend_tile8<T, 6, C>;
-    case 7: return extend_tile8<T, 7, C>;
-    case 8: return extend_tile8<T, 8, C>;
-    default: return nullptr;
-  }
-}
-
 template <typename T>
 TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
-  if (block_size != 16) return nullptr;
-  switch (head_dim) {
-    case 64: return pick_tile_group<T, 8>(group);
-    case 128: return pick_tile_group<T, 16>(group);
-    default: return nullptr;
-  }
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileFn<T> {
+    return extend_tile8<T, decltype(g)::value, decltype(c)::value>;
+  });
 }
 #define QUIRE_EXTEND_TILES 1
 #endif
