@@ -311,15 +311,14 @@ inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
 // Extend (prefill chunks over a cached prefix): a tile of up to kTileRows consecutive query
 // rows of one sequence walks the context block by block, every row of the tile attending to
 // the same K/V block while it sits in L1. Row by row, each would stream the whole context
-// from memory again; tiled, a row costs what its FLOPs cost. Each row's sums run in the same
-// order as a decode step's (decode_item8 is a tile of one); its state lives in L1 between
-// blocks.
+// from memory again.
+constexpr int kTileRows = 16;
+
 template <int G, int C>
 struct TileRow {
   __m256 q[G][C];
   __m256 acc[G][C];
   float m[G], l[G];
-  int len, lo;
 };
 
 template <typename T, int G, int C>
@@ -362,76 +361,225 @@ inline void tile_row_block(TileRow<G, C>& st, const T* kb, const T* vb, int t0, 
   }
 }
 
-constexpr int kTileRows = 8;
 
 // rows[r] / lens[r] for r < count: one sequence's consecutive query rows (lens ascending by
 // one); q and out point at this KV head's first query head of row 0.
+
+// One query row (a decode step's, or a tile of one) walks its context block by block: its G
+// query heads and their accumulators stay in registers, scores are per-key dot products.
 template <typename T, int G, int C>
-void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                  const int32_t* rows, const int32_t* lens, int count, int window,
-                  int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
+void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  int len, int lo, int64_t block_stride, int64_t row_stride,
                   int64_t q_head_stride, float scale) {
-  TileRow<G, C> st[kTileRows];
-  int max_len = 0, min_lo = std::numeric_limits<int>::max();
-  for (int r = 0; r < count; ++r) {
-    const T* qr = q + int64_t(rows[r]) * q_stride;
-    for (int g = 0; g < G; ++g) {
-      for (int c = 0; c < C; ++c) {
-        st[r].q[g][c] = _mm256_mul_ps(load8(qr + g * q_head_stride + c * 8), _mm256_set1_ps(scale));
-        st[r].acc[g][c] = _mm256_setzero_ps();
-      }
-      st[r].m[g] = -std::numeric_limits<float>::infinity();
-      st[r].l[g] = 0.f;
+  TileRow<G, C> st;
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) {
+      st.q[g][c] = _mm256_mul_ps(load8(q + g * q_head_stride + c * 8), _mm256_set1_ps(scale));
+      st.acc[g][c] = _mm256_setzero_ps();
     }
-    st[r].len = lens[r];
-    st[r].lo = window > 0 ? std::max(0, lens[r] - window) : 0;
-    max_len = std::max(max_len, st[r].len);
-    min_lo = std::min(min_lo, st[r].lo);
+    st.m[g] = -std::numeric_limits<float>::infinity();
+    st.l[g] = 0.f;
   }
-  // bfloat16 K/V rows are widened once per block into float32 here (every row and head of
-  // the tile would widen them again)
+  // bfloat16 K/V rows are widened once per block into float32 here
   alignas(32) float kf[std::is_same_v<T, float> ? 1 : 16 * C * 8];
   alignas(32) float vf[std::is_same_v<T, float> ? 1 : 16 * C * 8];
-  for (int first = min_lo / 16 * 16; first < max_len; first += 16) {
+  for (int first = lo / 16 * 16; first < len; first += 16) {
     const int64_t phys = table[first / 16];
     const T* kb = k_cache + phys * block_stride;
     const T* vb = v_cache + phys * block_stride;
-    const int n = std::min(16, max_len - first);
-    if constexpr (!std::is_same_v<T, float>) {
+    const int t0 = std::max(first, lo) - first, n = std::min(16, len - first);
+    if constexpr (std::is_same_v<T, float>) {
+      tile_row_block<float, G, C>(st, kb, vb, t0, n, row_stride);
+    } else {
       for (int t = 0; t < n; ++t)
         for (int c = 0; c < C; ++c) {
           _mm256_store_ps(kf + (t * C + c) * 8, load8(kb + t * row_stride + c * 8));
           _mm256_store_ps(vf + (t * C + c) * 8, load8(vb + t * row_stride + c * 8));
         }
-    }
-    for (int r = 0; r < count; ++r) {
-      if (first >= st[r].len || first + 16 <= st[r].lo) continue;
-      const int t0 = std::max(first, st[r].lo) - first, nr = std::min(16, st[r].len - first);
-      if constexpr (std::is_same_v<T, float>)
-        tile_row_block<float, G, C>(st[r], kb, vb, t0, nr, row_stride);
-      else
-        tile_row_block<float, G, C>(st[r], kf, vf, t0, nr, C * 8);
+      tile_row_block<float, G, C>(st, kf, vf, t0, n, C * 8);
     }
   }
-  for (int r = 0; r < count; ++r) {
-    T* dst = out + int64_t(rows[r]) * out_stride;
-    for (int g = 0; g < G; ++g) {
-      const __m256 inv = _mm256_set1_ps(1.f / st[r].l[g]);
-      alignas(32) float row[C * 8];
-      for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(st[r].acc[g][c], inv));
-      for (int d = 0; d < C * 8; ++d) store_scalar(dst + g * q_head_stride + d, row[d]);
+  for (int g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.f / st.l[g]);
+    alignas(32) float row[C * 8];
+    for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(st.acc[g][c], inv));
+    for (int d = 0; d < C * 8; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
+  }
+}
+
+// kt[d][t] = key t's dimension d for t < n, 0 past n: 8 x 8 transposes in registers
+inline void transpose8(__m256 (&r)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+template <typename T, int D>
+inline void transpose_keys(const T* kb, int64_t row_stride, int n, float (*kt)[16]) {
+  for (int h = 0; h < 2; ++h)
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i)
+        r[i] = 8 * h + i < n ? load8(kb + (8 * h + i) * row_stride + d0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d0 + i] + 8 * h, r[i]);
+    }
+}
+
+// A tile of two or more rows, GEMM-shaped: its count * G query vectors meet each
+// K/V block together. The block's keys are transposed once (kt[d] holds dimension d of its 16
+// keys), so scores are outer-product FMAs, six query vectors by 16 keys in 12 accumulators,
+// with no horizontal sums; P @ V is the same shape, six query vectors by 16 dimensions. Each
+// K/V element loaded feeds up to six query vectors instead of one.
+template <int J, int D>
+inline void scores6(const float (*qs)[D], const float (*kt)[16], float (*s)[16]) {
+  __m256 a[J][2];
+  for (int j = 0; j < J; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_load_ps(kt[d]), k1 = _mm256_load_ps(kt[d] + 8);
+    for (int j = 0; j < J; ++j) {
+      const __m256 b = _mm256_broadcast_ss(&qs[j][d]);
+      a[j][0] = _mm256_fmadd_ps(b, k0, a[j][0]);
+      a[j][1] = _mm256_fmadd_ps(b, k1, a[j][1]);
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    _mm256_store_ps(s[j], a[j][0]);
+    _mm256_store_ps(s[j] + 8, a[j][1]);
+  }
+}
+
+// acc[j][d0 .. d0 + 16) += sum over t in [t0, t1) of p[j][t] * v[t][d0 ..]
+template <int J, int D>
+inline void accumulate6(float (*acc)[D], const float (*p)[16], const float* v, int64_t v_stride,
+                        int t0, int t1) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m256 a[J][2];
+    for (int j = 0; j < J; ++j) {
+      a[j][0] = _mm256_load_ps(acc[j] + d0);
+      a[j][1] = _mm256_load_ps(acc[j] + d0 + 8);
+    }
+    for (int t = t0; t < t1; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(v + t * v_stride + d0);
+      const __m256 v1 = _mm256_loadu_ps(v + t * v_stride + d0 + 8);
+      for (int j = 0; j < J; ++j) {
+        const __m256 b = _mm256_broadcast_ss(&p[j][t]);
+        a[j][0] = _mm256_fmadd_ps(b, v0, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(b, v1, a[j][1]);
+      }
+    }
+    for (int j = 0; j < J; ++j) {
+      _mm256_store_ps(acc[j] + d0, a[j][0]);
+      _mm256_store_ps(acc[j] + d0 + 8, a[j][1]);
     }
   }
 }
 
-// Decode: one sequence's row is a tile of one (lo as a window of len - lo tokens).
+// f<J> over query vectors [q0, q1) in groups of six, the rest in one smaller group
+template <typename F>
+inline void by_six(int q0, int q1, F f) {
+  int j = q0;
+  for (; j + 6 <= q1; j += 6) f(j, Int<6>{});
+  switch (q1 - j) {
+    case 5: f(j, Int<5>{}); break;
+    case 4: f(j, Int<4>{}); break;
+    case 3: f(j, Int<3>{}); break;
+    case 2: f(j, Int<2>{}); break;
+    case 1: f(j, Int<1>{}); break;
+    default: break;
+  }
+}
+
 template <typename T, int G, int C>
-void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                  int len, int lo, int64_t block_stride, int64_t row_stride,
+void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  const int32_t* rows, const int32_t* lens, int count, int window,
+                  int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
                   int64_t q_head_stride, float scale) {
-  const int32_t row = 0;
-  extend_tile8<T, G, C>(q, k_cache, v_cache, out, table, &row, &len, 1, lo > 0 ? len - lo : 0,
-                        block_stride, row_stride, 0, 0, q_head_stride, scale);
+  constexpr int D = C * 8, NQ = kTileRows * G;
+  static_assert(D % 16 == 0, "P @ V takes 16 dimensions at a time");
+  if (count == 1) {  // a tile of one: the decode row's form, which transposes nothing
+    const int lo = window > 0 ? std::max(0, lens[0] - window) : 0;
+    return decode_item8<T, G, C>(q + int64_t(rows[0]) * q_stride, k_cache, v_cache,
+                                 out + int64_t(rows[0]) * out_stride, table, lens[0], lo,
+                                 block_stride, row_stride, q_head_stride, scale);
+  }
+  alignas(32) float qs[NQ][D];
+  alignas(32) float acc[NQ][D];
+  alignas(32) float s[NQ][16];
+  alignas(32) float kt[D][16];
+  alignas(32) float vf[std::is_same_v<T, float> ? 1 : 16 * D];
+  float m[NQ], l[NQ];
+  int len[kTileRows], lo[kTileRows];
+  for (int r = 0; r < count; ++r) {
+    const T* qr = q + int64_t(rows[r]) * q_stride;
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c)
+        _mm256_store_ps(qs[r * G + g] + c * 8,
+                        _mm256_mul_ps(load8(qr + g * q_head_stride + c * 8), _mm256_set1_ps(scale)));
+    len[r] = lens[r];
+    lo[r] = window > 0 ? std::max(0, lens[r] - window) : 0;
+  }
+  const int nq = count * G;
+  std::memset(acc, 0, sizeof(float) * nq * D);
+  std::fill(m, m + nq, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nq, 0.f);
+  // lens and lo rise with the row: the rows a block serves are a contiguous run
+  for (int first = lo[0] / 16 * 16; first < len[count - 1]; first += 16) {
+    int ra = 0, rb = count;
+    while (ra < count && len[ra] <= first) ++ra;
+    while (rb > ra && lo[rb - 1] >= first + 16) --rb;
+    if (ra == rb) continue;
+    const int64_t phys = table[first / 16];
+    const T* kb = k_cache + phys * block_stride;
+    const T* vb = v_cache + phys * block_stride;
+    const int n = std::min(16, len[rb - 1] - first);  // keys any row of the run reads
+    transpose_keys<T, D>(kb, row_stride, n, kt);
+    const float* v = nullptr;
+    int64_t v_stride = row_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      v = vb;
+    } else {
+      for (int t = 0; t < n; ++t)
+        for (int c = 0; c < C; ++c) _mm256_store_ps(vf + t * D + c * 8, load8(vb + t * row_stride + c * 8));
+      v = vf;
+      v_stride = D;
+    }
+    const int qa = ra * G, qb = rb * G;
+    by_six(qa, qb, [&](int j, auto J) { scores6<decltype(J)::value, D>(qs + j, kt, s + j); });
+    for (int r = ra; r < rb; ++r) {
+      const int t0 = std::max(first, lo[r]) - first, nr = std::min(16, len[r] - first);
+      for (int g = 0; g < G; ++g) {
+        const int j = r * G + g;
+        const float correction = softmax_block16(s[j], t0, nr, m[j], l[j]);
+        if (correction != 1.f)
+          for (int c = 0; c < C; ++c)
+            _mm256_store_ps(acc[j] + c * 8,
+                            _mm256_mul_ps(_mm256_load_ps(acc[j] + c * 8), _mm256_set1_ps(correction)));
+      }
+    }
+    // lanes outside a row's [t0, nr) hold p = 0: the run's union of lanes serves every row
+    const int t_lo = std::max(first, lo[ra]) - first;
+    by_six(qa, qb, [&](int j, auto J) {
+      accumulate6<decltype(J)::value, D>(acc + j, s + j, v, v_stride, t_lo, n);
+    });
+  }
+  for (int r = 0; r < count; ++r) {
+    T* dst = out + int64_t(rows[r]) * out_stride;
+    for (int g = 0; g < G; ++g) {
+      const int j = r * G + g;
+      const float inv = 1.f / l[j];
+      for (int d = 0; d < D; ++d) store_scalar(dst + g * q_head_stride + d, acc[j][d] * inv);
+    }
+  }
 }
 
 template <typename T>
