@@ -91,19 +91,36 @@ def test_batched_extend_over_head_layouts(heads, kv_heads, head_dim, monkeypatch
                                _forward(args, False, monkeypatch), atol=2e-5, rtol=2e-5)
 
 
-def test_long_chunks_take_sdpa_and_short_ones_the_native_kernel(monkeypatch):
-    """A long chunk over a cached prefix (a long prompt's later chunk) goes to SDPA, the short
-    ones in the same step to the native kernel: the step's output is the reference's."""
+@pytest.mark.parametrize("tiled", [False, True])
+def test_long_chunks_take_sdpa_unless_the_kernel_tiles(tiled, monkeypatch):
+    """Where the kernel walks rows alone, a long chunk over a cached prefix (a long prompt's
+    later chunk) goes to SDPA and the short ones in the same step to the native kernel; where
+    it tiles, every chunk stays native. Either way the step's output is the reference's."""
     from quire.attention.torch_backend import EXTEND_SDPA_MIN_ROWS
     long_rows = EXTEND_SDPA_MIN_ROWS + 44
+    monkeypatch.setattr(paged_extend, "tiled", lambda q, k_cache: tiled)
     args = _step(torch.float32, extends=((100, 37), (120, long_rows), (33, 16)))
     backend, meta = args[0], args[-1]
     got = _forward(args, True, monkeypatch)
     (rows, _, _), plan = meta.backend_state[backend, "extend_split"]
-    assert len(rows) == 37 + 16  # the short chunks' rows, natively
-    assert [len(range(q0, q1)) for q0, q1, *_ in plan] == [long_rows]  # the long one, by SDPA
+    if tiled:
+        assert len(rows) == 37 + long_rows + 16 and not plan
+    else:
+        assert len(rows) == 37 + 16  # the short chunks' rows, natively
+        assert [len(range(q0, q1)) for q0, q1, *_ in plan] == [long_rows]  # the long one, by SDPA
     want = _forward(args, False, monkeypatch)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_the_avx2_build_tiles_the_fixed_shapes_only():
+    # (heads, kv heads, head_dim, block size): SmolLM2's layout and head_dim 128 tile; a head
+    # size off the fixed shapes, another block size, or a build without AVX2 walk rows alone
+    if "haswell" in MARCHES:
+        assert paged_extend._tiled(9, 3, 64, 16, "haswell")
+        assert paged_extend._tiled(32, 8, 128, 16, "haswell")
+        assert not paged_extend._tiled(6, 3, 48, 16, "haswell")
+        assert not paged_extend._tiled(9, 3, 64, 32, "haswell")
+    assert not paged_extend._tiled(9, 3, 64, 16, "x86-64")
 
 
 def test_extend_rows_index_each_query_token():

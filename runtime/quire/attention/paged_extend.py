@@ -1,10 +1,11 @@
 """Batched prefill chunks that extend a cached prefix, on the CPU: every query row of every such
 chunk attends, in one native call, to its own sequence's first (position + 1) tokens read in
 place through the block table (cpu_kernels/paged_decode.cpp, quire_paged_extend: the decode
-kernel with a row -> sequence map; on AVX2 it walks the context once per tile of up to 8
-consecutive rows of a sequence, which share each K/V block while it is in L1). The chunk's
-own K/V are already in the cache, so the cached prefix and the causal part are one read. The torch backend's per-sequence SDPA path is
-the fallback, and the reference the tests compare with.
+kernel with a row -> sequence map). On AVX2 it takes up to 16 consecutive rows of a sequence
+as one tile, GEMM-shaped: each K/V block is loaded (and its keys transposed) once for all the
+tile's query vectors. The chunk's own K/V are already in the cache, so the cached prefix and
+the causal part are one read. The torch backend's per-sequence SDPA path is the fallback, and
+the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ def _library(march: str = "native"):
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return cpu_kernels.native_decode_supported(q, k_cache) and _library() is not None
+
+
+@functools.cache
+def _tiled(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+           march: str = "native") -> bool:
+    lib = cpu_kernels.load_library("paged_decode.cpp", march)
+    return lib is not None and bool(lib.quire_paged_extend_tiled(
+        num_heads, num_kv_heads, head_dim, block_size))
+
+
+def tiled(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel runs this layout in GEMM-shaped tiles of rows (the AVX2 build's
+    fixed shapes), where it beats SDPA on chunks of every length; elsewhere it walks each row
+    alone and long chunks are faster through SDPA."""
+    return _tiled(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
 
 
 def extend_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:

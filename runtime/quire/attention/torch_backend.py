@@ -58,11 +58,11 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
     return x.view(-1, bs, hk, d)
 
 
-# Chunks of at least this many new tokens over a cached prefix go to SDPA (gathered K/V, its
-# blocked GEMM-like kernel) rather than the native paged extend: on the AVX2 EPYC an 8,000-token
-# prompt in 2,048-token chunks prefilled 8-13% faster that way (its last chunk 22 -> 17 s),
-# and 256-token chunks won too; the native tiles stay for short chunks (prefix-cache
-# suffixes, decode-sized extends), where gathering the context per sequence would cost more.
+# Where the native kernel walks each query row alone (no tiles for this layout or build),
+# chunks of at least this many new tokens over a cached prefix go to SDPA (gathered K/V, its
+# blocked GEMM-like kernel): an 8,000-token prompt in 2,048-token chunks prefilled 8-13% faster
+# that way on the AVX2 EPYC before its tiles were GEMM-shaped. The tiled kernel takes every
+# chunk: 1.4-1.9x faster than SDPA there from 128 to 2,048 rows (benchmarks/README).
 EXTEND_SDPA_MIN_ROWS = 256
 
 
@@ -95,10 +95,11 @@ class TorchAttentionBackend(AttentionBackend):
         split = meta.backend_state.get((self, "extend_split"))
         if split is None:  # once per step: (native kernel's row index or None, SDPA plan)
             rows, kernel = meta.query_start_loc_cpu, paged_extend.supported(q, k_cache)
+            tiled = kernel and paged_extend.tiled(q, k_cache)
             native, sdpa = [], []
             for i in seqs:
-                short = kernel and rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS
-                (native if short else sdpa).append(i)
+                native_fits = tiled or rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS
+                (native if kernel and native_fits else sdpa).append(i)
             split = meta.backend_state[self, "extend_split"] = (
                 paged_extend.extend_rows(meta, native) if native else None,
                 [self._extend_plan(meta, i) for i in sdpa])

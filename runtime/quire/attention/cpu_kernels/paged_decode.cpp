@@ -825,3 +825,16 @@ extern "C" int quire_paged_decode(int dtype, const void* q, const void* k_cache,
                             num_heads, num_kv_heads, head_dim, block_size, q_stride, out_stride,
                             bt_stride, scale, window, nullptr, nullptr);
 }
+
+// 1 where quire_paged_extend runs this layout in GEMM-shaped tiles (the AVX2 build's fixed
+// shapes), 0 where it walks each row alone (then long chunks are faster through SDPA).
+extern "C" int quire_paged_extend_tiled(int num_heads, int num_kv_heads, int head_dim,
+                                        int block_size) {
+#if defined(QUIRE_EXTEND_TILES)
+  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+         fixed_shape_tile<float>(num_heads / num_kv_heads, head_dim, block_size) != nullptr;
+#else
+  (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
+  return 0;
+#endif
+}
