@@ -224,12 +224,18 @@ def test_slack_never_exceeds_one_partial_block_per_sequence(tiny_models):
 def test_fp8_kv_cache_holds_twice_the_tokens_and_agrees_with_full_precision():
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:",
                "Once upon a time, in a small village by the sea,"]
-    params = SamplingParams(temperature=0, max_tokens=16)
     full = LLM(dtype="bfloat16", kv_cache_memory=32 << 20)
     fp8 = LLM(dtype="bfloat16", kv_cache_memory=32 << 20, kv_cache_dtype="fp8_e4m3")
     assert fp8.engine.capacity_tokens == 2 * full.engine.capacity_tokens
     assert fp8.engine.kv_cache.kv.dtype == torch.float8_e4m3fn
-    a, b = _tokens(full, prompts, params), _tokens(fp8, prompts, params)
-    agree = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)) / sum(map(len, a))
-    assert agree >= 0.75, agree
+    # teacher-forced: at every position of full precision's greedy continuation, fp8 is given
+    # the same tokens so far and picks the next. A free-running comparison would count every
+    # token after one near-tie flip as a miss (bf16 logits tie often enough to make it noise).
+    outs = full.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    forced = [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids[:i]), t)
+              for o in outs for i, t in enumerate(o.outputs[0].token_ids)]
+    got = fp8.generate([{"prompt_token_ids": ids} for ids, _ in forced],
+                       SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    agree = sum(g.outputs[0].token_ids[0] == t for g, (_, t) in zip(got, forced)) / len(forced)
+    assert agree >= 0.9, agree  # 63 of 64 on SmolLM2 (float32 and bfloat16 alike)
     assert_no_blocks_in_use(fp8)

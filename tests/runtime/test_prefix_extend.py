@@ -102,12 +102,13 @@ def test_long_chunks_take_sdpa_unless_the_kernel_tiles(tiled, monkeypatch):
     args = _step(torch.float32, extends=((100, 37), (120, long_rows), (33, 16)))
     backend, meta = args[0], args[-1]
     got = _forward(args, True, monkeypatch)
-    (rows, _, _), plan = meta.backend_state[backend, "extend_split"]
-    if tiled:
-        assert len(rows) == 37 + long_rows + 16 and not plan
+    (rows, _, _), plan = meta.backend_state[backend, "prefill_split"]
+    if tiled:  # the fresh prompt's 20 rows too
+        assert len(rows) == 37 + long_rows + 16 + 20 and not plan
     else:
         assert len(rows) == 37 + 16  # the short chunks' rows, natively
-        assert [len(range(q0, q1)) for q0, q1, *_ in plan] == [long_rows]  # the long one, by SDPA
+        # the fresh prompt, then the long chunk, by SDPA
+        assert [len(range(q0, q1)) for q0, q1, *_ in plan] == [20, long_rows]
     want = _forward(args, False, monkeypatch)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 

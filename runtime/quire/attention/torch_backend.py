@@ -73,41 +73,44 @@ class TorchAttentionBackend(AttentionBackend):
     supports_cuda_graphs = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        prefills, extends = [], []
+        fresh, extends = [], []
         for i in range(meta.num_decodes, meta.num_seqs):
             q0, q1 = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-            ctx = meta.seq_lens_cpu[i]
-            if ctx > q1 - q0:  # a cached prefix to read: batched in _extend
-                extends.append(i)
-            else:
-                prefills.append((q0, q1, ctx, None,
-                                 self._prefill_mask(ctx, q1 - q0, meta.block_tables.device)))
-        meta.backend_state[self, "prefills"] = prefills
+            (extends if meta.seq_lens_cpu[i] > q1 - q0 else fresh).append(i)  # cached prefix?
+        meta.backend_state[self, "fresh"] = fresh
         meta.backend_state[self, "extends"] = extends
 
-    def _extend(self, q, k_cache, v_cache, out, meta) -> list:
-        """Chunks extending a cached prefix: the short ones in one native call where it serves
-        q's dtype and the cache's; the others (long chunks, or no native kernel) get the
-        per-sequence SDPA plan, built once per step and returned to run with the prefills."""
-        seqs = meta.backend_state[self, "extends"]
-        if not seqs:
-            return []
-        split = meta.backend_state.get((self, "extend_split"))
-        if split is None:  # once per step: (native kernel's row index or None, SDPA plan)
-            rows, kernel = meta.query_start_loc_cpu, paged_extend.supported(q, k_cache)
-            tiled = kernel and paged_extend.tiled(q, k_cache)
-            native, sdpa = [], []
-            for i in seqs:
-                native_fits = tiled or rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS
-                (native if kernel and native_fits else sdpa).append(i)
-            split = meta.backend_state[self, "extend_split"] = (
+    def _prefill(self, q, k_cache, v_cache, out, meta) -> list:
+        """Prefill chunks. Where the native kernel tiles this layout, all of them (fresh prompts
+        and chunks over a cached prefix) run in one native call: it beats SDPA on both. Else
+        the short chunks over a cached prefix run natively where the kernel serves q's dtype
+        and the cache's. What is left gets per-sequence SDPA plans, returned to run. The split
+        is made once per step, at its first layer."""
+        split = meta.backend_state.get((self, "prefill_split"))
+        if split is None:
+            fresh, extends = meta.backend_state[self, "fresh"], meta.backend_state[self, "extends"]
+            rows = meta.query_start_loc_cpu
+            kernel = bool(fresh or extends) and paged_extend.supported(q, k_cache)
+            if kernel and paged_extend.tiled(q, k_cache):
+                native, fresh, extends = sorted(fresh + extends), [], []
+            else:
+                native = [i for i in extends
+                          if kernel and rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS]
+                extends = [i for i in extends if i not in native]
+            split = meta.backend_state[self, "prefill_split"] = (
                 paged_extend.extend_rows(meta, native) if native else None,
-                [self._extend_plan(meta, i) for i in sdpa])
+                [self._fresh_plan(meta, i) for i in fresh]
+                + [self._extend_plan(meta, i) for i in extends])
         index, plan = split
         if index is not None:
             paged_extend.paged_extend(q, k_cache, v_cache, out, meta.block_tables, *index,
                                       self.scale, self.sliding_window)
         return plan
+
+    def _fresh_plan(self, meta: AttentionMetadata, i: int) -> tuple:
+        q0, q1 = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        return q0, q1, q1 - q0, None, self._prefill_mask(q1 - q0, q1 - q0,
+                                                         meta.block_tables.device)
 
     def _extend_plan(self, meta: AttentionMetadata, i: int) -> tuple:
         q0, q1, ctx = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1], \
@@ -177,8 +180,7 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[where] = o.view(n, self.num_heads, self.head_dim)
         pad = q.dtype != torch.float32
-        extends = self._extend(q, k_cache, v_cache, out, meta)
-        for q0, q1, ctx, blocks, mask in (*meta.backend_state[self, "prefills"], *extends):
+        for q0, q1, ctx, blocks, mask in self._prefill(q, k_cache, v_cache, out, meta):
             qc = q[q0:q1]
             if blocks is None:  # no cached prefix: this chunk's own K/V
                 kc, vc = k[q0:q1], v[q0:q1]
