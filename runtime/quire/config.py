@@ -53,8 +53,9 @@ class EngineArgs:
                 "0.25 (at most 4 GiB) on CPU"})
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences in one batch at most"})
-    max_num_batched_tokens: int = field(default=2048, metadata={
-        "help": "token budget of one step, shared by decodes and prefill chunks"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "token budget of one step, shared by decodes and prefill chunks; default 2048 "
+                "on CUDA, on a CPU 256 per compute thread within [512, 2048]"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse KV blocks of identical prompt prefixes"})
     preemption_mode: str = field(default="recompute", metadata={"choices": PREEMPTION_MODES})
@@ -99,7 +100,8 @@ class EngineArgs:
         if self.block_size & (self.block_size - 1) or not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
         check_int("max_num_seqs", self.max_num_seqs, lo=1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
+        if self.max_num_batched_tokens is not None:
+            check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
         check_int("swap_space", self.swap_space, lo=0)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, lo=1)

@@ -37,6 +37,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+# The step's token budget when none is given. On CUDA a 2,048-token step takes tens of
+# milliseconds. On a CPU it takes seconds on few cores (5.5 s on a 2-core EPYC VM, SmolLM2),
+# and every running stream waits that long for its next token while a prompt prefills, so the
+# budget follows the compute threads: 256 tokens each, within [512, 2048]. On that 2-core
+# machine, 512-token steps ran the offline benchmark as fast as 2,048 (102.5 vs 97-99 tok/s),
+# cut prefix_cache.py's mean TTFT with caching on from ~10 to 8.5 s, and cost an 8,000-token
+# prompt 5-20% of its prefill (more, shorter steps). benchmarks/README has the figures.
+CUDA_STEP_BUDGET = 2048
+CPU_STEP_BUDGET_PER_THREAD = 256
+CPU_STEP_BUDGET_RANGE = (512, 2048)
+
+
+def default_step_budget(device: torch.device, num_threads: int) -> int:
+    """max_num_batched_tokens when the user gave none (see above)."""
+    if device.type == "cuda":
+        return CUDA_STEP_BUDGET
+    lo, hi = CPU_STEP_BUDGET_RANGE
+    return min(hi, max(lo, CPU_STEP_BUDGET_PER_THREAD * num_threads))
+
+
 def triton_available(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return _importable("triton")

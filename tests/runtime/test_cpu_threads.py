@@ -151,6 +151,31 @@ def test_engine_takes_num_threads_and_logs(tmp_path, smollm_tokenizer, caplog):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("device,threads,budget", [
+    ("cpu", 1, 512), ("cpu", 2, 512), ("cpu", 4, 1024), ("cpu", 6, 1536), ("cpu", 8, 2048),
+    ("cpu", 64, 2048), ("cuda", 2, 2048)])
+def test_step_budget_follows_the_compute_threads_on_a_cpu(device, threads, budget):
+    from quire.platform import default_step_budget
+    assert default_step_budget(torch.device(device), threads) == budget
+
+
+def test_engine_resolves_the_step_budget_unless_given(tmp_path, smollm_tokenizer, caplog):
+    from quire import LLM
+    path = save_tiny_model(str(tmp_path / "tiny"), tiny_config("llama"), smollm_tokenizer)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="quire.engine.engine"):
+            llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, num_threads=3)
+        assert llm.engine.args.max_num_batched_tokens == 768
+        assert llm.engine.scheduler.max_num_batched_tokens == 768
+        assert "768 tokens per step" in caplog.text
+        given = LLM(path, dtype="float32", kv_cache_memory=4 << 20, num_threads=3,
+                    max_num_batched_tokens=96)
+        assert given.engine.scheduler.max_num_batched_tokens == 96
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cli_has_the_flag():
     import argparse
 

@@ -10,6 +10,7 @@ search becomes a beam group (see request.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -39,7 +40,7 @@ from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
 from quire.outputs import RequestOutput, TokenLogprobs
-from quire.platform import resolve_device, resolve_dtype
+from quire.platform import default_step_budget, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
 from quire.structured.manager import StructuredOutputManager
 from quire.validation import check_int
@@ -56,10 +57,13 @@ PromptType = str | Sequence[int] | dict
 class LLMEngine:
     def __init__(self, args: EngineArgs, serving: bool = False) -> None:
         """`serving`: an HTTP server's event loop shares the CPUs (cpu_threads.py)."""
-        self.args = args
         self.num_threads = configure_threads(args.num_threads, serving)
         t0 = time.perf_counter()
         self.device = resolve_device(args.device)
+        if args.max_num_batched_tokens is None:  # the engine's args say what it runs with
+            args = dataclasses.replace(args, max_num_batched_tokens=default_step_budget(
+                self.device, self.num_threads))
+        self.args = args
         source = resolve_model(args.model, args.revision, args.download_dir)
         source = materialize(source, args.quantization)  # a GGUF becomes its cached folder
         self.model_name = source.name
@@ -103,9 +107,10 @@ class LLMEngine:
         self._aborted_outputs: list[RequestOutput] = []
         self.beam_groups: dict[str, BeamSearchGroup] = {}
         self._ids = itertools.count()
-        logger.info("loaded %s (%s, %s, attention %s) in %.1fs", self.model_name,
-                    cfg.architecture, str(self.dtype).removeprefix("torch."),
-                    self.attention_backend, time.perf_counter() - t0)
+        logger.info("loaded %s (%s, %s, attention %s, %d tokens per step) in %.1fs",
+                    self.model_name, cfg.architecture, str(self.dtype).removeprefix("torch."),
+                    self.attention_backend, args.max_num_batched_tokens,
+                    time.perf_counter() - t0)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op at size 1); safe to call twice."""
