@@ -138,17 +138,20 @@ def test_configure_sets_torch_and_logs(caplog, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_engine_takes_num_threads_and_logs(tmp_path, smollm_tokenizer, caplog):
-    from quire import LLM
-    path = save_tiny_model(str(tmp_path / "tiny"), tiny_config("llama"), smollm_tokenizer)
+@pytest.fixture
+def tiny_llama(tmp_path, smollm_tokenizer):
+    """A tiny model's folder; torch's thread count, which engines set, is put back after."""
     before = torch.get_num_threads()
-    try:
-        with caplog.at_level(logging.INFO, logger="quire.cpu_threads"):
-            llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, num_threads=1)
-        assert llm.engine.num_threads == 1 and torch.get_num_threads() == 1
-        assert "--num-threads 1" in caplog.text
-    finally:
-        torch.set_num_threads(before)
+    yield save_tiny_model(str(tmp_path / "tiny"), tiny_config("llama"), smollm_tokenizer)
+    torch.set_num_threads(before)
+
+
+def test_engine_takes_num_threads_and_logs(tiny_llama, caplog):
+    from quire import LLM
+    with caplog.at_level(logging.INFO, logger="quire.cpu_threads"):
+        llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=4 << 20, num_threads=1)
+    assert llm.engine.num_threads == 1 and torch.get_num_threads() == 1
+    assert "--num-threads 1" in caplog.text
 
 
 @pytest.mark.parametrize("device,threads,budget", [
@@ -159,21 +162,16 @@ def test_step_budget_follows_the_compute_threads_on_a_cpu(device, threads, budge
     assert default_step_budget(torch.device(device), threads) == budget
 
 
-def test_engine_resolves_the_step_budget_unless_given(tmp_path, smollm_tokenizer, caplog):
+def test_engine_resolves_the_step_budget_unless_given(tiny_llama, caplog):
     from quire import LLM
-    path = save_tiny_model(str(tmp_path / "tiny"), tiny_config("llama"), smollm_tokenizer)
-    before = torch.get_num_threads()
-    try:
-        with caplog.at_level(logging.INFO, logger="quire.engine.engine"):
-            llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, num_threads=3)
-        assert llm.engine.args.max_num_batched_tokens == 768
-        assert llm.engine.scheduler.max_num_batched_tokens == 768
-        assert "768 tokens per step" in caplog.text
-        given = LLM(path, dtype="float32", kv_cache_memory=4 << 20, num_threads=3,
-                    max_num_batched_tokens=96)
-        assert given.engine.scheduler.max_num_batched_tokens == 96
-    finally:
-        torch.set_num_threads(before)
+    with caplog.at_level(logging.INFO, logger="quire.engine.engine"):
+        llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=4 << 20, num_threads=3)
+    assert llm.engine.args.max_num_batched_tokens == 768
+    assert llm.engine.scheduler.max_num_batched_tokens == 768
+    assert "768 tokens per step" in caplog.text
+    given = LLM(tiny_llama, dtype="float32", kv_cache_memory=4 << 20, num_threads=3,
+                max_num_batched_tokens=96)
+    assert given.engine.scheduler.max_num_batched_tokens == 96
 
 
 def test_cli_has_the_flag():
