@@ -41,9 +41,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 # milliseconds. On a CPU it takes seconds on few cores (5.5 s on a 2-core EPYC VM, SmolLM2),
 # and every running stream waits that long for its next token while a prompt prefills, so the
 # budget follows the compute threads: 256 tokens each, within [512, 2048]. On that 2-core
-# machine, 512-token steps ran the offline benchmark as fast as 2,048 (102.5 vs 97-99 tok/s),
-# cut prefix_cache.py's mean TTFT with caching on from ~10 to 8.5 s, and cost an 8,000-token
-# prompt 5-20% of its prefill (more, shorter steps). benchmarks/README has the figures.
+# machine, 512-token steps ran the offline benchmark about as fast as 2,048 (91-103 against
+# 97-99 tok/s across runs), cut prefix_cache.py's mean TTFT with caching on from 9.5-13.2 s
+# to 8.5-10.4 s, and cost an 8,000-token prompt 5-20% of its prefill (more, shorter steps).
+# benchmarks/README has the figures.
 CUDA_STEP_BUDGET = 2048
 CPU_STEP_BUDGET_PER_THREAD = 256
 CPU_STEP_BUDGET_RANGE = (512, 2048)

@@ -308,21 +308,17 @@ inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
   return correction;
 }
 
-// Extend (prefill chunks over a cached prefix): a tile of up to kTileRows consecutive query
-// rows of one sequence walks the context block by block, every row of the tile attending to
-// the same K/V block while it sits in L1. Row by row, each would stream the whole context
-// from memory again.
-constexpr int kTileRows = 16;
-
+// One query row's state while it walks its context: its G query heads and their output
+// accumulators in registers, the online softmax's running max and sum.
 template <int G, int C>
-struct TileRow {
+struct RowState {
   __m256 q[G][C];
   __m256 acc[G][C];
   float m[G], l[G];
 };
 
 template <typename T, int G, int C>
-inline void tile_row_block(TileRow<G, C>& st, const T* kb, const T* vb, int t0, int n,
+inline void row_block(RowState<G, C>& st, const T* kb, const T* vb, int t0, int n,
                            int64_t row_stride) {
   alignas(32) float s[G][16];
   for (int g = 0; g < G; ++g) {
@@ -361,9 +357,13 @@ inline void tile_row_block(TileRow<G, C>& st, const T* kb, const T* vb, int t0, 
   }
 }
 
-
-// rows[r] / lens[r] for r < count: one sequence's consecutive query rows (lens ascending by
-// one); q and out point at this KV head's first query head of row 0.
+// bfloat16 rows [0, n) of a K or V block widened once into float32 rows of C * 8 (every
+// query head, and every row of a tile, would widen them again)
+template <typename T, int C>
+inline void widen_rows(const T* src, int64_t row_stride, int n, float* dst) {
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < C; ++c) _mm256_store_ps(dst + (t * C + c) * 8, load8(src + t * row_stride + c * 8));
+}
 
 // One query row (a decode step's, or a tile of one) walks its context block by block: its G
 // query heads and their accumulators stay in registers, scores are per-key dot products.
@@ -371,7 +371,7 @@ template <typename T, int G, int C>
 void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
                   int len, int lo, int64_t block_stride, int64_t row_stride,
                   int64_t q_head_stride, float scale) {
-  TileRow<G, C> st;
+  RowState<G, C> st;
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
       st.q[g][c] = _mm256_mul_ps(load8(q + g * q_head_stride + c * 8), _mm256_set1_ps(scale));
@@ -380,7 +380,6 @@ void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     st.m[g] = -std::numeric_limits<float>::infinity();
     st.l[g] = 0.f;
   }
-  // bfloat16 K/V rows are widened once per block into float32 here
   alignas(32) float kf[std::is_same_v<T, float> ? 1 : 16 * C * 8];
   alignas(32) float vf[std::is_same_v<T, float> ? 1 : 16 * C * 8];
   for (int first = lo / 16 * 16; first < len; first += 16) {
@@ -389,14 +388,11 @@ void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     const T* vb = v_cache + phys * block_stride;
     const int t0 = std::max(first, lo) - first, n = std::min(16, len - first);
     if constexpr (std::is_same_v<T, float>) {
-      tile_row_block<float, G, C>(st, kb, vb, t0, n, row_stride);
+      row_block<float, G, C>(st, kb, vb, t0, n, row_stride);
     } else {
-      for (int t = 0; t < n; ++t)
-        for (int c = 0; c < C; ++c) {
-          _mm256_store_ps(kf + (t * C + c) * 8, load8(kb + t * row_stride + c * 8));
-          _mm256_store_ps(vf + (t * C + c) * 8, load8(vb + t * row_stride + c * 8));
-        }
-      tile_row_block<float, G, C>(st, kf, vf, t0, n, C * 8);
+      widen_rows<T, C>(kb, row_stride, n, kf);
+      widen_rows<T, C>(vb, row_stride, n, vf);
+      row_block<float, G, C>(st, kf, vf, t0, n, C * 8);
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -407,7 +403,6 @@ void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
   }
 }
 
-// kt[d][t] = key t's dimension d for t < n, 0 past n: 8 x 8 transposes in registers
 inline void transpose8(__m256 (&r)[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -423,6 +418,7 @@ inline void transpose8(__m256 (&r)[8]) {
   r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
+// kt[d][t] = key t's dimension d for t < n, 0 past n: 8 x 8 transposes in registers
 template <typename T, int D>
 inline void transpose_keys(const T* kb, int64_t row_stride, int n, float (*kt)[16]) {
   for (int h = 0; h < 2; ++h)
@@ -435,11 +431,7 @@ inline void transpose_keys(const T* kb, int64_t row_stride, int n, float (*kt)[1
     }
 }
 
-// A tile of two or more rows, GEMM-shaped: its count * G query vectors meet each
-// K/V block together. The block's keys are transposed once (kt[d] holds dimension d of its 16
-// keys), so scores are outer-product FMAs, six query vectors by 16 keys in 12 accumulators,
-// with no horizontal sums; P @ V is the same shape, six query vectors by 16 dimensions. Each
-// K/V element loaded feeds up to six query vectors instead of one.
+// Scores of J query vectors against a block's 16 transposed keys, 2 x J accumulators
 template <int J, int D>
 inline void scores6(const float (*qs)[D], const float (*kt)[16], float (*s)[16]) {
   __m256 a[J][2];
@@ -499,6 +491,16 @@ inline void by_six(int q0, int q1, F f) {
   }
 }
 
+// Extend (prefill chunks over a cached prefix, or fresh): a tile of up to kTileRows
+// consecutive query rows of one sequence walks the context block by block, GEMM-shaped: its
+// count * G query vectors meet each K/V block together. The block's keys are transposed once
+// (kt[d] holds dimension d of its 16 keys), so scores are outer-product FMAs, six query
+// vectors by 16 keys in 12 accumulators, with no horizontal sums; P @ V is the same shape, six
+// query vectors by 16 dimensions. Each K/V element loaded feeds up to six query vectors.
+// rows[r] / lens[r] for r < count: the tile's rows (lens ascending by one); q and out point
+// at this KV head's first query head of row 0.
+constexpr int kTileRows = 16;
+
 template <typename T, int G, int C>
 void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
                   const int32_t* rows, const int32_t* lens, int count, int window,
@@ -548,8 +550,7 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     if constexpr (std::is_same_v<T, float>) {
       v = vb;
     } else {
-      for (int t = 0; t < n; ++t)
-        for (int c = 0; c < C; ++c) _mm256_store_ps(vf + t * D + c * 8, load8(vb + t * row_stride + c * 8));
+      widen_rows<T, C>(vb, row_stride, n, vf);
       v = vf;
       v_stride = D;
     }
