@@ -55,6 +55,12 @@ class Load:
             self.sent += 1
 
 
+def _autoscaler(cluster) -> dict:
+    """The autoscaler's record in the LLMDeployment's status: empty until the operator's first
+    status write (a resource just created has no status at all)."""
+    return (cluster.llmd("chat").get("status") or {}).get("autoscaler") or {}
+
+
 def test_scales_up_under_load_and_down_after_the_window(cluster):
     port = free_port(*POD_IPS)
     with start_runtime_pods(POD_IPS, port), running_operator():
@@ -65,15 +71,14 @@ def test_scales_up_under_load_and_down_after_the_window(cluster):
         with DeploymentController(cluster, "chat", POD_IPS) as controller:
             wait_for(lambda: len(controller.pods()) == 1, what="the first pod")
             # Idle: the autoscaler scrapes an empty queue and stays at minReplicas.
-            wait_for(lambda: (cluster.llmd("chat")["status"].get("autoscaler") or {}).get("reason"),
-                     what="a first autoscaler decision")
+            wait_for(lambda: _autoscaler(cluster).get("reason"), what="a first autoscaler decision")
             assert cluster.llmd("chat")["spec"]["replicas"] == 1
 
             with Load(controller, port) as load:
                 wait_for(lambda: cluster.llmd("chat")["spec"]["replicas"] == 2, timeout=20, what="scale-up")
                 # The decision is recorded in status just after the replicas change.
-                scaled_up = wait_for(lambda: (a := cluster.llmd("chat")["status"].get("autoscaler") or {})
-                                     .get("lastScaleTime") and a, what="the recorded decision")
+                scaled_up = wait_for(lambda: (a := _autoscaler(cluster)).get("lastScaleTime") and a,
+                                     what="the recorded decision")
                 wait_for(lambda: len(controller.pods()) == 2, what="the second pod")
                 # 16 clients keep ~6 requests waiting per pod, 3× the target even at two pods:
                 # the autoscaler keeps asking for more than maxReplicas, and must stay at 2.
