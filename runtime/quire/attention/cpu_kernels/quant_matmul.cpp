@@ -105,9 +105,12 @@ inline void load_sint4(const uint8_t* p, V& even, V& odd) {  // signed nibbles
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 constexpr int kTile = 2;    // 16 registers: accumulators of two 8-lane halves each
-// an expanded block needs no registers for unpacking: 4 rows of x are 8 accumulator chains,
-// as many as FMA latency x throughput asks for (2 rows left the FMA units half idle)
-constexpr int kExpandedTile = 4;
+// an expanded block needs no registers for unpacking: 6 rows of x are 12 accumulators, plus
+// the two halves of w and a broadcast x: 15 of the 16 registers (BLIS's 6 x 16 AVX2 shape).
+// On the 2-core AVX2 EPYC (builds of each tile size called in turn on the same weights,
+// bit-identical outputs) 6 rows ran 1.5-1.8x faster than 4 at M = 8-512; 5 was no better
+// than 4, and 7 and 8 (spilling) in between.
+constexpr int kExpandedTile = 6;
 constexpr int kChains = 4;  // at M = 1: 4 x (lo, hi) = 8 chains, FMA latency x 2 pipes
 struct V {
   __m256 lo, hi;
@@ -426,10 +429,10 @@ void row_block_tile(int mt, const X* x, const float* xsum, const Weight& w, int6
 #if defined(__AVX512F__) || defined(__AVX2__)
     case 3: row_block<Form, S, 3>(x, xsum, w, block, e, out); break;
     case 4: row_block<Form, S, 4>(x, xsum, w, block, e, out); break;
-#endif
-#if defined(__AVX512F__)
     case 5: row_block<Form, S, 5>(x, xsum, w, block, e, out); break;
     case 6: row_block<Form, S, 6>(x, xsum, w, block, e, out); break;
+#endif
+#if defined(__AVX512F__)
     case 7: row_block<Form, S, 7>(x, xsum, w, block, e, out); break;
     case 8: row_block<Form, S, 8>(x, xsum, w, block, e, out); break;
 #endif
@@ -571,53 +574,6 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
                               const PackedArgs* w) {
   return quire_quant_linear(x, y, M, dtype, threads, w->form, w->half, w->q, w->scales,
                             w->offsets, w->N, w->K, w->G);
-}
-
-// W^T [K][N] in float32: the values the kernel multiplies by, for a matmul library to take
-// at large M where its GEMM beats this kernel (AVX2: no bfloat16 dot product). Returns 0.
-int quire_quant_dequantize_t(const PackedArgs* w, float* out, int threads) {
-  const int64_t N = w->N, K = w->K, G = w->G, groups = K / G;
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  const int64_t block_bytes = (w->form == kInt8 ? K : K / 2) * kRows;
-#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* q = static_cast<const uint8_t*>(w->q) + b * block_bytes;
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, N - b * kRows));
-    alignas(64) float last[kRows];  // a partial block's rows go through here (no overrun)
-    const auto store = [&](int64_t k, V value) {
-      if (rows == kRows) {
-        vstore(out + k * N + b * kRows, value);
-      } else {
-        vstore(last, value);
-        std::memcpy(out + k * N + b * kRows, last, rows * sizeof(float));
-      }
-    };
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = (b * groups + g) * kRows;
-      V s, o = vzero();
-      if (w->half) {
-        s = vload(static_cast<const uint16_t*>(w->scales) + at);
-        if (w->form == kInt4Zero || w->form == kInt4Min)
-          o = vload(static_cast<const uint16_t*>(w->offsets) + at);
-      } else {
-        s = vload(static_cast<const float*>(w->scales) + at);
-        if (w->form == kInt4Zero || w->form == kInt4Min)
-          o = vload(static_cast<const float*>(w->offsets) + at);
-      }
-      for (int64_t k = g * G; k < (g + 1) * G; k += w->form == kInt8 ? 1 : 2) {
-        if (w->form == kInt8) {
-          store(k, vfma(load_int8(q + k * kRows), s, o));
-          continue;
-        }
-        V even, odd;  // q (INT4_MIN) or q - 8 (stored XOR 8)
-        if (w->form == kInt4Min) load_int4(q + (k / 2) * kRows, even, odd);
-        else load_sint4(q + (k / 2) * kRows, even, odd);
-        store(k, vfma(even, s, o));
-        store(k + 1, vfma(odd, s, o));
-      }
-    }
-  }
-  return 0;
 }
 
 // Reads `bytes` (a multiple of 64) once with `threads` threads and returns a checksum: the

@@ -16,16 +16,16 @@ only where float32 rounds differs (tests/runtime/test_quant_matmul.py states the
 `available()` says whether the native library runs here; without it the same calls take a
 torch path (dequantize, then matmul): slower, same semantics.
 
-One kernel serves every M (measured on the 2-core AVX-512 EPYC, one thread, with
-benchmarks/quant_matmul.py). At M = 1 it reads weights faster than torch's own int4 and int8
-kernels. Beyond 8 rows of x it expands each 16-row block's integers once into a per-thread
-scratch that every 8-row tile reuses (for bfloat16 x as exact bfloat16 integers, for the
-AVX512-BF16 dot product): at M = 32 and 512, int4 and int8 with bfloat16 x run within
-0.8-1x of dense bfloat16 F.linear, and with float32 x ahead of float32 F.linear. Without
-AVX-512 (an AVX2-only CPU runs float32 activations: its bfloat16 is emulated) the kernel's
-float32 sums lag torch's tuned GEMM at prefill sizes, so from DENSE_GEMM_MIN_ROWS rows of
-float32 x the weight is dequantized natively into a transient float32 W^T (the exact values
-the kernel multiplies by) and torch.mm takes it; nothing dense is kept between calls.
+One kernel serves every M. At M = 1 it reads weights faster than torch's own int4 and int8
+kernels (the 2-core AVX-512 EPYC, one thread, benchmarks/quant_matmul.py). Beyond 2 rows of
+x (AVX2; 8 with AVX-512) it expands each 16-row block's integers once into a per-thread
+scratch that every tile of x rows reuses (for bfloat16 x as exact bfloat16 integers, for the
+AVX512-BF16 dot product). On the AVX-512 EPYC at M = 32 and 512, int4 and int8 with bfloat16
+x ran within 0.8-1x of dense bfloat16 F.linear, with float32 x ahead of float32 F.linear. On
+the AVX2-only EPYC (float32 activations: its bfloat16 is emulated) the 6-row tiles run
+ahead of float32 F.linear at every M from 32 to 1024 (2026-11-26: 28.6 against 30.7 ms for
+one SmolLM2 layer's four matmuls at M = 512, 4.0 against 5.8 at M = 64), so no M goes to a
+dequantized copy and a matmul library.
 """
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
     lib.quire_quant_linear_packed.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p]
-    lib.quire_quant_dequantize_t.restype = ctypes.c_int
-    lib.quire_quant_dequantize_t.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
     lib.quire_stream_read.restype = ctypes.c_uint64
     lib.quire_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -97,7 +95,7 @@ class PackedWeight:
     every value is exactly one, else float32."""
 
     __slots__ = ("form", "bits", "n", "k", "group", "qweight", "scales", "offsets", "_march",
-                 "_struct", "_address", "_fn", "_dequantize_t")
+                 "_struct", "_address", "_fn")
 
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
@@ -111,9 +109,6 @@ class PackedWeight:
         self._address = ctypes.addressof(self._struct)  # what each call passes
         lib = _library(march)
         self._fn = lib.quire_quant_linear_packed if lib is not None else None
-        # without AVX-512 the kernel's float32 sums lag a tuned GEMM at prefill sizes
-        self._dequantize_t = (lib.quire_quant_dequantize_t if lib is not None
-                              and not isa(march).startswith("avx512") else None)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -231,9 +226,6 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
             and x.shape[1] == packed.k and packed.bits == bits):
         if not x.is_contiguous():
             x = x.contiguous()
-        if (code == 0 and packed._dequantize_t is not None
-                and x.shape[0] >= DENSE_GEMM_MIN_ROWS):
-            return _dense_gemm(x, packed)
         y = torch.empty((x.shape[0], packed.n), dtype=x.dtype)
         fn(x.data_ptr(), y.data_ptr(), x.shape[0], code, torch.get_num_threads(), packed._address)
         return y
@@ -249,21 +241,6 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
     if x.shape[1] != packed.k:
         raise ValueError(f"x must have shape [M, {packed.k}], got {list(x.shape)}")
     return (x.float() @ dequantize(packed).T).to(x.dtype)  # no library: the torch path
-
-
-# From this many rows of float32 x on a CPU without AVX-512, the weight is dequantized into a
-# float32 scratch W^T (its exact kernel values) and torch's GEMM takes it: on the 2-core
-# AVX2 EPYC (benchmarks/quant_matmul.py --dtype float32) this kernel took 1.1-2x the time of
-# float32 F.linear at M = 128 and 512, the dequantize-then-GEMM path about the same as it;
-# at M = 32 the kernel and F.linear were even. (AVX-512 builds keep the kernel: there it
-# is ahead of float32 F.linear.) Nothing is kept: the scratch is freed with the call.
-DENSE_GEMM_MIN_ROWS = 128
-
-
-def _dense_gemm(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    weight_t = torch.empty((packed.k, packed.n), dtype=torch.float32)
-    packed._dequantize_t(packed._address, weight_t.data_ptr(), torch.get_num_threads())
-    return torch.mm(x, weight_t)
 
 
 def int8_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
