@@ -320,7 +320,7 @@ struct RowState {
 // The rows of the block after this one that this work item will read, asked into L2 a key
 // at a time while this block is summed. The block table scatters blocks, and a KV head's
 // slice of each row (a third of it for SmolLM2) breaks the hardware prefetcher's streams:
-// without this a decode step waited on memory for most of its K/V (1.7-1.8x slower on the
+// without this a decode step waited on memory for most of its K/V (1.6-1.8x slower on the
 // AVX2 EPYC). L2, not L1: a block's worth of requests at once would overrun L1's queue.
 struct NextBlock {
   const char* k = nullptr;  // null: no next block

@@ -94,14 +94,13 @@ class PackedWeight:
     INT4_MIN (w = q s + m); `offsets` holds z or m; scales and offsets are float16 where
     every value is exactly one, else float32."""
 
-    __slots__ = ("form", "bits", "n", "k", "group", "qweight", "scales", "offsets", "_march",
-                 "_struct", "_address", "_fn")
+    __slots__ = ("form", "bits", "n", "k", "group", "qweight", "scales", "offsets", "_struct",
+                 "_address", "_fn")
 
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
         self.bits = 8 if form == INT8 else 4
         self.qweight, self.scales, self.offsets = qweight, scales, offsets
-        self._march = march
         self._struct = _PackedArgs(form, scales.dtype == torch.float16, qweight.data_ptr(),
                                    scales.data_ptr(),
                                    offsets.data_ptr() if offsets is not None else None,
