@@ -63,24 +63,44 @@ def table(args, bench) -> None:
 def sweep(args, bench) -> None:
     from quire.layers import quant_formats as qf
     from quire.layers import triton_quant
-    print("\ngemv tiles at M = 1 (split_k automatic)")
+    print("\ngemv tiles at M = 1 (split_k automatic; int4 tiles wider than a group load each "
+          "row's scale and zero once per group)")
     print(f"{'shape':>8} {'kind':>10} {'block_n':>8} {'block_k':>8} {'us':>8} {'GB/s':>6}")
     for name in ("qkv", "gate_up"):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda") * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         kinds = {"int8": (*qf.quantize_int8(w), None)}
-        for group in (32, 64, 128) if name == "gate_up" else ():
-            kinds[f"int4 g{group}"] = qf.quantize_int4(w, group)
+        if name == "gate_up":
+            kinds[f"int4 g{args.group}"] = qf.quantize_int4(w, args.group)
         for kind, qsz in kinds.items():
             tiles = ([(bn, bk) for bn in (4, 8, 16) for bk in (256, 512, 1024)]
                      if kind == "int8" else
-                     [(bn, bk) for bn in (4, 8, 16) for bk in (32, 64, 128, 256)])
+                     [(bn, bk) for bn in (4, 8, 16, 32) for bk in (32, 128, 256, 512, 1024)])
             for block_n, block_k in tiles:
                 us = bench(partial(triton_quant.gemv, x, *qsz, block_n=block_n,
                                    block_k=block_k))
                 print(f"{name:>8} {kind:>10} {block_n:>8} {block_k:>8} {us:>8.1f} "
                       f"{nbytes(*qsz) / us / 1e3:>6.0f}")
+    n, k = SHAPES["gate_up"]
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q4 = qf.quantize_int4(w, args.group)
+    print(f"\nint4 g{args.group} gate_up: fused-fast tiles (batched decode) and the dequantize "
+          f"kernel's K tile (prefill)")
+    print(f"{'kernel':>12} {'M':>4} {'block_n':>8} {'block_k':>8} {'us':>8} {'GB/s':>6}")
+    for m in (8, 32):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for block_n in (32, 64, 128):
+            for block_k in (32, 64, 128, 256):
+                us = bench(partial(triton_quant.fused, x, *q4, fast=True, block_n=block_n,
+                                   block_k=block_k))
+                print(f"{'fused-fast':>12} {m:>4} {block_n:>8} {block_k:>8} {us:>8.1f} "
+                      f"{nbytes(*q4) / us / 1e3:>6.0f}")
+    for block_k in (32, 64, 128, 256):
+        us = bench(partial(triton_quant.dequantize, *q4, dtype=torch.bfloat16,
+                           block_k=block_k))
+        print(f"{'dequant':>12} {'-':>4} {4096 // block_k:>8} {block_k:>8} {us:>8.1f} "
+              f"{nbytes(*q4) / us / 1e3:>6.0f}")
 
 
 def main() -> int:

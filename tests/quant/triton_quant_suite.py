@@ -48,10 +48,11 @@ def assert_within_bound(got, x, dense, dtype, rounds_weights: bool):
     assert (excess <= 0).all(), f"off by up to {excess.max().item():.3g} beyond the bound"
 
 
-# (kind, group, K): per-channel int8 on a K that is no power of two, small groups, and int4
-# groups below, at and above the kernels' K tiles
-WEIGHTS = [("int8", None, 128), ("int8", None, 192), ("int8", 16, 128), ("int4", 32, 128),
-           ("int4", 64, 192), ("int4", 128, 512)]
+# (kind, group, K): per-channel int8 on a K that is no power of two, small groups (48: no
+# power of two, so no tile holds whole groups: per-weight scale loads), and int4 groups
+# below, at and above the kernels' K tiles
+WEIGHTS = [("int8", None, 128), ("int8", None, 192), ("int8", 16, 128), ("int8", 48, 192),
+           ("int4", 32, 128), ("int4", 64, 192), ("int4", 128, 512)]
 # (dtype, path, rows of x): the gemv at one row and at its most; the others at a partial and
 # a multiple-tile M
 PATHS = [(torch.float32, "gemv", 1), (torch.float16, "gemv", 5), (torch.float32, "dequant", 5),
@@ -88,8 +89,7 @@ def test_gemv_split_k_sums_the_slices_in_order(kind, group, k, split_k, block_k)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_auto_path_at_every_row_count_boundary(dtype):
-    """gemv for one row; fused tl.dot for batched decode (fp16/bf16 x); dequantize + matmul
-    above, and for fp32 x."""
+    """gemv for one row; dequantize + matmul beyond it (int4)."""
     torch.manual_seed(0)
     (q, s, z), dense = quantized("int4", 32, 24, 64)
     for m in (1, 2, triton_quant.FUSED_MAX_M, triton_quant.FUSED_MAX_M + 1):
@@ -104,7 +104,8 @@ def test_auto_path_follows_the_measured_winners():
     assert pick(1, 4096, False, bf16) == pick(1, 4096, True, fp32) == "gemv"
     assert pick(8, 28672, False, bf16) == "fused-fast"   # int8, many columns
     assert pick(8, 4096, False, bf16) == "dequant"       # int8, few columns
-    assert pick(64, 4096, True, bf16) == "fused-fast"    # int4 dequantizes slowly
+    assert pick(2, 28672, True, bf16) == "dequant"       # int4: dequantize + cuBLAS
+    assert pick(64, 4096, True, bf16) == "dequant"
     assert pick(65, 28672, True, bf16) == "dequant"      # prefill
     assert pick(8, 28672, False, fp32) == "dequant"      # fp32: exact weights, IEEE GEMM
 
@@ -129,6 +130,24 @@ def test_dequantize_kernel_writes_the_reference_values():
             else:
                 eps = torch.finfo(dtype).eps
                 torch.testing.assert_close(got, want, rtol=eps, atol=eps * dense.abs().max())
+
+
+@pytest.mark.parametrize("group,k", [(32, 512), (64, 192)])
+@pytest.mark.parametrize("block_k", [64, 256])
+def test_tiles_of_several_whole_groups_load_each_groups_scale_once(group, k, block_k):
+    """A K tile spanning 2-8 groups (the last one past K on K = 192: its scales are masked):
+    every path gives the reference values within the bound."""
+    torch.manual_seed(block_k + group)
+    (q, s, z), dense = quantized("int4", group, 40, k)
+    x = torch.randn(1, k)
+    got = triton_quant.gemv(*on_device(x, q, s, z), block_n=16, block_k=block_k).cpu()
+    assert_within_bound(got, x, dense, torch.float32, rounds_weights=False)
+    x = torch.randn(5, k).to(torch.float16)
+    got = triton_quant.fused(*on_device(x, q, s, z), block_k=block_k).cpu()
+    assert_within_bound(got, x, dense, torch.float16, rounds_weights=False)
+    got = triton_quant.dequantize(*on_device(q, s, z), block_k=block_k).cpu()
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(got, dense, rtol=eps, atol=eps * dense.abs().max())
 
 
 def test_unknown_path_is_a_clear_error():
