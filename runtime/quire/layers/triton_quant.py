@@ -338,7 +338,8 @@ def fused(x: torch.Tensor, qweight, scales, zeros=None, fast: bool = False, *,
     int4 = zeros is not None
     default_n, default_k = fused_tiles(int4, m)
     block_n = block_n or default_n
-    block_k = min(block_k or default_k, max(16, triton.next_power_of_2(k)))
+    # no wider than K needs, and at least 32: int4's dots take half of it, tl.dot at least 16
+    block_k = min(block_k or default_k, max(32, triton.next_power_of_2(k)))
     _fused_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, qweight, scales, zeros if int4 else scales, y, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
