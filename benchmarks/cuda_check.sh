@@ -6,11 +6,20 @@
 # one that hangs costs only its own slot. Logs go to $OUT (or /tmp/cuda_check).
 #
 #     bash benchmarks/cuda_check.sh            # from the repository root; python3 holds torch
+#
+# The GPU image has no llguidance: put its wheel (manylinux, abi3) in .whl/ and carry that
+# folder; this script installs what is there.
 set -u
 out=${OUT:-/tmp/cuda_check}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONPATH="$PWD/runtime${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# packages the GPU image lacks (llguidance: the engine imports it) travel as wheels in .whl/
+# (benchmarks/README.md, "Triton on a GPU"); nothing can be downloaded there
+if ls .whl/*.whl >/dev/null 2>&1 && ! $py -c "import llguidance" 2>/dev/null; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/cuda_check_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/cuda_check_site"
+fi
 
 step() {  # name, time limit (s), command...
     local name=$1 limit=$2 start=$SECONDS rc
