@@ -99,7 +99,7 @@ def sweep(args, bench) -> None:
     for block_k in (32, 64, 128, 256):
         us = bench(partial(triton_quant.dequantize, *q4, dtype=torch.bfloat16,
                            block_k=block_k))
-        print(f"{'dequant':>12} {'-':>4} {4096 // block_k:>8} {block_k:>8} {us:>8.1f} "
+        print(f"{'dequant':>12} {'-':>4} {'auto':>8} {block_k:>8} {us:>8.1f} "
               f"{nbytes(*q4) / us / 1e3:>6.0f}")
 
 

@@ -137,6 +137,8 @@ def test_dequantize_kernel_writes_the_reference_values():
 def test_tiles_of_several_whole_groups_load_each_groups_scale_once(group, k, block_k):
     """A K tile spanning 2-8 groups (the last one past K on K = 192: its scales are masked):
     every path gives the reference values within the bound."""
+    # the case takes the whole-groups branch, not the per-weight loads
+    assert triton_quant._tile_groups(group, k, block_k) == block_k // group
     torch.manual_seed(block_k + group)
     (q, s, z), dense = quantized("int4", group, 40, k)
     x = torch.randn(1, k)
