@@ -173,6 +173,26 @@ def test_int4_linear_matches_dequantize_then_matmul(march, m, n, k, group, flavo
     _assert_within_bound(y, x, *_int4_exact(qweight, scales, zeros, group))
 
 
+@pytest.mark.parametrize("build", [*MARCHES, "x86-64"])
+@pytest.mark.parametrize("flavour", [*INT4_FLAVOURS, "int8-g32", "int8-channel"])
+def test_expanded_calls_multiply_exactly_the_dequantized_weights(flavour, build):
+    """Beyond one tile of rows the kernel dequantizes each row block once: with one-hot rows of
+    x (M = K, every product but one a zero) y is that weight, which must be dequantize()'s
+    float bit for bit. On the float32 scale-and-offset forms a product rounded before its sum
+    (rather than one FMA, as dequantize's addcmul) gives other floats."""
+    n, k = 37, 128
+    if flavour.startswith("int8"):
+        group = k if flavour == "int8-channel" else 32
+        packed = qm.pack_int8(*_int8_case(n, k, group, seed=5), group, _march=build)
+        linear = qm.int8_linear
+    else:
+        packed = qm.pack_int4(*_int4_case(n, k, 32, seed=5, flavour=flavour), 32, _march=build)
+        linear = qm.int4_linear
+    assert qm._library(build) is not None
+    y = linear(torch.eye(k), packed)
+    assert torch.equal(y, qm.dequantize(packed).T)
+
+
 @pytest.mark.parametrize("flavour", INT4_FLAVOURS)
 def test_each_int4_flavour_packs_to_its_form_with_the_same_weight(flavour):
     qweight, scales, zeros = _int4_case(33, 128, 32, seed=7, flavour=flavour)

@@ -14,11 +14,13 @@
 //   int8  q[block][k][16]       int4  q[block][k / 2][16] (a row's byte: low nibble k even)
 //   scales / offsets [block][k / G][16]
 //
-// Each group is summed exactly as float32 allows: part = sum_k x[k] * q'[k] with q' the small
-// integer (q, or q - 8) converted exactly, then y += s * part (+ offset * sum_k x[k]). Against
-// dequantize-then-matmul that only moves where float32 rounds (see the test's bound); no value
-// is quantized or rounded to a narrower type. Several independent accumulator chains per row
-// of x keep the FMA units busy at M = 1 (one chain would wait on FMA latency).
+// Up to one tile of x rows (decode), each group is summed exactly as float32 allows:
+// part = sum_k x[k] * q'[k] with q' the small integer (q, or q - 8) converted exactly, then
+// y += s * part (+ offset * sum_k x[k]). Beyond it (prefill, batched decode), float32 x
+// multiplies the dequantized weights (expand_block), the same floats as dequantize(). Against
+// dequantize-then-matmul either only moves where float32 rounds (see the test's bound); no
+// value is quantized or rounded to a narrower type. Several independent accumulator chains
+// per row of x keep the FMA units busy at M = 1 (one chain would wait on FMA latency).
 //
 // Vector paths: AVX-512 (16 lanes), AVX2 (two 8-lane halves), plain C++ otherwise; all three
 // share the kernel through the small V type. Where the CPU has AVX512-BF16, bfloat16 x uses
@@ -90,6 +92,7 @@ inline V vload(const uint16_t* p) {  // float16
 }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
 inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline __m512i bytes16(const uint8_t* p, bool sign) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -131,6 +134,7 @@ inline void vstore(float* p, V a) {
   _mm256_storeu_ps(p + 8, a.hi);
 }
 inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V vfma(V a, V b, V c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
@@ -186,6 +190,10 @@ inline V vload(const uint16_t* p) {
 inline void vstore(float* p, V a) { std::memcpy(p, a.f, sizeof a.f); }
 inline V vadd(V a, V b) {
   for (int i = 0; i < kRows; ++i) a.f[i] += b.f[i];
+  return a;
+}
+inline V vmul(V a, V b) {
+  for (int i = 0; i < kRows; ++i) a.f[i] *= b.f[i];
   return a;
 }
 inline V vfma(V a, V b, V c) {
@@ -303,22 +311,45 @@ inline void group_sums(const uint16_t* x, int64_t K, const uint8_t* q, int64_t k
 }
 #endif
 
-// Beyond one tile of x rows (prefill), a row block's q' are expanded once into a per-thread
-// scratch and every tile loads them as they are: float32 [K][16] for the float path,
-// bfloat16 pairs [K / 2][16] for the BF16 one (the same values the tiles would unpack).
-template <int Form, typename X>
+// w = q' * s, or q' * s + offset rounded once (an FMA): the floats dequantize() gives, whose
+// torch.addcmul rounds once too (the test checks them bit for bit).
+inline V dequant(V qv, V s) { return vmul(qv, s); }
+inline V dequant(V qv, V s, V offset) { return vfma(qv, s, offset); }
+
+// Beyond one tile of x rows (prefill, batched decode), a row block is expanded once into a
+// per-thread scratch that every tile loads as it is. The float path stores the dequantized
+// weights, float32 [K][16], the same values as dequantize(): its tiles are then a plain
+// float32 GEMM, with no per-group scale and offset to apply (on the AVX2 EPYC that took
+// ~12% of a prefill-sized call). The BF16 path stores q' as bfloat16 pairs [K / 2][16] and
+// applies each group's scale after its sums, as the streaming path does.
+template <int Form, typename S, typename X>
 void expand_block(const Weight& w, int64_t block, float* scratch) {
   const uint8_t* q = w.q + block * (Form == kInt8 ? w.K : w.K / 2) * kRows;
   if constexpr (std::is_same_v<X, float>) {
-    if (Form == kInt8) {
-      for (int64_t k = 0; k < w.K; ++k) vstore(scratch + k * kRows, load_int8(q + k * kRows));
-    } else {
-      for (int64_t kp = 0; kp < w.K / 2; ++kp) {
+    const int64_t groups = w.K / w.G;
+    const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
+    const S* offsets = w.offsets ? static_cast<const S*>(w.offsets) + block * groups * kRows
+                                 : nullptr;
+    for (int64_t g = 0; g < groups; ++g) {
+      const V s = vload(scales + g * kRows);
+      const int64_t k0 = g * w.G, k1 = k0 + w.G;
+      if (Form == kInt8) {
+        for (int64_t k = k0; k < k1; ++k)
+          vstore(scratch + k * kRows, dequant(load_int8(q + k * kRows), s));
+        continue;
+      }
+      const V z = offsets ? vload(offsets + g * kRows) : vzero();
+      for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp) {
         V even, odd;
         if (Form == kInt4Min) load_int4(q + kp * kRows, even, odd);
         else load_sint4(q + kp * kRows, even, odd);
-        vstore(scratch + 2 * kp * kRows, even);
-        vstore(scratch + (2 * kp + 1) * kRows, odd);
+        if (Form == kInt4Symmetric) {
+          vstore(scratch + 2 * kp * kRows, dequant(even, s));
+          vstore(scratch + (2 * kp + 1) * kRows, dequant(odd, s));
+        } else {
+          vstore(scratch + 2 * kp * kRows, dequant(even, s, z));
+          vstore(scratch + (2 * kp + 1) * kRows, dequant(odd, s, z));
+        }
       }
     }
   } else if constexpr (Form == kInt8) {
@@ -389,6 +420,12 @@ void row_block(const X* x, const float* xsum, const Weight& w, int64_t block,
   const S* offsets = w.offsets ? static_cast<const S*>(w.offsets) + block * groups * kRows
                                : nullptr;
   V acc[MT], part[MT];
+  if constexpr (std::is_same_v<X, float>)
+    if (expanded) {  // dequantized weights: y = x . w over the whole row
+      expanded_sums<MT>(x, w.K, expanded, 0, w.K, acc);
+      for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
+      return;
+    }
   for (int m = 0; m < MT; ++m) acc[m] = vzero();
 #if defined(__AVX512BF16__)
   const __m512i table = nibble_table<Form>();
@@ -486,7 +523,7 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
     for (int64_t b = 0; b < blocks; ++b) {
       alignas(64) float tile[std::max(kTile, kExpandedTile) * kRows];
       const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
-      if (expand) expand_block<Form, X>(w, b, scratch.data());
+      if (expand) expand_block<Form, S, X>(w, b, scratch.data());
       for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
         const int mt = static_cast<int>(std::min<int64_t>(tile_rows, M - m0));
         row_block_tile<Form, S>(mt, x + m0 * w.K, xsum + m0 * groups, w, b,
@@ -553,7 +590,8 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
     for (int64_t i = 0; i < M * K; ++i) copy[i] = bf16_to_float(xb[i]);
     xf = copy.data();
   }
-  if (form == kInt4Zero || form == kInt4Min) {
+  // (float32 x beyond one tile multiplies dequantized weights: no offset term to add)
+  if ((form == kInt4Zero || form == kInt4Min) && (M <= kTile || direct_bf16)) {
     xsum.resize(M * (K / G));
     for (int64_t i = 0; i < M * (K / G); ++i) {
       float sum = 0.f;
