@@ -14,9 +14,9 @@
 //   int8  q[block][k][16]       int4  q[block][k / 2][16] (a row's byte: low nibble k even)
 //   scales / offsets [block][k / G][16]
 //
-// Up to one tile of x rows (decode), each group is summed exactly as float32 allows:
+// Up to kStreamRows rows of x (decode), each group is summed exactly as float32 allows:
 // part = sum_k x[k] * q'[k] with q' the small integer (q, or q - 8) converted exactly, then
-// y += s * part (+ offset * sum_k x[k]). Beyond it (prefill, batched decode), float32 x
+// y += s * part (+ offset * sum_k x[k]). Beyond them (prefill, batched decode), float32 x
 // multiplies the dequantized weights (expand_block), the same floats as dequantize(). Against
 // dequantize-then-matmul either only moves where float32 rounds (see the test's bound); no
 // value is quantized or rounded to a narrower type. Several independent accumulator chains
@@ -80,6 +80,7 @@ constexpr const char* kIsa = "avx512";
 #endif
 constexpr int kTile = 8;    // rows of x per pass over a row block
 constexpr int kExpandedTile = 8;  // the same over an expanded block (prefill)
+constexpr int kStreamRows = kTile;  // calls of up to this many x rows are not expanded
 constexpr int kChains = 4;  // independent accumulators per pass (FMA latency x throughput)
 struct V {
   __m512 v;
@@ -118,6 +119,11 @@ constexpr int kTile = 2;    // 16 registers: accumulators of two 8-lane halves e
 // bit-identical outputs) 6 rows ran 1.5-1.8x faster than 4 at M = 8-512; 5 was no better
 // than 4, and 7 and 8 (spilling) in between.
 constexpr int kExpandedTile = 6;
+// Calls of up to 5 rows of x stream too, in tiles of 2 (the block's bytes stay in L1 for the
+// next tile): expanding every block costs ~10 ms over SmolLM2's 120 int4 matmuls, more than
+// these few rows multiply. On the AVX2 EPYC (builds alternated, medians of 9) M = 3 / 4 / 5
+// ran 18.8 / 21.5 / 14.7 ms expanded and 11.9 / 11.1 / 12.6 streamed; at 6 they tie.
+constexpr int kStreamRows = 5;
 constexpr int kChains = 4;  // at M = 1: 4 x (lo, hi) = 8 chains, FMA latency x 2 pipes
 struct V {
   __m256 lo, hi;
@@ -167,6 +173,7 @@ inline void load_sint4(const uint8_t* p, V& even, V& odd) {
 constexpr const char* kIsa = "scalar";
 constexpr int kTile = 2;
 constexpr int kExpandedTile = 2;
+constexpr int kStreamRows = kTile;
 constexpr int kChains = 2;
 struct V {
   float f[kRows];
@@ -316,7 +323,7 @@ inline void group_sums(const uint16_t* x, int64_t K, const uint8_t* q, int64_t k
 inline V dequant(V qv, V s) { return vmul(qv, s); }
 inline V dequant(V qv, V s, V offset) { return vfma(qv, s, offset); }
 
-// Beyond one tile of x rows (prefill, batched decode), a row block is expanded once into a
+// Beyond kStreamRows rows of x (prefill, batched decode), a row block is expanded once into a
 // per-thread scratch that every tile loads as it is. The float path stores the dequantized
 // weights, float32 [K][16], the same values as dequantize(): its tiles are then a plain
 // float32 GEMM, with no per-group scale and offset to apply (on the AVX2 EPYC that took
@@ -500,18 +507,19 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
   // Calls that expand their blocks (compute-bound) go in dynamic chunks of about 1/8 of a
   // thread's share: on a shared machine a thread that is descheduled mid-call leaves its
-  // remaining chunks to the others instead of stalling the call. Streaming calls (decode:
-  // each weight read once from memory) go in guided chunks: each thread first walks a long
-  // contiguous run of blocks, so its prefetch of the next block (row_block) and the
-  // hardware's streams stay on its own data, while the shrinking tail still balances. On the
-  // 2-core AVX2 EPYC a SmolLM2 decode step's 120 int4 matmuls ran 15-20% faster than in 1/8
-  // chunks (builds alternated); expanded calls ran the same either way. The schedule is set
-  // at run time (schedule(runtime) reads the calling thread's omp_set_schedule) because a
-  // second loop in this function, or this body moved into a helper, changed how the 6-row
-  // tiles were compiled: expanded calls ran 5-100% slower. Each row block is summed by one
-  // thread in one order either way: results don't depend on the schedule.
+  // remaining chunks to the others instead of stalling the call. Streaming calls (decode, up
+  // to kStreamRows rows of x: each weight read once from memory) go in guided chunks: each
+  // thread first walks a long contiguous run of blocks, so its prefetch of the next block
+  // (row_block) and the hardware's streams stay on its own data, while the shrinking tail
+  // still balances. On the 2-core AVX2 EPYC a SmolLM2 decode step's 120 int4 matmuls ran
+  // 15-20% faster than in 1/8 chunks (builds alternated); expanded calls ran the same either
+  // way. The schedule is set at run time (schedule(runtime) reads the calling thread's
+  // omp_set_schedule) because a second loop in this function, or this body moved into a
+  // helper, changed how the 6-row tiles were compiled: expanded calls ran 5-100% slower.
+  // Each row block is summed by one thread in one order either way: results don't depend
+  // on the schedule.
   const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
-  const bool expand = M > kTile;
+  const bool expand = M > kStreamRows;
   const int tile_rows = expand ? kExpandedTile : kTile;
 #if defined(_OPENMP)
   omp_set_schedule(expand ? omp_sched_dynamic : omp_sched_guided, expand ? chunk : 2);
@@ -591,7 +599,7 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
     xf = copy.data();
   }
   // (float32 x beyond one tile multiplies dequantized weights: no offset term to add)
-  if ((form == kInt4Zero || form == kInt4Min) && (M <= kTile || direct_bf16)) {
+  if ((form == kInt4Zero || form == kInt4Min) && (M <= kStreamRows || direct_bf16)) {
     xsum.resize(M * (K / G));
     for (int64_t i = 0; i < M * (K / G); ++i) {
       float sum = 0.f;
