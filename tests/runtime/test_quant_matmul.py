@@ -176,7 +176,7 @@ def test_int4_linear_matches_dequantize_then_matmul(march, m, n, k, group, flavo
 @pytest.mark.parametrize("build", [*MARCHES, "x86-64"])
 @pytest.mark.parametrize("flavour", [*INT4_FLAVOURS, "int8-g32", "int8-channel"])
 def test_expanded_calls_multiply_exactly_the_dequantized_weights(flavour, build):
-    """Beyond one tile of rows the kernel dequantizes each row block once: with one-hot rows of
+    """Beyond a few rows of x the kernel dequantizes each row block once: with one-hot rows of
     x (M = K, every product but one a zero) y is that weight, which must be dequantize()'s
     float bit for bit. On the float32 scale-and-offset forms a product rounded before its sum
     (rather than one FMA, as dequantize's addcmul) gives other floats."""

@@ -449,10 +449,10 @@ void row_block(const X* x, const float* xsum, const Weight& w, int64_t block,
         _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + g * group_bytes + off),
                      _MM_HINT_T0);
 #endif
-    if (expanded) {
-      expanded_sums<MT>(x, w.K, expanded, g * w.G, (g + 1) * w.G, part);
-    } else if constexpr (std::is_same_v<X, float>) {
+    if constexpr (std::is_same_v<X, float>) {  // (an expanded float block returned above)
       group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part);
+    } else if (expanded) {  // bfloat16 pairs of q'
+      expanded_sums<MT>(x, w.K, expanded, g * w.G, (g + 1) * w.G, part);
     } else if constexpr (Form != kInt8) {  // (bfloat16 x with int8 is always expanded)
 #if defined(__AVX512BF16__)
       group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part, table);
@@ -534,7 +534,7 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
       if (expand) expand_block<Form, S, X>(w, b, scratch.data());
       for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
         const int mt = static_cast<int>(std::min<int64_t>(tile_rows, M - m0));
-        row_block_tile<Form, S>(mt, x + m0 * w.K, xsum + m0 * groups, w, b,
+        row_block_tile<Form, S>(mt, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
                                 expand ? scratch.data() : nullptr, tile);
         store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
       }
