@@ -110,8 +110,13 @@ def test_quantize_on_load_method_replaces_the_float_weight(method):
 
 def test_group_that_does_not_divide_the_input_is_refused_by_name():
     layer = _Layer()
-    with pytest.raises(ValueError, match=r"layers.0.test.*group size 64 must divide.*96"):
+    with pytest.raises(ValueError, match=r"layers.0.test.*group size 64 must divide.*96.*"
+                                         r"--quantization-group-size 32 divides it"):
         Int4LinearMethod(64).create_weights(layer, 96, 16, torch.float32)
+    # no allowed group divides 80: the way out is int8 (per channel) or no quantization
+    with pytest.raises(ValueError, match=r"input size 80 .*none of the group sizes 32, 64, 128 "
+                                         r"divides it: use --quantization int8"):
+        Int4LinearMethod(32).create_weights(layer, 80, 16, torch.float32)
 
 
 def test_quantize_on_load_keeps_embedding_and_head_float():

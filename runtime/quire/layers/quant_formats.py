@@ -22,8 +22,12 @@ INT4_GROUP_SIZES = (32, 64, 128)
 
 def check_group(name: str, k: int, group: int) -> None:
     if group <= 0 or k % group:
+        fits = [g for g in INT4_GROUP_SIZES if k % g == 0]
+        hint = (f"--quantization-group-size {' or '.join(map(str, fits))} divides it" if fits
+                else f"none of the group sizes {', '.join(map(str, INT4_GROUP_SIZES))} divides "
+                     "it: use --quantization int8 (per output channel) or none")
         raise ValueError(f"{name}: group size {group} must divide the input size {k} "
-                         "(this rank's shard of it under tensor parallelism)")
+                         f"(this rank's shard of it under tensor parallelism); {hint}")
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None):
