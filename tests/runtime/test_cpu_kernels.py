@@ -98,3 +98,69 @@ def test_quire_cache_dir_means_the_same_to_the_kernel_and_the_loader(monkeypatch
     assert cache_root() is None
     uncached = cpu_kernels._cache_dir()
     assert not uncached.startswith(home) and uncached == cpu_kernels._cache_dir()
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 4, 128), (1, 8, 64)])
+def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, head_dim,
+                                                        march):
+    """Rows whose block tables start with the same blocks (prefix caching) read that prefix
+    once, in tiles, then their own tails, merged by log-sum-exp (the AVX2 build, float32): the
+    same attention as reading each row alone. Groups: six rows sharing 10 blocks, two of which
+    diverge after 6 (so the group shares 6), one whose length caps the shared part; four rows
+    sharing 8 other blocks, one of them one token past them; three rows too few to share;
+    two unrelated rows."""
+    from quire.attention import paged_extend
+    torch.manual_seed(1)
+    bs, num_blocks = 16, 200
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    fresh = iter(range(100, num_blocks))
+    tables, lens = [], []
+
+    def row(prefix: list[int], length: int) -> None:
+        own = [next(fresh) for _ in range(-(-length // bs) - len(prefix))]
+        tables.append((prefix + own)[: -(-length // bs)])
+        lens.append(length)
+
+    shared_a = list(range(10))
+    for length in (10 * bs + 1, 11 * bs + 5, 13 * bs, 7 * bs - 3):
+        row(shared_a, length)
+    for length in (12 * bs + 9, 9 * bs):  # diverge after block 6
+        row(shared_a[:6] + [next(fresh) for _ in range(4)], length)
+    shared_b = list(range(20, 28))
+    for length in (8 * bs + 1, 9 * bs + 2, 15 * bs, 8 * bs + 15):
+        row(shared_b, length)
+    for length in (6 * bs + 3, 7 * bs, 8 * bs + 1):  # only three share these
+        row(list(range(40, 46)), length)
+    row([], 3 * bs + 2)
+    row([], 1)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
+                             _march=march)
+    want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    # where the build tiles this layout, the shared prefixes really went through the tiles:
+    # rows read alone (one call each, no group) sum in another order
+    alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
+                       for i in range(len(lens))])
+    tiled = paged_extend._tiled(kv_heads * group, kv_heads, head_dim, bs, march)
+    avx2_only = " avx2" in _FLAGS and " avx512f" not in _FLAGS
+    assert tiled == (march == "haswell" or (march == "native" and avx2_only))
+    if tiled and dtype == torch.float32:
+        assert not torch.equal(out[:14], alone[:14]), "no shared prefix went through a tile"
+        torch.testing.assert_close(out[14:], alone[14:], atol=0, rtol=0)  # not shared: as alone
+
+
+def _alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i):
+    out = torch.empty_like(q[i:i + 1])
+    cpu_kernels.paged_decode(q[i:i + 1], k_cache, v_cache, out, block_tables[i:i + 1],
+                             seq_lens[i:i + 1], scale, None, _march=march)
+    return out

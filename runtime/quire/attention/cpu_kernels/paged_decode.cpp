@@ -385,10 +385,12 @@ inline void widen_rows(const T* src, int64_t row_stride, int n, float* dst) {
 
 // One query row (a decode step's, or a tile of one) walks its context block by block: its G
 // query heads and their accumulators stay in registers, scores are per-key dot products.
+// lse, where not null: each head's log-sum-exp of its scores (lse[g]), for merging this
+// part of the context with another (a shared prefix's, see cascade below).
 template <typename T, int G, int C>
-void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                  int len, int lo, int64_t block_stride, int64_t row_stride,
-                  int64_t q_head_stride, float scale) {
+void decode_item8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
+                      const int32_t* table, int len, int lo, int64_t block_stride,
+                      int64_t row_stride, int64_t q_head_stride, float scale, float* lse) {
   RowState<G, C> st;
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
@@ -425,7 +427,16 @@ void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     alignas(32) float row[C * 8];
     for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(st.acc[g][c], inv));
     for (int d = 0; d < C * 8; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
+    if (lse) lse[g] = st.m[g] + std::log(st.l[g]);
   }
+}
+
+template <typename T, int G, int C>
+void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  int len, int lo, int64_t block_stride, int64_t row_stride,
+                  int64_t q_head_stride, float scale) {
+  decode_item8_lse<T, G, C>(q, k_cache, v_cache, out, table, len, lo, block_stride, row_stride,
+                            q_head_stride, scale, nullptr);
 }
 
 inline void transpose8(__m256 (&r)[8]) {
@@ -526,18 +537,21 @@ inline void by_six(int q0, int q1, F f) {
 // at this KV head's first query head of row 0.
 constexpr int kTileRows = 16;
 
+// lse, where not null: row rows[r]'s heads' log-sum-exps at lse + rows[r] * lse_stride.
 template <typename T, int G, int C>
-void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                  const int32_t* rows, const int32_t* lens, int count, int window,
-                  int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
-                  int64_t q_head_stride, float scale) {
+void extend_tile8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
+                      const int32_t* table, const int32_t* rows, const int32_t* lens, int count,
+                      int window, int64_t block_stride, int64_t row_stride, int64_t q_stride,
+                      int64_t out_stride, int64_t q_head_stride, float scale, float* lse,
+                      int64_t lse_stride) {
   constexpr int D = C * 8, NQ = kTileRows * G;
   static_assert(D % 16 == 0, "P @ V takes 16 dimensions at a time");
   if (count == 1) {  // a tile of one: the decode row's form, which transposes nothing
     const int lo = window > 0 ? std::max(0, lens[0] - window) : 0;
-    return decode_item8<T, G, C>(q + int64_t(rows[0]) * q_stride, k_cache, v_cache,
-                                 out + int64_t(rows[0]) * out_stride, table, lens[0], lo,
-                                 block_stride, row_stride, q_head_stride, scale);
+    return decode_item8_lse<T, G, C>(q + int64_t(rows[0]) * q_stride, k_cache, v_cache,
+                                     out + int64_t(rows[0]) * out_stride, table, lens[0], lo,
+                                     block_stride, row_stride, q_head_stride, scale,
+                                     lse ? lse + int64_t(rows[0]) * lse_stride : nullptr);
   }
   alignas(32) float qs[NQ][D];
   alignas(32) float acc[NQ][D];
@@ -604,8 +618,19 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
       const int j = r * G + g;
       const float inv = 1.f / l[j];
       for (int d = 0; d < D; ++d) store_scalar(dst + g * q_head_stride + d, acc[j][d] * inv);
+      if (lse) lse[int64_t(rows[r]) * lse_stride + g] = m[j] + std::log(l[j]);
     }
   }
+}
+
+template <typename T, int G, int C>
+void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  const int32_t* rows, const int32_t* lens, int count, int window,
+                  int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
+                  int64_t q_head_stride, float scale) {
+  extend_tile8_lse<T, G, C>(q, k_cache, v_cache, out, table, rows, lens, count, window,
+                            block_stride, row_stride, q_stride, out_stride, q_head_stride, scale,
+                            nullptr, 0);
 }
 
 template <typename T>
@@ -630,6 +655,139 @@ TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
     return extend_tile8<T, decltype(g)::value, decltype(c)::value>;
   });
 }
+
+template <typename T>
+using ItemLseFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
+                           int64_t, int64_t, float, float*);
+template <typename T>
+using TileLseFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
+                           const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           float, float*, int64_t);
+
+template <typename T>
+ItemLseFn<T> fixed_shape_item_lse(int group, int head_dim, int block_size) {
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemLseFn<T> {
+    return decode_item8_lse<T, decltype(g)::value, decltype(c)::value>;
+  });
+}
+
+template <typename T>
+TileLseFn<T> fixed_shape_tile_lse(int group, int head_dim, int block_size) {
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileLseFn<T> {
+    return extend_tile8_lse<T, decltype(g)::value, decltype(c)::value>;
+  });
+}
+
+// Cascade decode. Rows whose block tables start with the same physical blocks (a cached
+// prefix that several requests share, e.g. one system prompt) read that prefix once for all
+// of them, in GEMM-shaped tiles of up to kTileRows rows: each K/V block then feeds count * G
+// query vectors instead of G. Each row reads its own tail alone, and the two parts merge by
+// their log-sum-exps. Float32 only (the parts stay float until merged), no sliding window,
+// decode rows only (row i is sequence i). Returns false, having done nothing, where no group
+// of rows qualifies.
+constexpr int kCascadeMinRows = 4;    // rows sharing a prefix, for its tiles to pay
+constexpr int kCascadeMinBlocks = 4;  // blocks they share (64 tokens)
+
+inline bool cascade_decode(const float* q, const float* k_cache, const float* v_cache,
+                           float* out, const int32_t* block_tables, const int32_t* seq_lens,
+                           int64_t num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                           int64_t q_stride, int64_t out_stride, int64_t bt_stride, float scale,
+                           int64_t block_stride, int64_t row_stride) {
+  const int group = num_heads / num_kv_heads;
+  const TileLseFn<float> tile = fixed_shape_tile_lse<float>(group, head_dim, 16);
+  const ItemLseFn<float> item = fixed_shape_item_lse<float>(group, head_dim, 16);
+  if (!tile || !item || num_seqs < kCascadeMinRows) return false;
+  std::vector<std::pair<int32_t, int32_t>> by_first;  // (first physical block, row)
+  for (int64_t i = 0; i < num_seqs; ++i)
+    if (seq_lens[i] > kCascadeMinBlocks * 16)
+      by_first.push_back({block_tables[i * bt_stride], int32_t(i)});
+  if (by_first.size() < size_t(kCascadeMinRows)) return false;
+  std::sort(by_first.begin(), by_first.end());
+  // tiles of rows sharing `shared` tokens: rows, and their (equal) lengths for the tile
+  std::vector<int32_t> tile_rows, tile_lens;
+  std::vector<int64_t> tile_start;
+  std::vector<int32_t> shared_of(num_seqs, 0);  // tokens read in a tile, 0 = none
+  for (size_t a = 0; a < by_first.size();) {
+    size_t b = a;
+    while (b < by_first.size() && by_first[b].first == by_first[a].first) ++b;
+    if (b - a >= size_t(kCascadeMinRows)) {
+      // the leading blocks every member has, each before every member's last token (so
+      // every tail keeps at least that token)
+      const int32_t* first_table = block_tables + int64_t(by_first[a].second) * bt_stride;
+      int limit = std::numeric_limits<int>::max();
+      for (size_t i = a; i < b; ++i) limit = std::min(limit, (seq_lens[by_first[i].second] - 1) / 16);
+      int shared = 0;
+      for (; shared < limit; ++shared) {
+        bool same = true;
+        for (size_t i = a + 1; i < b && same; ++i)
+          same = block_tables[int64_t(by_first[i].second) * bt_stride + shared] == first_table[shared];
+        if (!same) break;
+      }
+      if (shared >= kCascadeMinBlocks)
+        for (size_t i = a; i < b; ++i) {
+          if ((i - a) % kTileRows == 0) tile_start.push_back(int64_t(tile_rows.size()));
+          tile_rows.push_back(by_first[i].second);
+          tile_lens.push_back(shared * 16);
+          shared_of[by_first[i].second] = shared * 16;
+        }
+    }
+    a = b;
+  }
+  if (tile_start.empty()) return false;
+  tile_start.push_back(int64_t(tile_rows.size()));
+  // the prefix part's outputs and both parts' log-sum-exps, kept for the next call
+  static thread_local std::vector<float> prefix_out, prefix_lse, tail_lse;
+  const int64_t width = int64_t(num_heads) * head_dim;
+  prefix_out.resize(num_seqs * width);
+  prefix_lse.resize(num_seqs * num_heads);
+  tail_lse.resize(num_seqs * num_heads);
+  // raw pointers: the parallel region's other threads would see their own thread_locals
+  float* const part_out = prefix_out.data();
+  float* const part_lse = prefix_lse.data();
+  float* const tail_part_lse = tail_lse.data();
+  const int64_t tiles = int64_t(tile_start.size() - 1) * num_kv_heads;
+  const int64_t work_items = tiles + num_seqs * num_kv_heads;
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t work = 0; work < work_items; ++work) {
+      if (work < tiles) {  // a tile of the shared prefix
+        const int64_t t = work / num_kv_heads;
+        const int kv_head = int(work % num_kv_heads);
+        const int64_t head = int64_t(kv_head) * group * head_dim;
+        const int32_t* members = tile_rows.data() + tile_start[t];
+        tile(q + head, k_cache + int64_t(kv_head) * head_dim,
+             v_cache + int64_t(kv_head) * head_dim, part_out + head,
+             block_tables + int64_t(members[0]) * bt_stride, members,
+             tile_lens.data() + tile_start[t], int(tile_start[t + 1] - tile_start[t]), 0,
+             block_stride, row_stride, q_stride, width, head_dim, scale,
+             part_lse + kv_head * group, num_heads);
+      } else {  // a row's own tail after its shared prefix (all of it for other rows)
+        const int64_t i = (work - tiles) / num_kv_heads;
+        const int kv_head = int((work - tiles) % num_kv_heads);
+        const int64_t head = int64_t(kv_head) * group * head_dim;
+        item(q + i * q_stride + head, k_cache + int64_t(kv_head) * head_dim,
+             v_cache + int64_t(kv_head) * head_dim, out + i * out_stride + head,
+             block_tables + i * bt_stride, seq_lens[i], shared_of[i], block_stride, row_stride,
+             head_dim, scale,
+             shared_of[i] ? tail_part_lse + i * num_heads + kv_head * group : nullptr);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      if (!shared_of[i]) continue;
+      for (int h = 0; h < num_heads; ++h) {
+        const float a = part_lse[i * num_heads + h], b = tail_part_lse[i * num_heads + h];
+        const float top = std::max(a, b);
+        const float wa = std::exp(a - top), wb = std::exp(b - top), inv = 1.f / (wa + wb);
+        const float* pa = part_out + i * width + int64_t(h) * head_dim;
+        float* pb = out + i * out_stride + int64_t(h) * head_dim;
+        for (int d = 0; d < head_dim; ++d) pb[d] = (pa[d] * wa + pb[d] * wb) * inv;
+      }
+    }
+  }
+  return true;
+}
 #define QUIRE_EXTEND_TILES 1
 #endif
 
@@ -648,6 +806,12 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int64_t items = num_seqs * num_kv_heads;
   const int chunk = items >= 32 ? 4 : 1;
 #if defined(QUIRE_EXTEND_TILES)
+  if constexpr (std::is_same_v<T, float>)
+    if (rows == nullptr && window <= 0 && block_size == 16 &&
+        cascade_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
+                       num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale,
+                       block_stride, row_stride))
+      return;
   if (rows != nullptr)
     if (const TileFn<T> tile = fixed_shape_tile<T>(group, head_dim, block_size)) {
       // tiles: runs of at most kTileRows rows of one sequence at consecutive positions
