@@ -539,7 +539,7 @@ constexpr int kTileRows = 16;
 
 // lse, where not null: row rows[r]'s heads' log-sum-exps at lse + rows[r] * lse_stride.
 template <typename T, int G, int C>
-void extend_tile8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
+void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int32_t* table, const int32_t* rows, const int32_t* lens, int count,
                       int window, int64_t block_stride, int64_t row_stride, int64_t q_stride,
                       int64_t out_stride, int64_t q_head_stride, float scale, float* lse,
@@ -623,16 +623,6 @@ void extend_tile8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
   }
 }
 
-template <typename T, int G, int C>
-void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                  const int32_t* rows, const int32_t* lens, int count, int window,
-                  int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
-                  int64_t q_head_stride, float scale) {
-  extend_tile8_lse<T, G, C>(q, k_cache, v_cache, out, table, rows, lens, count, window,
-                            block_stride, row_stride, q_stride, out_stride, q_head_stride, scale,
-                            nullptr, 0);
-}
-
 template <typename T>
 using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
                         int64_t, int64_t, float);
@@ -645,24 +635,12 @@ ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
 }
 
 template <typename T>
-using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
-                        const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        float);
-
-template <typename T>
-TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
-  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileFn<T> {
-    return extend_tile8<T, decltype(g)::value, decltype(c)::value>;
-  });
-}
-
-template <typename T>
 using ItemLseFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
                            int64_t, int64_t, float, float*);
 template <typename T>
-using TileLseFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
-                           const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           float, float*, int64_t);
+using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
+                        const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float, float*, int64_t);
 
 template <typename T>
 ItemLseFn<T> fixed_shape_item_lse(int group, int head_dim, int block_size) {
@@ -672,9 +650,9 @@ ItemLseFn<T> fixed_shape_item_lse(int group, int head_dim, int block_size) {
 }
 
 template <typename T>
-TileLseFn<T> fixed_shape_tile_lse(int group, int head_dim, int block_size) {
-  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileLseFn<T> {
-    return extend_tile8_lse<T, decltype(g)::value, decltype(c)::value>;
+TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileFn<T> {
+    return extend_tile8<T, decltype(g)::value, decltype(c)::value>;
   });
 }
 
@@ -694,7 +672,7 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
                            int64_t q_stride, int64_t out_stride, int64_t bt_stride, float scale,
                            int64_t block_stride, int64_t row_stride) {
   const int group = num_heads / num_kv_heads;
-  const TileLseFn<float> tile = fixed_shape_tile_lse<float>(group, head_dim, 16);
+  const TileFn<float> tile = fixed_shape_tile<float>(group, head_dim, 16);
   const ItemLseFn<float> item = fixed_shape_item_lse<float>(group, head_dim, 16);
   if (!tile || !item || num_seqs < kCascadeMinRows) return false;
   std::vector<std::pair<int32_t, int32_t>> by_first;  // (first physical block, row)
@@ -830,7 +808,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
         tile(q + head, k_cache + int64_t(kv_head) * head_dim, v_cache + int64_t(kv_head) * head_dim,
              out + head, block_tables + int64_t(row_seq[i0]) * bt_stride, rows + i0,
              seq_lens + i0, int(i1 - i0), window, block_stride, row_stride, q_stride, out_stride,
-             head_dim, scale);
+             head_dim, scale, nullptr, 0);
       }
       return;
     }
