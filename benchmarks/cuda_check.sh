@@ -49,6 +49,16 @@ for name in ${STEPS:-triton_suites engine engine_1b quant_matmul attention}; do
     engine_1b)
         step engine_1b "${!limit_var:-150}" $py benchmarks/cuda_engine.py --shape llama-1b \
             --skip-parity --hf-batch-sizes 64 128 ;;
+    workload32)  # benchmarks/throughput.py's 32-request workload on the GPU, beside transformers
+        model=/tmp/cuda_check_smollm2
+        [ -e $model/config.json ] || $py benchmarks/cuda_engine.py --save-model $model >/dev/null
+        SHOW="^(device|quire|transformers|best|32 requests)" step workload32 \
+            "${!limit_var:-200}" $py benchmarks/throughput.py --device cuda --model $model \
+            --quiet
+        for q in int8 int4; do
+            SHOW="^quire" step workload32_$q "${!limit_var:-60}" $py benchmarks/throughput.py \
+                --device cuda --model $model --quiet --skip-hf --quantization $q
+        done ;;
     quant_matmul)
         SHOW=. step quant_matmul "${!limit_var:-130}" $py benchmarks/cuda_quant_matmul.py \
             ${QUANT_ARGS:-} ;;

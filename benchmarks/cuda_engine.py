@@ -224,9 +224,15 @@ def main() -> int:
     ap.add_argument("--kv-cache-gib", type=int, default=16)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: only to smoke-test this script")
+    ap.add_argument("--save-model", metavar="DIR", default=None,
+                    help="only write the benchmark's random-weight model (--shape, float32) to "
+                         "DIR, for benchmarks/throughput.py --model DIR")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
+    if args.save_model:
+        print(f"saved {save_model(args.save_model, args.shape, initializer_range=0.02)}")
+        return 0
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU")
         return 2

@@ -12,6 +12,13 @@ case); only the tokens each request asked for count. With --llama-server, llama.
     python benchmarks/throughput.py --skip-hf                         # Quire only
     python benchmarks/throughput.py --llama-server /tmp/llamabuild/bin/llama-server
     python benchmarks/throughput.py --quick
+    python benchmarks/throughput.py --device cuda --model DIR   # a GPU, a model folder
+
+With --model, Quire and transformers both load that folder (transformers as it is stored,
+in each --hf-dtypes); --device cuda runs both engines on the GPU (GPU machines here cannot
+take the GGUF along: benchmarks/cuda_engine.py --save-model writes a random-weight folder in
+SmolLM2-135M's shape, and this workload is random tokens with ignore_eos, so weights do not
+change the work).
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ def make_requests(n: int, seed: int, vocab: int = 49152):
 def run_quire(reqs, args) -> float:
     from quire import LLM, SamplingParams
     from quire.config import EngineArgs
-    kw = {k: v for k, v in (("dtype", args.dtype), ("max_num_seqs", args.max_num_seqs),
+    kw = {k: v for k, v in (("model", args.model), ("device", args.device),
+                            ("dtype", args.dtype), ("max_num_seqs", args.max_num_seqs),
                             ("max_num_batched_tokens", args.max_num_batched_tokens),
                             ("num_threads", args.num_threads),
                             ("quantization", args.quantization)) if v is not None}
@@ -50,10 +58,14 @@ def run_quire(reqs, args) -> float:
         print(f"--quantization {kw.pop('quantization')} ignored: this Quire has no such option")
     llm = LLM(**kw)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
-    llm.generate([p for p, _ in reqs[:4]], params[:4], use_tqdm=False)  # warm-up
+    # warm-up; on CUDA the whole workload once, so that Triton's compiles (once per kernel
+    # shape, then cached on disk) fall outside the timed run
+    warm = len(reqs) if args.device and args.device.startswith("cuda") else 4
+    llm.generate([p for p, _ in reqs[:warm]], params[:warm], use_tqdm=False)
     start = time.perf_counter()
     with StealMeter() as steal:
         outs = llm.generate([p for p, _ in reqs], params, use_tqdm=not args.quiet)
+        synchronize(args.device)
     wall = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == sum(m for _, m in reqs)
@@ -69,6 +81,12 @@ def run_quire(reqs, args) -> float:
           f"total tok/s, TTFT p50 {ttft[len(ttft) // 2]:.2f} s, preemptions "
           f"{sum(e.scheduler.num_preemptions.values())}, {steal}")
     return generated / wall
+
+
+def synchronize(device: str | None) -> None:
+    if device and device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
 
 
 def dense_folder() -> str:
@@ -101,32 +119,41 @@ def dense_folder() -> str:
     return folder
 
 
-def run_hf(reqs, batch_size: int, dtype: str, limit: int | None) -> float:
+def run_hf(reqs, batch_size: int, dtype: str, limit: int | None, model_dir: str | None = None,
+           device: str | None = None) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(dense_folder(),
-                                                 dtype=getattr(torch, dtype)).eval()
+    device = device or "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir or dense_folder(),
+                                                 dtype=getattr(torch, dtype)).to(device).eval()
     model.generation_config.eos_token_id = None  # ignore_eos
     order = sorted(reqs, key=lambda r: len(r[0]) + r[1])
     if limit and limit < len(order):  # an evenly spaced subset: representative lengths
         order = [order[i * len(order) // limit] for i in range(limit)]
+    with torch.inference_mode():  # warm-up: first calls pick kernels (and on CUDA, load them)
+        model.generate(torch.tensor([order[0][0][:8]], device=device), do_sample=False,
+                       max_new_tokens=2, pad_token_id=0)
+    synchronize(device)
     generated, start = 0, time.perf_counter()
     steal = StealMeter().__enter__()
     with torch.inference_mode():
         for i in range(0, len(order), batch_size):
             batch = order[i:i + batch_size]
             width = max(len(p) for p, _ in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch],
+                                device=device)
             new = max(m for _, m in batch)
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                            min_new_tokens=new, pad_token_id=0)
             generated += sum(m for _, m in batch)
+    synchronize(device)
     wall = time.perf_counter() - start
     steal.__exit__()
     print(f"transformers ({dtype}, batch {batch_size}): {len(order)} requests in {wall:.1f} s, "
           f"{generated / wall:.1f} generated tok/s, {steal}")
+    del model
     return generated / wall
 
 
@@ -188,6 +215,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None,
+                    help="a model folder for both engines (default: the default GGUF, "
+                         "transformers on its dequantized copy)")
+    ap.add_argument("--device", default=None, help="cpu (default) or cuda, for both engines")
     ap.add_argument("--dtype", default=None, help="Quire's dtype (default: auto)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -214,7 +245,14 @@ def main() -> None:
     from quire.cpu_threads import detect_quota
     threads = args.num_threads or detect_quota().cpus
     print(describe_machine(threads))
-    reqs = make_requests(args.num_requests, args.seed)
+    if args.device and args.device.startswith("cuda"):
+        import torch
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    vocab = 49152  # SmolLM2's
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+    reqs = make_requests(args.num_requests, args.seed, vocab)
     print(f"{len(reqs)} requests: prompts {sum(len(p) for p, _ in reqs)} tokens, outputs "
           f"{sum(m for _, m in reqs)} tokens")
     quire = run_quire(reqs, args)
@@ -227,7 +265,7 @@ def main() -> None:
         return
     import torch
     torch.set_num_threads(threads)  # the same threads for transformers
-    best = max((run_hf(reqs, b, d, args.hf_limit), f"{d}, batch {b}")
+    best = max((run_hf(reqs, b, d, args.hf_limit, args.model, args.device), f"{d}, batch {b}")
                for d in args.hf_dtypes.split(",") for b in map(int, args.hf_batch_sizes.split(",")))
     print(f"best transformers: {best[0]:.1f} tok/s ({best[1]}); Quire / best = "
           f"{quire / best[0]:.2f}x")
