@@ -159,6 +159,50 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
         torch.testing.assert_close(out[14:], alone[14:], atol=0, rtol=0)  # not shared: as alone
 
 
+@pytest.mark.parametrize("march", ["haswell"])
+def test_cascade_groups_follow_the_longest_shared_prefix(march):
+    """Chat requests all start with one template header (a block here), and behind it groups
+    of them share long system prompts. The header alone is too short to share, but the rows
+    behind each long prompt still read it once, in tiles: the groups split where the longer
+    prefixes part. Rows sharing only the header read alone (bit-identical to a lone call)."""
+    torch.manual_seed(2)
+    bs, kv_heads, group, head_dim = 16, 3, 3, 64
+    k_cache = torch.randn(200, bs, kv_heads, head_dim)
+    v_cache = torch.randn(200, bs, kv_heads, head_dim)
+    fresh = iter(range(100, 200))
+    header = [0]
+    prompts = {"a": list(range(1, 9)), "b": list(range(20, 26)), "c": list(range(40, 43))}
+    # four behind prompt a, five behind b, one of them cutting b's share from 7 blocks to 6
+    # (still worth one group of five: 4 x 6 block reads saved, against 3 x 7 without it),
+    # three behind c (too few), two with the header alone
+    layout = ["a", "b", "a", "c", "b", "a", "b", "c", "a", "b", "", "c", "b", ""]
+    tables, lens = [], []
+    for i, name in enumerate(layout):
+        prefix = header + prompts[name] if name else header
+        if name == "b" and i == 12:
+            prefix = header + prompts["b"][:5]
+        own = [next(fresh) for _ in range(2)]
+        tables.append(prefix + own)
+        lens.append(len(tables[-1]) * bs - i % 5)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), kv_heads * group, head_dim)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
+                             _march=march)
+    want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
+                       for i in range(len(lens))])
+    for i, name in enumerate(layout):
+        if name in ("a", "b"):
+            assert not torch.equal(out[i], alone[i]), f"row {i} (prompt {name}) read alone"
+        else:
+            torch.testing.assert_close(out[i], alone[i], atol=0, rtol=0)
+
+
 def _alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i):
     out = torch.empty_like(q[i:i + 1])
     cpu_kernels.paged_decode(q[i:i + 1], k_cache, v_cache, out, block_tables[i:i + 1],

@@ -84,29 +84,38 @@ def test_mixed_sliding_and_full_layers_match_transformers(tmp_path, smollm_token
 
 def test_smollm2_requests_sharing_a_system_prompt_match_transformers(smollm_tokenizer,
                                                                      hf_smollm):
-    """Six requests behind one cached system prompt (~180 tokens, 11 blocks): their decode rows
-    share those blocks, which the AVX2 build reads once for all of them (cascade decode, tiles
-    of rows, merged with each row's tail by log-sum-exp). Greedy output still equals
-    transformers', request by request."""
+    """Ten requests behind two cached system prompts (~180 tokens, 11 blocks each) that open
+    with the same sentence (the chat header and it fill the first block): their decode rows
+    share those blocks, which the AVX2 build reads once per group of rows sharing a system
+    prompt (cascade decode: tiles of rows, merged with each row's tail by log-sum-exp; the
+    groups split where the two prompts part). Greedy output still equals transformers',
+    request by request."""
     from runtime_helpers import hf_greedy
-    system = ("You are a careful assistant. Answer in one short sentence, name your sources "
-              "when you can, and say so when you do not know. Keep units, numbers and names "
-              "exactly as the user wrote them, and never invent a citation. ") * 4
+    opening = ("You are a careful assistant. Answer in one short sentence, name your sources "
+               "when you can, and say so when you do not know. ")
+    systems = [opening + ("Keep units, numbers and names exactly as the user wrote them, and "
+                          "never invent a citation. " + opening) * 3,
+               opening + ("Prefer plain words to jargon, give metric units first, and end "
+                          "every answer with a full stop. " + opening) * 3]
     questions = ["What is the capital of France?", "Name a prime number above 10.",
                  "Which planet is the largest?", "What colour is the sky on a clear day?",
                  "How many legs does a spider have?", "What is water made of?"]
+    chats = [(systems[0], q) for q in questions] + [(systems[1], q) for q in questions[:4]]
     prompts = [smollm_tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": q}],
-        add_generation_prompt=True, tokenize=True) for q in questions]
+        [{"role": "system", "content": s}, {"role": "user", "content": q}],
+        add_generation_prompt=True, tokenize=True) for s, q in chats]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     assert min(map(len, prompts)) > 9 * 16
+    assert prompts[0][:16] == prompts[-1][:16] and prompts[0][:9 * 16] != prompts[-1][:9 * 16]
     want = hf_greedy(hf_smollm, prompts, SMOLLM_MAX_NEW_TOKENS)
     llm = LLM(dtype="float32", kv_cache_memory=64 << 20)
     params = SamplingParams(temperature=0, max_tokens=SMOLLM_MAX_NEW_TOKENS)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # caches the system prompt's blocks
+    # caches the system prompts' blocks
+    llm.generate([prompts[0], prompts[-1]], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    # chat answers, not an end of turn at once: the six decode side by side for a while
-    assert sorted(map(len, got))[-4] >= 8, [len(g) for g in got]
-    assert llm.engine.kv_manager.prefix_hits >= 5 * 9 * 16
+    # chat answers, not an end of turn at once: each group decodes side by side for a while
+    assert sorted(map(len, got[:6]))[-4] >= 8 and sorted(map(len, got[6:]))[-4] >= 8, \
+        [len(g) for g in got]
+    assert llm.engine.kv_manager.prefix_hits >= 8 * 9 * 16
     assert llm.engine.kv_manager.pool.num_used_blocks == 0

@@ -675,42 +675,70 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
   const TileFn<float> tile = fixed_shape_tile<float>(group, head_dim, 16);
   const ItemLseFn<float> item = fixed_shape_item_lse<float>(group, head_dim, 16);
   if (!tile || !item || num_seqs < kCascadeMinRows) return false;
-  std::vector<std::pair<int32_t, int32_t>> by_first;  // (first physical block, row)
-  for (int64_t i = 0; i < num_seqs; ++i)
-    if (seq_lens[i] > kCascadeMinBlocks * 16)
-      by_first.push_back({block_tables[i * bt_stride], int32_t(i)});
-  if (by_first.size() < size_t(kCascadeMinRows)) return false;
-  std::sort(by_first.begin(), by_first.end());
+  // candidate rows (those with at least kCascadeMinBlocks blocks before their last token),
+  // sorted by their block tables, so that rows sharing a prefix lie side by side and a run of
+  // rows shares the least common prefix of its neighbouring pairs
+  std::vector<int32_t> rows;
+  std::vector<int> limit(num_seqs);  // blocks a row may share: every tail keeps its last token
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    limit[i] = (seq_lens[i] - 1) / 16;
+    if (limit[i] >= kCascadeMinBlocks) rows.push_back(int32_t(i));
+  }
+  if (rows.size() < size_t(kCascadeMinRows)) return false;
+  auto common = [&](int32_t a, int32_t b) {  // leading blocks rows a and b both may share
+    const int32_t* ta = block_tables + int64_t(a) * bt_stride;
+    const int32_t* tb = block_tables + int64_t(b) * bt_stride;
+    const int n = std::min(limit[a], limit[b]);
+    int j = 0;
+    while (j < n && ta[j] == tb[j]) ++j;
+    return j;
+  };
+  std::sort(rows.begin(), rows.end(), [&](int32_t a, int32_t b) {
+    const int j = common(a, b);
+    if (j < std::min(limit[a], limit[b]))
+      return block_tables[int64_t(a) * bt_stride + j] < block_tables[int64_t(b) * bt_stride + j];
+    return limit[a] != limit[b] ? limit[a] < limit[b] : a < b;
+  });
+  std::vector<int> lcp(rows.size() - 1);
+  for (size_t i = 0; i + 1 < rows.size(); ++i) lcp[i] = common(rows[i], rows[i + 1]);
+  // Partition the sorted rows into groups, each reading its common prefix once. A run of
+  // rows either forms one group (sharing the least of its pairs' prefixes) or splits where
+  // that least prefix ends, into runs that share more: whichever saves more block reads
+  // ((members - 1) x shared blocks). So a long system prompt behind a short common header
+  // (a chat template) is shared by the rows that have it, not cut to the header.
+  struct Group { size_t begin, end; int shared; };
+  std::vector<Group> groups;
+  auto best = [&](auto&& self, size_t a, size_t b, std::vector<Group>& out) -> int64_t {
+    if (b - a < size_t(kCascadeMinRows)) return 0;
+    const int least = *std::min_element(lcp.begin() + a, lcp.begin() + (b - 1));
+    std::vector<Group> split;
+    int64_t split_saves = 0;
+    for (size_t i = a; i < b;) {
+      size_t j = i;
+      while (j + 1 < b && lcp[j] > least) ++j;
+      split_saves += self(self, i, j + 1, split);
+      i = j + 1;
+    }
+    const int64_t whole_saves = least >= kCascadeMinBlocks ? int64_t(b - a - 1) * least : 0;
+    if (whole_saves >= split_saves && whole_saves > 0) {
+      out.push_back({a, b, least});
+      return whole_saves;
+    }
+    out.insert(out.end(), split.begin(), split.end());
+    return split_saves;
+  };
+  best(best, 0, rows.size(), groups);
   // tiles of rows sharing `shared` tokens: rows, and their (equal) lengths for the tile
   std::vector<int32_t> tile_rows, tile_lens;
   std::vector<int64_t> tile_start;
   std::vector<int32_t> shared_of(num_seqs, 0);  // tokens read in a tile, 0 = none
-  for (size_t a = 0; a < by_first.size();) {
-    size_t b = a;
-    while (b < by_first.size() && by_first[b].first == by_first[a].first) ++b;
-    if (b - a >= size_t(kCascadeMinRows)) {
-      // the leading blocks every member has, each before every member's last token (so
-      // every tail keeps at least that token)
-      const int32_t* first_table = block_tables + int64_t(by_first[a].second) * bt_stride;
-      int limit = std::numeric_limits<int>::max();
-      for (size_t i = a; i < b; ++i) limit = std::min(limit, (seq_lens[by_first[i].second] - 1) / 16);
-      int shared = 0;
-      for (; shared < limit; ++shared) {
-        bool same = true;
-        for (size_t i = a + 1; i < b && same; ++i)
-          same = block_tables[int64_t(by_first[i].second) * bt_stride + shared] == first_table[shared];
-        if (!same) break;
-      }
-      if (shared >= kCascadeMinBlocks)
-        for (size_t i = a; i < b; ++i) {
-          if ((i - a) % kTileRows == 0) tile_start.push_back(int64_t(tile_rows.size()));
-          tile_rows.push_back(by_first[i].second);
-          tile_lens.push_back(shared * 16);
-          shared_of[by_first[i].second] = shared * 16;
-        }
+  for (const Group& g : groups)
+    for (size_t i = g.begin; i < g.end; ++i) {
+      if ((i - g.begin) % kTileRows == 0) tile_start.push_back(int64_t(tile_rows.size()));
+      tile_rows.push_back(rows[i]);
+      tile_lens.push_back(g.shared * 16);
+      shared_of[rows[i]] = g.shared * 16;
     }
-    a = b;
-  }
   if (tile_start.empty()) return false;
   tile_start.push_back(int64_t(tile_rows.size()));
   // the prefix part's outputs and both parts' log-sum-exps, kept for the next call
