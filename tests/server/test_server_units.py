@@ -95,3 +95,33 @@ def test_connection_limit_flags_reach_uvicorn():
     assert config.h11_max_incomplete_event_size == 4096
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-stop-strings", "0"])  # must be > 0
+
+
+def test_heap_is_trimmed_once_loaded_and_after_each_burst_when_idle(monkeypatch):
+    """A checkpoint quantized on load leaves its float tensors' pages free in malloc's heap:
+    the server trims once the model is loaded, then after requests once nothing is in flight
+    (never while a request runs, never twice for one burst)."""
+    from types import SimpleNamespace
+
+    from quire.entrypoints import memory
+    trims = []
+    monkeypatch.setattr(memory, "trim", lambda: trims.append(engine.num_requests_added) or True)
+    engine = SimpleNamespace(loaded=asyncio.Event(), num_requests_added=0, idle=True)
+
+    async def main_():
+        task = asyncio.create_task(memory.trim_when_idle(engine, interval=0.01))
+        await asyncio.sleep(0.05)
+        assert trims == []                       # still loading
+        engine.loaded.set()
+        await asyncio.sleep(0.05)
+        assert trims == [0]                      # once loaded, not again while nothing came
+        engine.num_requests_added, engine.idle = 3, False
+        await asyncio.sleep(0.05)
+        assert trims == [0]                      # requests in flight
+        engine.idle = True
+        await asyncio.sleep(0.05)
+        assert trims == [0, 3]                   # the burst is over: one trim
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main_())
