@@ -85,3 +85,55 @@ def test_quantization_flags_reach_engine_args():
     assert (args.quantization, args.quantization_group_size) == ("int4", 64)
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "fp4"])
+
+
+@pytest.mark.parametrize("quantization", ["int4", "none"])
+def test_each_decoder_linear_is_processed_as_soon_as_its_weights_are_in(tiny_llama,
+                                                                         quantization):
+    """A float checkpoint quantized on load never sits whole in memory: each decoder linear
+    is quantized (and its float weight dropped) right after its last tensor arrives, before
+    the next layer's tensors are read."""
+    import torch
+
+    from quire import LLM
+    from quire.layers.linear import LinearBase
+    from quire.models import llama
+
+    events = []
+    read = loader._iter_safetensors
+
+    def logged_read(folder):
+        for name, tensor in read(folder):
+            events.append(("read", name))
+            yield name, tensor
+
+    process = LinearBase.process_weights_after_loading
+
+    def logged_process(self):
+        if not getattr(self, "weights_processed", False):
+            events.append(("process", self.prefix))
+        process(self)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(loader, "_iter_safetensors", logged_read)
+    mp.setattr(LinearBase, "process_weights_after_loading", logged_process)
+    try:
+        llm = LLM(tiny_llama, dtype="float32", quantization=quantization,
+                  kv_cache_memory=16 << 20)
+    finally:
+        mp.undo()
+    model = llm.engine.model
+    assert isinstance(model, llama.LlamaForCausalLM)
+    reads = [name for kind, name in events if kind == "read"]
+    for layer in range(len(model.layers)):
+        for linear, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                              ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+                              ("self_attn.o_proj", ("o_proj",)), ("mlp.down_proj", ("down_proj",))):
+            at = events.index(("process", f"layers.{layer}.{linear.split('.')[1]}"))
+            last = max(events.index(("read", n)) for n in reads
+                       if n.startswith(f"model.layers.{layer}.") and n.split(".")[-2] in parts)
+            assert at == last + 1, (layer, linear, events[last:at + 1])
+    if quantization == "int4":
+        qkv = model.layers[0].qkv_proj
+        assert not hasattr(qkv, "weight") and qkv.qweight.dtype == torch.uint8
+    assert llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids

@@ -63,7 +63,13 @@ class LinearBase(nn.Module):
         return y
 
     def process_weights_after_loading(self) -> None:
+        """Once per layer: the model loader calls it as soon as the layer's last weight is in
+        (so a float checkpoint quantized on load never sits whole in memory), pack_weights
+        after the load for the rest."""
+        if getattr(self, "weights_processed", False):
+            return
         self.quant_method.process_weights_after_loading(self)
+        self.weights_processed = True
 
     # --- loading -------------------------------------------------------------------------
     def shard_ranges(self, param: nn.Parameter, shard_id) -> dict[int, tuple[int, int, int]]:

@@ -18,7 +18,12 @@ import torch
 from torch import nn
 
 from quire.attention.base import AttentionBackend, AttentionMetadata
-from quire.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from quire.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from quire.layers.quantization import QuantConfig
 from quire.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from quire.layers.weights import materialize, shape_of
@@ -142,15 +147,23 @@ class LlamaForCausalLM(nn.Module):
         """Takes (transformers name, tensor or lazy safetensors slice) pairs; each parameter's
         layer keeps its shard of it. Fills every parameter or says what lacks."""
         params = dict(self.named_parameters())
+        wanted = set(params)
         parts_seen: dict[str, set] = {}
         filled: set[str] = set()
+
+        def complete(ours: str) -> bool:
+            if ours in filled:
+                return True
+            return len(parts_seen.get(ours, ())) == (3 if ".qkv_" in ours else 2)
+
         for name, tensor in weights:
             target = self._our_name(name)
             if target is None or target[0] not in params:
                 continue  # rotary buffers, a tied lm_head, ...
             ours, shard_id = target
             param = params[ours]
-            owner = self.get_submodule(ours.rsplit(".", 1)[0])
+            module_name = ours.rsplit(".", 1)[0]
+            owner = self.get_submodule(module_name)
             loader = getattr(owner, "weight_loader", None)
             if loader is not None:
                 loader(param, tensor, shard_id)
@@ -160,13 +173,22 @@ class LlamaForCausalLM(nn.Module):
                 filled.add(ours)
             else:
                 parts_seen.setdefault(ours, set()).add(shard_id)
+            # a decoder linear with all its weights in is processed (quantized, packed) now,
+            # and its float weight freed: the load never holds the whole float model
+            if isinstance(owner, LinearBase) and module_name.startswith("layers."):
+                own = [f"{module_name}.{n}" for n, _ in owner.named_parameters(recurse=False)]
+                if all(complete(n) for n in own):
+                    for n in own:
+                        params.pop(n)
+                    param = tensor = None
+                    owner.process_weights_after_loading()
         for ours, parts in parts_seen.items():
             want = 3 if ".qkv_" in ours else 2
             if len(parts) != want:
                 raise ValueError(f"the checkpoint has only {len(parts)} of the {want} parts "
                                  f"fused into {ours}")
             filled.add(ours)
-        missing = sorted(set(params) - filled)
+        missing = sorted(wanted - filled)
         if missing:
             shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
             raise ValueError(f"the checkpoint lacks {len(missing)} weights the model needs: {shown}")

@@ -275,7 +275,12 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, object]]:
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():
+                names = list(f.keys())
+            # the file opened anew for each tensor: safetensors maps it whole, and every page
+            # read stays in this process's resident set until the mapping closes, so one
+            # mapping for the whole load held the whole checkpoint resident at its end
+            for name in names:
+                with safe_open(path, framework="pt") as f:
                     yield name, f.get_slice(name)
         except Exception as e:
             raise ValueError(f"cannot read weights file {path!r}: {e}") from None
