@@ -108,19 +108,27 @@ def test_heap_is_trimmed_once_loaded_and_after_each_burst_when_idle(monkeypatch)
     monkeypatch.setattr(memory, "trim", lambda: trims.append(engine.num_requests_added) or True)
     engine = SimpleNamespace(loaded=asyncio.Event(), num_requests_added=0, idle=True)
 
+    async def settled(want: list[int]) -> list[int]:
+        """trims once it equals `want` (waiting up to 10 s: a slow machine may take its time),
+        after a few more intervals in which a wrong extra trim could show up."""
+        for _ in range(1000):
+            if trims == want:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        return trims
+
     async def main_():
         task = asyncio.create_task(memory.trim_when_idle(engine, interval=0.01))
         await asyncio.sleep(0.05)
         assert trims == []                       # still loading
         engine.loaded.set()
-        await asyncio.sleep(0.05)
-        assert trims == [0]                      # once loaded, not again while nothing came
+        assert await settled([0]) == [0]         # once loaded, not again while nothing came
         engine.num_requests_added, engine.idle = 3, False
         await asyncio.sleep(0.05)
         assert trims == [0]                      # requests in flight
         engine.idle = True
-        await asyncio.sleep(0.05)
-        assert trims == [0, 3]                   # the burst is over: one trim
+        assert await settled([0, 3]) == [0, 3]   # the burst is over: one trim
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -55,6 +55,7 @@ class LinearBase(nn.Module):
         else:
             self.bias = None
         self.lora = None  # see the module docstring
+        self.weights_processed = False  # see process_weights_after_loading
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
@@ -66,7 +67,7 @@ class LinearBase(nn.Module):
         """Once per layer: the model loader calls it as soon as the layer's last weight is in
         (so a float checkpoint quantized on load never sits whole in memory), pack_weights
         after the load for the rest."""
-        if getattr(self, "weights_processed", False):
+        if self.weights_processed:
             return
         self.quant_method.process_weights_after_loading(self)
         self.weights_processed = True

@@ -151,10 +151,11 @@ class LlamaForCausalLM(nn.Module):
         parts_seen: dict[str, set] = {}
         filled: set[str] = set()
 
+        def parts_wanted(ours: str) -> int:  # checkpoint tensors fused into one of ours
+            return 3 if ".qkv_" in ours else 2
+
         def complete(ours: str) -> bool:
-            if ours in filled:
-                return True
-            return len(parts_seen.get(ours, ())) == (3 if ".qkv_" in ours else 2)
+            return ours in filled or len(parts_seen.get(ours, ())) == parts_wanted(ours)
 
         for name, tensor in weights:
             target = self._our_name(name)
@@ -178,12 +179,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(owner, LinearBase) and module_name.startswith("layers."):
                 own = [f"{module_name}.{n}" for n, _ in owner.named_parameters(recurse=False)]
                 if all(complete(n) for n in own):
-                    for n in own:
+                    for n in own:  # no reference left here keeps the float weight alive
                         params.pop(n)
                     param = tensor = None
                     owner.process_weights_after_loading()
         for ours, parts in parts_seen.items():
-            want = 3 if ".qkv_" in ours else 2
+            want = parts_wanted(ours)
             if len(parts) != want:
                 raise ValueError(f"the checkpoint has only {len(parts)} of the {want} parts "
                                  f"fused into {ours}")

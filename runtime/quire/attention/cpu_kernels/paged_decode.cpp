@@ -539,11 +539,10 @@ constexpr int kTileRows = 16;
 
 // lse, where not null: row rows[r]'s heads' log-sum-exps at lse + rows[r] * lse_stride.
 template <typename T, int G, int C>
-void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out,
-                      const int32_t* table, const int32_t* rows, const int32_t* lens, int count,
-                      int window, int64_t block_stride, int64_t row_stride, int64_t q_stride,
-                      int64_t out_stride, int64_t q_head_stride, float scale, float* lse,
-                      int64_t lse_stride) {
+void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                  const int32_t* rows, const int32_t* lens, int count, int window,
+                  int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
+                  int64_t q_head_stride, float scale, float* lse, int64_t lse_stride) {
   constexpr int D = C * 8, NQ = kTileRows * G;
   static_assert(D % 16 == 0, "P @ V takes 16 dimensions at a time");
   if (count == 1) {  // a tile of one: the decode row's form, which transposes nothing
