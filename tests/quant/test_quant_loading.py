@@ -110,7 +110,7 @@ def test_each_decoder_linear_is_processed_as_soon_as_its_weights_are_in(tiny_lla
     process = LinearBase.process_weights_after_loading
 
     def logged_process(self):
-        if not getattr(self, "weights_processed", False):
+        if not self.weights_processed:
             events.append(("process", self.prefix))
         process(self)
 

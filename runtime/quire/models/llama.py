@@ -174,9 +174,10 @@ class LlamaForCausalLM(nn.Module):
                 filled.add(ours)
             else:
                 parts_seen.setdefault(ours, set()).add(shard_id)
-            # a decoder linear with all its weights in is processed (quantized, packed) now,
-            # and its float weight freed: the load never holds the whole float model
-            if isinstance(owner, LinearBase) and module_name.startswith("layers."):
+            # a linear (all are the decoder layers') with all its weights in is processed
+            # (quantized, packed) now, and its float weight freed: the load never holds the
+            # whole float model
+            if isinstance(owner, LinearBase):
                 own = [f"{module_name}.{n}" for n, _ in owner.named_parameters(recurse=False)]
                 if all(complete(n) for n in own):
                     for n in own:  # no reference left here keeps the float weight alive
