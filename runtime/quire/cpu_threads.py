@@ -110,6 +110,10 @@ def configure_threads(requested: int | None, serving: bool = False,
         except RuntimeError:  # only allowed before any inter-op work; then keep torch's
             logger.debug("torch's inter-op pool already started; left as it is")
     logger.info("threads: %d (%s, %s)", threads, quota.describe(), why)
+    if threads > quota.cpus:
+        logger.warning("%d compute threads for %d CPUs (%s): they take turns at every barrier "
+                       "of a step, which is slower than %d threads", threads, quota.cpus,
+                       quota.describe(), quota.cpus)
     return threads
 
 

@@ -138,6 +138,22 @@ def test_configure_sets_torch_and_logs(caplog, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_more_threads_than_cpus_warns(caplog, monkeypatch):
+    monkeypatch.delenv("QUIRE_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="quire.cpu_threads"):
+            assert configure_threads(3, quota=CpuQuota(1.5, "cpu.max", 8)) == 3
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "3 compute threads for 2 CPUs" in warned[0].getMessage()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="quire.cpu_threads"):
+            configure_threads(2, quota=CpuQuota(1.5, "cpu.max", 8))
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def tiny_llama(tmp_path, smollm_tokenizer):
     """A tiny model's folder; torch's thread count, which engines set, is put back after."""
