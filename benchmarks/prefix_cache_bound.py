@@ -1,4 +1,4 @@
-"""The mean-TTFT ratio prefix_cache.py can show, from FLOP counts alone.
+"""The mean-TTFT ratio prefix_cache.py should show, from FLOP counts alone.
 
 Replays prefix_cache.py's workload (64 requests, a shared 1,024-token prompt, 64-token
 questions, 32 outputs, all at once) through Quire's scheduling rules (one token budget per
@@ -14,6 +14,9 @@ ratio depends only on the workload, the model's shape and that relative price:
 - attention cost 1: an attention FLOP costs a matmul FLOP (both at the FMA ceiling);
 - above 1: attention runs below the matmuls' rate (a bfloat16/AMX matmul beside float32
   attention, or a slow attention kernel).
+
+An expectation, not a ceiling: costs that are not FLOPs (norms, the KV write, step overheads)
+differ per token between the sides, and real runs scatter around it (benchmarks/README).
 
     python benchmarks/prefix_cache_bound.py
     python benchmarks/prefix_cache_bound.py --attention-cost 0 1 1.2 2
