@@ -41,12 +41,17 @@ def run(prompts, max_tokens: int, caching: bool, args) -> float:
     return statistics.mean(ttft)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's shape (prefix_cache_bound.py models the same one)."""
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(ap)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,

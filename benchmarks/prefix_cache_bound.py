@@ -28,6 +28,8 @@ import argparse
 import statistics
 from dataclasses import dataclass
 
+from prefix_cache import add_workload_args
+
 # SmolLM2-135M-Instruct, the default model
 SMOLLM2 = dict(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536,
                vocab=49152)
@@ -113,10 +115,7 @@ def simulate(shape: Shape, n: int, prefix: int, question: int, max_tokens: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=1024)
-    ap.add_argument("--question-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    add_workload_args(ap)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512,
                     help="the step budget (the CPU default on 2 threads: 512)")
     ap.add_argument("--attention-cost", type=float, nargs="+", default=[0.0, 1.0, 1.2, 2.0])
@@ -125,23 +124,25 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=10.0, help="the ratio to solve for")
     args = ap.parse_args()
     shape = Shape(**SMOLLM2)
+
+    def mean_ttfts(attention_cost: float) -> tuple[float, float]:
+        """(caching on, caching off), in FLOPs."""
+        return tuple(statistics.mean(simulate(
+            shape, args.num_requests, args.prefix_len, args.question_len, args.max_tokens,
+            args.max_num_batched_tokens, caching, attention_cost,
+            prefill_first=args.prefill_first)) for caching in (True, False))
+
     print(f"{args.num_requests} requests, {args.prefix_len}-token shared prefix, "
           f"{args.question_len}-token questions, {args.max_tokens} outputs, budget "
           f"{args.max_num_batched_tokens}; SmolLM2-135M's shape")
     print("| attention cost | mean TTFT on (GFLOP) | off (GFLOP) | off / on |")
     print("|---|---|---|---|")
     for a in args.attention_cost:
-        on, off = (statistics.mean(simulate(
-            shape, args.num_requests, args.prefix_len, args.question_len, args.max_tokens,
-            args.max_num_batched_tokens, caching, a, prefill_first=args.prefill_first))
-            for caching in (True, False))
+        on, off = mean_ttfts(a)
         print(f"| {a:g} | {on / 1e9:.0f} | {off / 1e9:.0f} | {off / on:.2f}x |")
 
     def ratio(a: float) -> float:
-        on, off = (statistics.mean(simulate(
-            shape, args.num_requests, args.prefix_len, args.question_len, args.max_tokens,
-            args.max_num_batched_tokens, caching, a, prefill_first=args.prefill_first))
-            for caching in (True, False))
+        on, off = mean_ttfts(a)
         return off / on
 
     lo, hi = 0.0, 4.0  # the ratio falls as attention gets dearer
