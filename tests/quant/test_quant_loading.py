@@ -65,6 +65,71 @@ def test_quantized_folder_refuses_a_float_or_requantized_run(fake_conversion):
             loader.quant_config(auto, q, 32)
 
 
+def test_a_changed_gguf_drops_the_folders_of_its_old_copy_and_nothing_else(fake_conversion,
+                                                                         tmp_path):
+    """A reinstall (same path, new mtime) makes new folders; a conversion then removes the
+    ones made from the old file, and orphaned temporary folders, but keeps another file's
+    folders, folders with no record of their source, and a conversion still in progress."""
+    import subprocess
+
+    from quire.models import conversion_cache
+    source, calls = fake_conversion
+    old_none, old_auto = (loader.materialize(source, q).path for q in ("none", "auto"))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"yy")
+    other_none = loader.materialize(ModelSource("gguf", str(other), "other"), "none").path
+    cache = os.path.dirname(old_none)
+    legacy = os.path.join(cache, "legacy-0123456789abcdef")
+    os.makedirs(legacy)
+    open(os.path.join(legacy, ".complete"), "w").close()
+    dead = subprocess.Popen(["true"])  # a pid that no longer runs once waited for
+    dead.wait()
+    orphan = os.path.join(cache, f"m-0123.tmp-{dead.pid}")
+    live = os.path.join(cache, f"m-4567.tmp-{os.getpid()}")
+    os.makedirs(orphan)
+    os.makedirs(live)
+    for folder in (old_none, old_auto, other_none):
+        with open(os.path.join(folder, conversion_cache.SOURCE_RECORD)) as f:
+            assert json.load(f)["path"] == os.path.abspath(
+                str(other) if folder == other_none else source.path)
+
+    st = os.stat(source.path)  # the package reinstalled: the same file, a new mtime
+    os.utime(source.path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    new_none = loader.materialize(source, "none").path
+    assert new_none != old_none and calls == [False, True, False, False]
+    for gone in (old_none, old_auto, orphan):
+        assert not os.path.exists(gone), gone
+    for kept in (new_none, other_none, legacy, live):
+        assert os.path.isdir(kept), kept
+    # a hit converts nothing and removes nothing, even with the other file gone
+    other.unlink()
+    assert loader.materialize(source, "none").path == new_none and len(calls) == 4
+    assert os.path.isdir(other_none)
+
+
+def test_a_folder_without_a_record_gets_one_when_it_is_read(fake_conversion):
+    from quire.models import conversion_cache
+    source, _ = fake_conversion
+    folder = loader.materialize(source, "none").path
+    record = os.path.join(folder, conversion_cache.SOURCE_RECORD)
+    os.remove(record)  # as an older Quire left it
+    assert loader.materialize(source, "none").path == folder
+    with open(record) as f:
+        assert json.load(f)["size"] == os.path.getsize(source.path)
+
+
+def test_housekeeping_never_fails_a_load(fake_conversion, monkeypatch):
+    """A cache it cannot list or a record it cannot parse is left alone."""
+    from quire.models import conversion_cache
+    source, _ = fake_conversion
+    folder = loader.materialize(source, "none").path
+    with open(os.path.join(folder, conversion_cache.SOURCE_RECORD), "w") as f:
+        f.write("{not json")
+    assert conversion_cache.collect_stale(os.path.dirname(folder), keep="/nowhere") == []
+    assert conversion_cache.collect_stale("/nonexistent/cache", keep="/nowhere") == []
+    assert os.path.isdir(folder)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("quantization", "int3", "quantization must be one of auto, none, int8, int4"),
     ("quantization_group_size", 48, "quantization_group_size must be one of 32, 64, 128"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from quire.models import conversion_cache
 from quire.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
                          f"{fmt}".encode()).hexdigest()[:16]
     stem = os.path.basename(source.path).removesuffix(".gguf")
     folder = os.path.join(root, "gguf", f"{stem}{'-q' if blocks else ''}-{key}")
+    converted = False
     if not os.path.exists(os.path.join(folder, ".complete")):
         try:
             _convert_gguf(source, folder, blocks)
@@ -146,6 +148,13 @@ def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
             logger.warning("cannot write the GGUF conversion cache at %s (%s); loading the "
                            "GGUF directly", folder, e)
             return source
+        converted = True
+    # the key says which file made the folder; recorded so that a later conversion can tell
+    # when that file is gone or changed (a read-only cache just goes without)
+    with contextlib.suppress(OSError):
+        conversion_cache.record_source(folder, source.path, st)
+    if converted:  # the cache just grew: drop what can never be read again
+        conversion_cache.collect_stale(os.path.dirname(folder), keep=folder)
     return ModelSource("hf", folder, source.name, origin=source.path)
 
 

@@ -1,0 +1,84 @@
+"""Housekeeping of the GGUF conversion cache (~/.cache/quire/gguf): each folder records the
+file it was made from, and a new conversion removes the folders that can never be read again.
+
+A folder's key is the GGUF's path, size and mtime (models/loader.py), so reinstalling the same
+package (a new venv, a new mtime) makes a new ~100-600 MB folder and the old one is never hit
+again. A folder is stale when the file it records is gone or has another size or mtime; only
+those are removed, so two installs side by side keep their folders. Folders without a record
+(made by an older Quire) are left alone: nothing says what they came from. A conversion killed
+mid-way leaves `<folder>.tmp-<pid>`; those whose process is gone are removed too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+logger = logging.getLogger(__name__)
+
+SOURCE_RECORD = "quire_source.json"
+
+
+def record_source(folder: str, path: str, st: os.stat_result) -> None:
+    """Write (atomically) which file `folder` was made from, unless it says so already."""
+    target = os.path.join(folder, SOURCE_RECORD)
+    if os.path.exists(target):
+        return
+    tmp = f"{target}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"path": os.path.abspath(path), "size": st.st_size,
+                   "mtime_ns": st.st_mtime_ns}, f)
+    os.replace(tmp, target)
+
+
+def _is_stale(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, SOURCE_RECORD)) as f:
+            rec = json.load(f)
+        path, size, mtime_ns = rec["path"], int(rec["size"]), int(rec["mtime_ns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no record (an older Quire's folder) or an unreadable one: keep it
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # cannot tell (permissions): keep it
+    return st.st_size != size or st.st_mtime_ns != mtime_ns
+
+
+def _orphaned_tmp(name: str) -> bool:
+    """`<folder>.tmp-<pid>` whose converting process no longer exists."""
+    _, sep, pid = name.rpartition(".tmp-")
+    if not sep or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by someone else
+        return False
+    return False
+
+
+def collect_stale(cache_dir: str, keep: str) -> list[str]:
+    """Remove the folders under `cache_dir` that can never be read again (never `keep`);
+    returns what was removed. Never raises: housekeeping must not fail a load."""
+    removed = []
+    try:
+        names = os.listdir(cache_dir)
+    except OSError:
+        return removed
+    for name in sorted(names):
+        folder = os.path.join(cache_dir, name)
+        if os.path.abspath(folder) == os.path.abspath(keep) or not os.path.isdir(folder):
+            continue
+        if _orphaned_tmp(name) or _is_stale(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.path.exists(folder):
+                removed.append(folder)
+                logger.info("removed the stale GGUF conversion %s (its source file is gone "
+                            "or changed)", folder)
+    return removed
