@@ -22,8 +22,13 @@ def fake_conversion(tmp_path, monkeypatch):
     calls = []
 
     def convert(source, folder, blocks=False):
+        import torch
+        from safetensors.torch import save_file
         calls.append(blocks)
         os.makedirs(folder)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"architectures": ["LlamaForCausalLM"]}, f)
+        save_file({"w": torch.zeros(4, 4)}, os.path.join(folder, "model.safetensors"))
         if blocks:
             with open(os.path.join(folder, loader.QUANT_MANIFEST), "w") as f:
                 json.dump({"layers": {"layers.0.qkv_proj": {"method": "int4",
@@ -116,6 +121,27 @@ def test_a_folder_without_a_record_gets_one_when_it_is_read(fake_conversion):
     assert loader.materialize(source, "none").path == folder
     with open(record) as f:
         assert json.load(f)["size"] == os.path.getsize(source.path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove weights", "remove config"])
+def test_a_damaged_folder_is_made_again_from_the_gguf(fake_conversion, damage, caplog):
+    """The folder is only a faster copy of the GGUF: one whose weights file is cut short or
+    missing (a disk filled by something else, a partial copy of the cache) is converted
+    again, with a warning, instead of failing every start."""
+    import logging
+    source, calls = fake_conversion
+    folder = loader.materialize(source, "none").path
+    weights = os.path.join(folder, "model.safetensors")
+    if damage == "truncate":
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) - 1)
+    else:
+        os.remove(weights if damage == "remove weights" else os.path.join(folder, "config.json"))
+    with caplog.at_level(logging.WARNING, logger="quire.models.loader"):
+        assert loader.materialize(source, "none").path == folder
+    assert calls == [False, False] and "is damaged" in caplog.text
+    from quire.models import conversion_cache
+    assert conversion_cache.intact(folder)
 
 
 def test_housekeeping_never_fails_a_load(fake_conversion, monkeypatch):

@@ -1,5 +1,7 @@
 """Housekeeping of the GGUF conversion cache (~/.cache/quire/gguf): each folder records the
-file it was made from, and a new conversion removes the folders that can never be read again.
+file it was made from, and a new conversion removes the folders that can never be read again;
+a folder whose weights file is cut short is found before it is read (and made again: the GGUF
+is the source of truth, the folder only a faster copy of it).
 
 A folder's key is the GGUF's path, size and mtime (models/loader.py), so reinstalling the same
 package (a new venv, a new mtime) makes a new ~100-600 MB folder and the old one is never hit
@@ -31,6 +33,30 @@ def record_source(folder: str, path: str, st: os.stat_result) -> None:
         json.dump({"path": os.path.abspath(path), "size": st.st_size,
                    "mtime_ns": st.st_mtime_ns}, f)
     os.replace(tmp, target)
+
+
+def intact(folder: str) -> bool:
+    """Whether the folder's config and safetensors files are all there and every safetensors
+    file is as long as its header says (a cheap check: the header only, not the data)."""
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        return False
+    try:
+        files = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    return False
+                size = int.from_bytes(head, "little")
+                header = json.loads(f.read(size))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items()
+                       if k != "__metadata__"), default=0)
+            if os.path.getsize(path) != 8 + size + end:
+                return False
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+    return bool(files)
 
 
 def _is_stale(folder: str) -> bool:

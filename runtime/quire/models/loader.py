@@ -141,7 +141,13 @@ def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
     stem = os.path.basename(source.path).removesuffix(".gguf")
     folder = os.path.join(root, "gguf", f"{stem}{'-q' if blocks else ''}-{key}")
     converted = False
-    if not os.path.exists(os.path.join(folder, ".complete")):
+    complete = os.path.exists(os.path.join(folder, ".complete"))
+    if complete and not conversion_cache.intact(folder):
+        logger.warning("the GGUF conversion cache %s is damaged (a weights file cut short or "
+                       "missing); converting %s again", folder, source.path)
+        shutil.rmtree(folder, ignore_errors=True)
+        complete = False
+    if not complete:
         try:
             _convert_gguf(source, folder, blocks)
         except OSError as e:
