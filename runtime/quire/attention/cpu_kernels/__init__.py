@@ -58,7 +58,7 @@ def _cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
-def _build(compiler: str, source_path: str, flags: list[str]) -> str:
+def _build(compiler: str, source_path: str, flags: list[str], rebuild: bool = False) -> str:
     with open(source_path, "rb") as f:
         source = f.read()
     for header in sorted(glob.glob(os.path.join(os.path.dirname(source_path), "*.h"))):
@@ -70,6 +70,8 @@ def _build(compiler: str, source_path: str, flags: list[str]) -> str:
                          + _cpu_signature().encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source_path))[0]
     target = os.path.join(_cache_dir(), f"{stem}-{key}.so")
+    if rebuild and os.path.exists(target):
+        os.unlink(target)
     if not os.path.exists(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
@@ -97,7 +99,12 @@ def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
         return None
     try:
         flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
-        return ctypes.CDLL(_build(compiler, os.path.join(_HERE, source), flags))
+        path = _build(compiler, os.path.join(_HERE, source), flags)
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:  # a cached build cut short or damaged: build it again, once
+            logger.warning("the cached build %s does not load (%s); building it again", path, e)
+            return ctypes.CDLL(_build(compiler, os.path.join(_HERE, source), flags, rebuild=True))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("the native CPU kernels in %s could not be built; using the torch path: %s",
