@@ -85,25 +85,30 @@ def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, mon
     assert_no_blocks_in_use(fallback)
 
 
-def test_a_cached_build_that_does_not_load_is_built_again(monkeypatch, tmp_path):
+def test_a_cached_build_that_does_not_load_is_built_again(tmp_path):
     """A kernel library cut short in the cache (a partial copy of a shared cache, a full
-    disk) is rebuilt once, with a warning, instead of sending every run to the torch path."""
+    disk) is rebuilt once, with a warning, instead of sending every run to the torch path.
+    Both loads run in processes of their own: dlopen would hand this one the library it has
+    mapped already, and truncating a library a process has mapped kills it (SIGBUS)."""
     import glob
     import subprocess
     import sys
-    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path))
-    assert cpu_kernels.load_library("fused_ops.cpp") is not None
+    probe = ("import logging, sys; logging.basicConfig(level=logging.WARNING); "
+             "from quire.attention import cpu_kernels; "
+             "sys.exit(cpu_kernels.load_library('fused_ops.cpp') is None)")
+
+    def load():
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              env={**os.environ, "QUIRE_CACHE_DIR": str(tmp_path)}, timeout=120)
+
+    first = load()
+    assert first.returncode == 0 and "does not load" not in first.stderr, first.stderr[-2000:]
     (built,) = glob.glob(str(tmp_path / "kernels" / "fused_ops-*.so"))
     whole = os.path.getsize(built)
     with open(built, "r+b") as f:
         f.truncate(100)
-    # a new process: this one has the library mapped already, and dlopen would hand it back
-    probe = ("import logging, sys; logging.basicConfig(level=logging.WARNING); "
-             "from quire.attention import cpu_kernels; "
-             "sys.exit(cpu_kernels.load_library('fused_ops.cpp') is None)")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env={**os.environ, "QUIRE_CACHE_DIR": str(tmp_path)}, timeout=120)
-    assert run.returncode == 0 and "does not load" in run.stderr, run.stderr[-2000:]
+    again = load()
+    assert again.returncode == 0 and "does not load" in again.stderr, again.stderr[-2000:]
     assert os.path.getsize(built) == whole
 
 
