@@ -54,7 +54,7 @@ class Shape:
         return 4 * self.heads * self.head_dim * context * self.layers
 
 
-@dataclass
+@dataclass(eq=False)  # each request is itself: `in` and `remove` must not match look-alikes
 class Seq:
     prompt: int     # prompt tokens
     computed: int   # prompt tokens computed or found cached
@@ -92,8 +92,9 @@ def simulate(shape: Shape, n: int, prefix: int, question: int, max_tokens: int, 
                 running.append(s)
                 waiting.remove(s)
             take = min(left, s.prompt - s.computed)
-            cost += sum(shape.attention_flops(p + 1)
-                        for p in range(s.computed, s.computed + take)) * attention_cost
+            # tokens computed + 1 .. computed + take attend to that many keys each
+            keys = take * (2 * s.computed + take + 1) // 2
+            cost += shape.attention_flops(keys) * attention_cost
             s.computed += take
             left -= take
             if s.computed == s.prompt:

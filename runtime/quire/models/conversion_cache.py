@@ -21,6 +21,12 @@ import shutil
 logger = logging.getLogger(__name__)
 
 SOURCE_RECORD = "quire_source.json"
+_TMP = ".tmp-"  # what a conversion in progress appends to its folder's name, then its pid
+
+
+def temp_path(path: str) -> str:
+    """Where this process writes `path` before renaming it into place."""
+    return f"{path}{_TMP}{os.getpid()}"
 
 
 def record_source(folder: str, path: str, st: os.stat_result) -> None:
@@ -28,7 +34,7 @@ def record_source(folder: str, path: str, st: os.stat_result) -> None:
     target = os.path.join(folder, SOURCE_RECORD)
     if os.path.exists(target):
         return
-    tmp = f"{target}.tmp-{os.getpid()}"
+    tmp = temp_path(target)
     with open(tmp, "w") as f:
         json.dump({"path": os.path.abspath(path), "size": st.st_size,
                    "mtime_ns": st.st_mtime_ns}, f)
@@ -77,15 +83,15 @@ def _is_stale(folder: str) -> bool:
 
 def _orphaned_tmp(name: str) -> bool:
     """`<folder>.tmp-<pid>` whose converting process no longer exists."""
-    _, sep, pid = name.rpartition(".tmp-")
+    _, sep, pid = name.rpartition(_TMP)
     if not sep or not pid.isdigit():
         return False
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except OSError:  # exists, owned by someone else
-        return False
+    except OSError:  # it exists, owned by someone else
+        pass
     return False
 
 

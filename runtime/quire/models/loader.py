@@ -167,7 +167,7 @@ def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
 def _convert_gguf(source: ModelSource, folder: str, blocks: bool = False) -> None:
     from safetensors.torch import save_file
     logger.info("converting %s once into %s", source.path, folder)
-    tmp = f"{folder}.tmp-{os.getpid()}"
+    tmp = conversion_cache.temp_path(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:

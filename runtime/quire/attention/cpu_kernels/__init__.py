@@ -99,12 +99,13 @@ def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
         return None
     try:
         flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
-        path = _build(compiler, os.path.join(_HERE, source), flags)
+        source_path = os.path.join(_HERE, source)
+        path = _build(compiler, source_path, flags)
         try:
             return ctypes.CDLL(path)
         except OSError as e:  # a cached build cut short or damaged: build it again, once
             logger.warning("the cached build %s does not load (%s); building it again", path, e)
-            return ctypes.CDLL(_build(compiler, os.path.join(_HERE, source), flags, rebuild=True))
+            return ctypes.CDLL(_build(compiler, source_path, flags, rebuild=True))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("the native CPU kernels in %s could not be built; using the torch path: %s",
