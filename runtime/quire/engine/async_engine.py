@@ -84,6 +84,7 @@ class ModelInfo:
     vocab_size: int
     max_num_seqs: int
     capacity_tokens: int      # tokens the KV cache holds
+    architecture: str = ""    # config.json's architecture (the server picks formats by it)
 
 
 class StatsSink(Protocol):
@@ -241,7 +242,8 @@ class AsyncLLMEngine:
             self.model_info = ModelInfo(
                 name=e.model_name, served_name=self._served_model_name or e.model_name,
                 max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
-                max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens)
+                max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens,
+                architecture=getattr(e.model_config, "architecture", ""))
             loras = e.list_loras() if getattr(e, "lora", None) is not None else []
             self.lora_adapters = {r.name: r for r in loras}
             self._next_lora_id = max((r.id for r in loras), default=0) + 1

@@ -33,6 +33,7 @@ from quire.entrypoints import memory
 from quire.entrypoints.errors import OpenAIError, bad_request
 from quire.entrypoints.limits import ServerLimits
 from quire.entrypoints.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from quire.entrypoints.reasoning import get_reasoning_parser
 from quire.entrypoints.routers import (
     chat,
     completions,
@@ -55,17 +56,24 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
               trim_memory: bool = True, tool_call_parser: str = "auto",
               allow_runtime_lora: bool = False,
               lora_parents: dict[str, str] | None = None,
-              model_aliases: list[str] | tuple[str, ...] = ()) -> FastAPI:
+              model_aliases: list[str] | tuple[str, ...] = (),
+              reasoning_parser: str | None = None,
+              default_template_kwargs: dict | None = None) -> FastAPI:
     """The app; its lifespan starts the engine (loading the model in the background) and
     shuts it down. `metrics` should be the engine's stats sink; `tool_call_parser` a
     TOOL_PARSERS name or "auto" (detected from the chat template). `allow_runtime_lora`
     registers the LoRA load/unload routes; `lora_parents`: adapter -> the parent
     /v1/models names (default: the base model's served name); `model_aliases`: more names
-    for the base model (--served-model-name's second and later)."""
+    for the base model (--served-model-name's second and later); `reasoning_parser` a
+    REASONING_PARSERS name or None (no reasoning split); `default_template_kwargs`: chat
+    template variables under every request's chat_template_kwargs."""
     if tool_call_parser != "auto":
         get_tool_parser(tool_call_parser)  # ValueError naming the choices
     serving = Serving(engine, limits or ServerLimits(), metrics, log_requests,
-                      tool_call_parser, dict(lora_parents or {}), tuple(model_aliases))
+                      tool_call_parser, dict(lora_parents or {}), tuple(model_aliases),
+                      reasoning_parser=get_reasoning_parser(reasoning_parser)
+                      if reasoning_parser is not None else None,
+                      default_template_kwargs=dict(default_template_kwargs or {}))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

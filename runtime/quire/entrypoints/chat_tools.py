@@ -7,8 +7,10 @@ its prompt, its grammar and its answer.
     required          yes                   one or more calls         yes (they always parse)
     {named function}  yes                   exactly that call         yes (it always parses)
 
-The family (`--tool-call-parser`, or detected from the chat template) decides both the call
-format the grammar enforces and the parser that reads it back.
+The family (`--tool-call-parser`, or `auto`: the model's architecture, else the chat
+template) decides both the call format the grammar enforces and the parser that reads it back.
+A model with no format of its own (Gemma's and Phi's templates) gets a 400 for tools unless
+the server names a parser.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from quire.entrypoints.tool_calls import (
     DeltaMessage,
     ToolCallStreamer,
     ToolParser,
-    detect_tool_parser,
+    auto_tool_parser,
     get_tool_parser,
     tool_choice_guided_decoding,
 )
@@ -42,9 +44,13 @@ class ToolUse:
     guided: GuidedDecodingParams | None = None     # tool_choice required / named
 
 
-def parser_name(configured: str, chat_template: str | None) -> str:
-    """--tool-call-parser, with `auto` read from the template that renders the prompt."""
-    return detect_tool_parser(chat_template) if configured == "auto" else configured
+def parser_name(configured: str, chat_template: str | None,
+                architecture: str = "") -> str | None:
+    """--tool-call-parser, with `auto` picked by the model's family or the template that
+    renders the prompt; None: the model has no tool-call format."""
+    if configured == "auto":
+        return auto_tool_parser(architecture, chat_template)
+    return configured
 
 
 async def tool_use(serving, req, template: str | None) -> ToolUse:
@@ -54,9 +60,15 @@ async def tool_use(serving, req, template: str | None) -> ToolUse:
     if not req.tools and choice in ("none", "auto"):
         return ToolUse()
     check_count("tools", req.tools, serving.limits.max_tools, "max-tools")
-    family = parser_name(serving.tool_call_parser, template)
+    info = serving.engine.model_info
+    family = parser_name(serving.tool_call_parser, template,
+                         info.architecture if info is not None else "")
+    if family is None and choice != "none":
+        raise bad_request("this model's chat template defines no tool-call format this server "
+                          "reads; start the server with --tool-call-parser hermes to have "
+                          "tools rendered and read Hermes-style", "tools")
     guided = await serving.pool.run(_grammar, req.tools, choice, req.parallel_tool_calls,
-                                    family, serving.limits.max_schema_bytes)
+                                    family or "hermes", serving.limits.max_schema_bytes)
     if choice == "none":
         return ToolUse()  # the model answers in words: it isn't even told of the tools
     return ToolUse(req.tools, get_tool_parser(family), guided)
@@ -79,10 +91,11 @@ def _grammar(tokenizer, tools, choice, parallel: bool, family: str,
 
 
 # --- answers ----------------------------------------------------------------------------
-def message_parts(use: ToolUse, text: str, finish_reason: str | None
+def message_parts(use: ToolUse, text: str | None, finish_reason: str | None
                   ) -> tuple[str | None, list[ToolCallOut], str | None]:
-    """(content, tool_calls, finish_reason) of a whole answer."""
-    if use.parser is None:
+    """(content, tool_calls, finish_reason) of a whole answer (`text`: its content part;
+    None when it is all reasoning)."""
+    if use.parser is None or text is None:
         return text, [], finish_reason
     parsed = use.parser.parse(text)
     if not parsed.tools_called:

@@ -180,6 +180,28 @@ def check_chat_template(template: str | None, limits: ServerLimits) -> None:
                           "chat_template")
 
 
+# what the server itself hands the template (or apply_chat_template's own options): a
+# request's chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+    "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def check_chat_template_kwargs(kwargs: dict | None, limits: ServerLimits,
+                               max_model_len: int) -> None:
+    """No reserved names; the values may end up in the prompt, so their JSON counts against
+    the prompt's characters."""
+    if not kwargs:
+        return
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}: the server sets "
+                          f"it", "chat_template_kwargs")
+    check_prompt_chars("chat_template_kwargs", len(json.dumps(kwargs)),
+                       limits.prompt_chars(max_model_len))
+
+
 def body_too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body is larger than {limit} bytes "
                             f"(--max-request-body-bytes)", "invalid_request_error", None,

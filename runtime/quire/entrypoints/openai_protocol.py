@@ -218,6 +218,9 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict | None = Field(
+        None, description="a JSON object of extra chat template variables, as "
+                          "{'enable_thinking': false}")
     logit_bias: dict[str, float] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = Field(
@@ -244,6 +247,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = Field(
+        None, description="a JSON object of extra chat template variables")
 
 
 class DetokenizeRequest(_Request):
@@ -315,6 +320,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> part
     tool_calls: list[ToolCallOut] = []
 
 
@@ -375,6 +381,7 @@ class DeltaToolCall(_Sparse):
 class ChatDelta(_Sparse):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

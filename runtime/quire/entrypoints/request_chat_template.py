@@ -126,7 +126,7 @@ def render(template: str, conversation: list[dict], add_generation_prompt: bool,
            special_tokens: dict[str, str], timeout: float, max_chars: int,
            extra: dict | None = None) -> str:
     """The rendered prompt, or OpenAIError 400 naming chat_template. `extra`: more template
-    variables (the request's `tools`)."""
+    variables (the request's `tools` and chat_template_kwargs)."""
     env = _BudgetedSandbox(time.monotonic() + timeout, max_chars)
     tracer = _Tracer(env)
     previous = sys.gettrace()
@@ -134,9 +134,10 @@ def render(template: str, conversation: list[dict], add_generation_prompt: bool,
     try:
         compiled = env.from_string(template)
         pieces, size = [], 0
+        # extra over the special tokens, as transformers' apply_chat_template merges them
         for piece in compiled.generate(messages=conversation,
                                        add_generation_prompt=add_generation_prompt,
-                                       **special_tokens, **(extra or {})):
+                                       **{**special_tokens, **(extra or {})}):
             size += len(piece)
             if size > max_chars:
                 raise BudgetExceeded("its output is past its size budget")

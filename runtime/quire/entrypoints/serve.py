@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
 
 from quire.entrypoints.engine_args import add_engine_flags, engine_args_from, model_help
-from quire.entrypoints.limits import add_limit_flags, limits_from
+from quire.entrypoints.limits import RESERVED_TEMPLATE_KWARGS, add_limit_flags, limits_from
+from quire.entrypoints.reasoning.registry import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    choices=("auto", *TOOL_PARSER_NAMES),
                    help="how tool calls look in the model's text: 'hermes' (<tool_call> "
                         "JSON, Qwen2 / SmolLM2), 'llama3_json' (Llama 3.x), or 'auto': "
-                        "detected from the chat template")
+                        "picked by the model's family (Qwen: hermes) or else read from the "
+                        "chat template")
+    p.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
+                   help="split the answer's <think>...</think> part into the message's "
+                        "reasoning_content (delta.reasoning_content when streamed): 'qwen3' "
+                        "(honours enable_thinking) or 'deepseek_r1' (default: off, all is "
+                        "content)")
+    p.add_argument("--default-chat-template-kwargs", type=template_kwargs, default=None,
+                   metavar="JSON",
+                   help="extra chat template variables for every request, as a JSON object "
+                        "(e.g. '{\"enable_thinking\": false}'); a request's "
+                        "chat_template_kwargs override them key by key")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         f"(needs --enable-lora; also on with {RUNTIME_LORA_ENV}=true); "
@@ -86,6 +99,21 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def template_kwargs(text: str) -> dict:
+    """--default-chat-template-kwargs: a JSON object whose keys the server doesn't set
+    itself."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+    if reserved:
+        raise argparse.ArgumentTypeError(f"{reserved[0]!r} is set by the server itself")
     return value
 
 
@@ -147,6 +175,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
                     limits=limits, trim_memory=ns.trim_idle_memory,
                     tool_call_parser=ns.tool_call_parser,
+                    reasoning_parser=ns.reasoning_parser,
+                    default_template_kwargs=ns.default_chat_template_kwargs,
                     allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns),
                     model_aliases=names[1:])
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits)

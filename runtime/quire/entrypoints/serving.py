@@ -20,10 +20,12 @@ from quire.entrypoints.errors import bad_request, engine_error, model_not_found
 from quire.entrypoints.limits import (
     ServerLimits,
     check_chat_template,
+    check_chat_template_kwargs,
     check_messages,
     check_prompt_chars,
     check_prompt_tokens,
 )
+from quire.entrypoints.reasoning import ReasoningParser
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
@@ -45,6 +47,8 @@ class Serving:
     tool_call_parser: str = "auto"         # --tool-call-parser: a family, or auto-detected
     lora_parents: dict[str, str] = field(default_factory=dict)  # --lora-modules base_model_name
     model_aliases: tuple[str, ...] = ()    # the base model's other --served-model-name names
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    default_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs
     _pool: TokenizerPool | None = None
 
     @property
@@ -98,16 +102,31 @@ class Serving:
     async def chat_prompt_ids(self, messages, add_generation_prompt: bool, info: ModelInfo,
                               chat_template: str | None = None,
                               check_length: bool = True,
-                              tools: list[dict] | None = None) -> list[int]:
+                              tools: list[dict] | None = None,
+                              template_kwargs: dict | None = None) -> list[int]:
+        """`template_kwargs`: the request's chat_template_kwargs (over the server's
+        defaults)."""
         check_messages(messages, self.limits, info.max_model_len)
         check_chat_template(chat_template, self.limits)
+        check_chat_template_kwargs(template_kwargs, self.limits, info.max_model_len)
         conversation = [m.as_template_message() for m in messages]
         ids = await self.pool.chat(conversation, add_generation_prompt, chat_template,
                                    self.limits.chat_template_timeout,
-                                   self.limits.prompt_chars(info.max_model_len), tools)
+                                   self.limits.prompt_chars(info.max_model_len), tools,
+                                   self.template_kwargs(template_kwargs))
         if check_length:
             check_prompt_tokens("messages", len(ids), info.max_model_len)
         return ids
+
+    def template_kwargs(self, request_kwargs: dict | None) -> dict:
+        """The chat template's extra variables: the server's defaults, the request's over
+        them."""
+        return {**self.default_template_kwargs, **(request_kwargs or {})}
+
+    async def prompt_tail(self, prompt: list[int], num_tokens: int = 8) -> str:
+        """The text of a prompt's last few tokens, special tokens included (what a reasoning
+        parser reads the answer's start state from)."""
+        return await self.pool.decode(prompt[-num_tokens:])
 
     def chat_template(self, request_template: str | None) -> str | None:
         """The template a chat prompt is rendered with: the request's own, or the model's."""

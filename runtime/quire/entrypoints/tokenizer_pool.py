@@ -73,12 +73,14 @@ class TokenizerPool:
 
     async def chat(self, conversation: list[dict], add_generation_prompt: bool,
                    request_template: str | None = None, timeout: float = 1.0,
-                   max_chars: int = 1 << 20, tools: list[dict] | None = None) -> list[int]:
+                   max_chars: int = 1 << 20, tools: list[dict] | None = None,
+                   template_kwargs: dict | None = None) -> list[int]:
         """The prompt's token ids: the model's own template (trusted), or a request's own
         (sandboxed, within `timeout` seconds and `max_chars` characters). Tools, assistant
-        tool calls and tool results go through the template as tool_calls/render.py says."""
+        tool calls and tool results go through the template as tool_calls/render.py says;
+        `template_kwargs` are more template variables (chat_template_kwargs)."""
         return await self.run(_chat, conversation, add_generation_prompt, request_template,
-                              timeout, max_chars, tools)
+                              timeout, max_chars, tools, template_kwargs)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -90,7 +92,7 @@ def _decode(tokenizer, token_ids: list[int]) -> str:
 
 
 def _chat(tokenizer, conversation, add_generation_prompt, request_template, timeout,
-          max_chars, tools=None) -> list[int]:
+          max_chars, tools=None, template_kwargs=None) -> list[int]:
     template = request_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions",
@@ -101,6 +103,7 @@ def _chat(tokenizer, conversation, add_generation_prompt, request_template, time
             conversation, extra = template_inputs(template, conversation, tools)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
+    extra = {**(template_kwargs or {}), **extra}  # the server's own variables win
     if request_template is not None:
         special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
         text = request_chat_template.render(request_template, conversation,

@@ -1,6 +1,8 @@
 """/v1/chat/completions: the messages (and tools) rendered by the chat template in the
-tokenizer pool, one engine request with n samples, its grammar from response_format /
-guided_* / tool_choice, answered whole or streamed, with tool calls read out of the text."""
+tokenizer pool (with chat_template_kwargs over the server's defaults), one engine request with
+n samples, its grammar from response_format / guided_* / tool_choice, answered whole or
+streamed, with the reasoning split off (--reasoning-parser) and tool calls read out of the
+content."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from quire.entrypoints.chat_reasoning import (
+    ReasoningDeltas,
+    ReasoningUse,
+    reasoning_use,
+    split_answer,
+)
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
 from quire.entrypoints.errors import OpenAIError, bad_request, renamed
 from quire.entrypoints.limits import check_stop
@@ -66,13 +74,15 @@ async def chat_completions(request: Request):
     except OpenAIError as e:
         raise renamed(e, renames) from None
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
-                                           req.chat_template, tools=tools.tools)
+                                           req.chat_template, tools=tools.tools,
+                                           template_kwargs=req.chat_template_kwargs)
+    reasoning = await reasoning_use(serving, req, prompt, params.guided_decoding is not None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.submit(request_id, [prompt], params, renames, lora)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatChunks(request_id, model, params, tools)
+        fmt = ChatChunks(request_id, model, params, tools, reasoning)
         return GuardedStreamingResponse(
             sse_events(serving, request_id, guard, params.n, fmt, include_usage), guard,
             "text/event-stream")
@@ -83,9 +93,11 @@ async def chat_completions(request: Request):
     choices, completion_tokens = [], 0
     for c in sorted(out.outputs, key=lambda c: c.index):
         completion_tokens += len(c.token_ids)
-        content, tool_calls, finish_reason = message_parts(tools, c.text, c.finish_reason)
+        thought, content = split_answer(reasoning, c.text)
+        content, tool_calls, finish_reason = message_parts(tools, content, c.finish_reason)
         choices.append(ChatChoice(
-            index=c.index, message=ChatMessageOut(content=content, tool_calls=tool_calls),
+            index=c.index, message=ChatMessageOut(content=content, reasoning_content=thought,
+                                                  tool_calls=tool_calls),
             logprobs=chat_logprobs(c, params.logprobs),
             finish_reason=finish_reason, stop_reason=c.stop_reason))
     serving.log_done(request_id, completion_tokens)
@@ -95,14 +107,17 @@ async def chat_completions(request: Request):
 
 
 class ChatChunks:
-    """The ChunkFormat of chat streams: the role first, then content deltas (and, when the
-    answer is read for tool calls, delta.tool_calls pieces)."""
+    """The ChunkFormat of chat streams: the role first, then content deltas (and, with a
+    reasoning parser, delta.reasoning_content pieces; when the answer is read for tool calls,
+    delta.tool_calls pieces from its content)."""
 
     def __init__(self, request_id: str, model: str, params: SamplingParams,
-                 tools: ToolUse) -> None:
+                 tools: ToolUse, reasoning: ReasoningUse | None = None) -> None:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}
         self.params = params
         self.tool_calls = ToolCallDeltas(tools.parser) if tools.parser is not None else None
+        self.reasoning = ReasoningDeltas(reasoning) if reasoning is not None and \
+            reasoning.parser is not None else None
 
     def opening(self) -> list[ChatCompletionChunk]:
         return [ChatCompletionChunk(**self.head, choices=[ChatStreamChoice(
@@ -112,13 +127,17 @@ class ChatChunks:
     def choice(self, index: int, prompt_index: int, out: RequestOutput,
                c: CompletionOutput) -> ChatCompletionChunk | None:
         lps = chat_logprobs(c, self.params.logprobs)
-        content, calls, finish_reason = c.text or None, None, c.finish_reason
+        thought, text = None, c.text
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(index, c.text, c.finish_reason is not None)
+        content, calls, finish_reason = text or None, None, c.finish_reason
         if self.tool_calls is not None:
-            content, calls, finish_reason = self.tool_calls.feed(index, c.text, finish_reason)
-        if not content and not calls and lps is None and finish_reason is None:
+            content, calls, finish_reason = self.tool_calls.feed(index, text, finish_reason)
+        if not content and not thought and not calls and lps is None and finish_reason is None:
             return None
         return ChatCompletionChunk(**self.head, choices=[ChatStreamChoice(
-            index=index, delta=ChatDelta(content=content, tool_calls=calls), logprobs=lps,
+            index=index, delta=ChatDelta(content=content, reasoning_content=thought,
+                                         tool_calls=calls), logprobs=lps,
             finish_reason=finish_reason, stop_reason=c.stop_reason)])
 
     def usage(self, usage: UsageInfo) -> ChatCompletionChunk:

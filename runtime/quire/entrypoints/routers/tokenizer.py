@@ -21,7 +21,8 @@ async def tokenize(request: Request):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     if req.messages is not None:
         tokens = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
-                                               check_length=False)
+                                               check_length=False,
+                                               template_kwargs=req.chat_template_kwargs)
     else:
         check_prompt_chars("prompt", len(req.prompt),
                            serving.limits.prompt_chars(info.max_model_len))

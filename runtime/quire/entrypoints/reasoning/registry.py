@@ -1,0 +1,20 @@
+"""Reasoning parsers by name (`--reasoning-parser`, vLLM's names)."""
+
+from __future__ import annotations
+
+from quire.entrypoints.reasoning.base import ReasoningParser
+from quire.entrypoints.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from quire.entrypoints.reasoning.qwen3 import Qwen3ReasoningParser
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+    "qwen3": Qwen3ReasoningParser,
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    try:
+        return REASONING_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {name!r}") from None
