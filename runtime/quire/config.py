@@ -16,7 +16,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# the last four name pre-quantized checkpoint formats (auto follows the checkpoint anyway)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "compressed-tensors", "gptq", "awq", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 
 
@@ -36,7 +37,8 @@ class EngineArgs:
     device: str = field(default="auto", metadata={"choices": DEVICES})
     quantization: str = field(default="auto", metadata={
         "help": "weight-only quantization of the linear layers: auto = a GGUF keeps its "
-                "file's own (Q4_0/Q4_1/Q8_0/K-quants), a float checkpoint stays float; int8 "
+                "file's own (Q4_0/Q4_1/Q8_0/K-quants), a checkpoint quantized by compressed-"
+                "tensors / GPTQ / AWQ / FP8 tools its own, a float checkpoint stays float; int8 "
                 "(per output channel) or int4 (per group) quantize on load (a GGUF from its "
                 "dequantized values); none = float", "choices": QUANTIZATIONS})
     quantization_group_size: int = field(default=32, metadata={

@@ -112,7 +112,9 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None) -> s
 _CACHE_FORMAT = "1"
 _REPACK_FORMAT = "gguf-blocks-1"
 QUANT_MANIFEST = "quire_quantization.json"
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# auto / none / int8 / int4, and the pre-quantized checkpoint formats by their quant_method
+# (layers/prequantized): naming one only confirms what the checkpoint holds
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "compressed-tensors", "gptq", "awq", "fp8")
 
 
 def cache_root() -> str | None:
@@ -270,6 +272,14 @@ def quant_config(source: ModelSource, quantization: str, group_size: int | None)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                          f"got {quantization!r}")
+    if source.kind == "hf":  # a checkpoint quantized by the ecosystem's tools
+        from quire.layers import prequantized
+        qcfg = prequantized.checkpoint_quantization(source.path)
+        if qcfg is not None:
+            return prequantized.config_for(source.path, qcfg, quantization)
+    if quantization in prequantized_methods():
+        raise ValueError(f"--quantization {quantization} needs a checkpoint quantized with it "
+                         f"(config.json's quantization_config); {source.path!r} has none")
     manifest = quant_manifest(source, quantization)
     if manifest is not None and quantization != "auto":
         raise ValueError(f"{source.path!r} holds quantized weights; load it with "
@@ -279,6 +289,10 @@ def quant_config(source: ModelSource, quantization: str, group_size: int | None)
     if quantization == "none":
         return NO_QUANT
     return QuantizeOnLoadConfig(quantization, group_size)
+
+
+def prequantized_methods() -> tuple[str, ...]:
+    return QUANTIZATIONS[4:]
 
 
 def _iter_safetensors(folder: str) -> Iterator[tuple[str, object]]:
