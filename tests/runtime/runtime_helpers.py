@@ -37,6 +37,8 @@ def tiny_config(family: str, **overrides):
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.08, bos_token_id=1, eos_token_id=2)
+    if family in NEW_FAMILIES:  # the test's overrides win over the family's features
+        return _new_family_config(family, common, overrides)
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(**{"rope_theta": 10000.0, **common})
@@ -44,6 +46,54 @@ def tiny_config(family: str, **overrides):
         return MistralConfig(**{"sliding_window": 48, "head_dim": 16, **common})
     if family == "qwen2":    # q/k/v biases, tied embeddings
         return Qwen2Config(**{"tie_word_embeddings": True, **common})
+    raise ValueError(family)
+
+
+# Families whose tiny configs set their special features so that they matter: windows smaller
+# than the prompts, soft-caps that clip, multipliers other than 1, long-rope switching inside
+# the prompts' range. Their norm weights are randomized too (save_tiny_model), so q/k norms
+# and sandwich norms are not the identity.
+NEW_FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite")
+
+
+def _new_family_config(family: str, common: dict, overrides: dict):
+    c = {**common, "head_dim": 16}
+    config = _new_family_config_class(family, c)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _new_family_config_class(family: str, c: dict):
+    import transformers
+    if family == "qwen3":
+        return transformers.Qwen3Config(**c)
+    if family == "gemma2":
+        return transformers.Gemma2Config(**{
+            **c, "query_pre_attn_scalar": 24, "sliding_window": 32,
+            "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0,
+            "hidden_activation": "gelu_pytorch_tanh"})
+    if family == "gemma3":  # 5 local layers to 1 global, rope scaling on the global one
+        return transformers.Gemma3TextConfig(**{
+            **c, "num_hidden_layers": 6, "query_pre_attn_scalar": 24, "sliding_window": 32,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})
+    if family == "phi3":  # partial rotary; LongRoPE switches to its long table past 64
+        rot = 12 // 2
+        return transformers.Phi3Config(**{
+            **c, "sliding_window": 48, "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(rot)],
+                "long_factor": [2.0 + 0.5 * i for i in range(rot)],
+                "original_max_position_embeddings": 64}})
+    if family == "olmo2":
+        return transformers.Olmo2Config(**c)
+    if family == "granite":
+        return transformers.GraniteConfig(**{
+            **c, "embedding_multiplier": 6.0, "residual_multiplier": 0.4,
+            "attention_multiplier": 0.1, "logits_scaling": 3.0})
     raise ValueError(family)
 
 
@@ -56,6 +106,11 @@ def save_tiny_model(path: str, config, tokenizer, seed: int = 0) -> str:
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.5)
+    if config.model_type not in MODEL_FAMILIES:
+        with torch.no_grad():  # norms start at the identity; make them matter
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -91,7 +91,8 @@ class LLMEngine:
         self.swap_manager, host_cache = self._swap_space(cfg)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager,
-                                   self.lora.admission if self.lora else None)
+                                   self.lora.admission if self.lora else None,
+                                   self._rope_switch_length())
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self.eos_token_ids)  # guided decoding
@@ -163,6 +164,11 @@ class LLMEngine:
                        torch.device("cpu"), pin_memory=self.device.type == "cuda")
         logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, host.nbytes / 2**30)
         return SwapManager(self.kv_manager, num_host_blocks), host
+
+    def _rope_switch_length(self) -> int | None:
+        """LongRoPE's switch (Phi-3): sequences of this many tokens use the long table."""
+        threshold = self.model.rope.long_threshold
+        return None if threshold is None else threshold + 1
 
     def _eos_token_ids(self, cfg: ModelConfig) -> frozenset[int]:
         ids = set(cfg.eos_token_ids)

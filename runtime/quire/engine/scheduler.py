@@ -33,8 +33,14 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, swapper=None, lora_admission=None) -> None:
+                 max_num_batched_tokens: int, swapper=None, lora_admission=None,
+                 rope_switch_length: int | None = None) -> None:
         self.kv_manager = kv_manager
+        # LongRoPE (Phi-3): a sequence of this many tokens or more rotates with the long table,
+        # shorter ones with the short table, and transformers recomputes a sequence's K/V when
+        # it grows across the switch. So does this scheduler (by recompute), and the two
+        # tables' blocks never share the prefix cache (their hash chains are salted apart).
+        self.rope_switch_length = rope_switch_length
         self.lora_admission = lora_admission  # quire.lora.admission, when LoRA is on
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -48,6 +54,8 @@ class Scheduler:
     def add_request(self, seq: Request) -> None:
         if self.lora_admission is not None:  # its adapter stays until it ends
             self.lora_admission.hold(seq)
+        if self.rope_switch_length and seq.num_tokens >= self.rope_switch_length:
+            seq.cache_salt = ("long rope", seq.cache_salt)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -119,6 +127,9 @@ class Scheduler:
             return
         if decoding:  # all of the unit's decodes, or none of them
             if len(todo) > self._budget:
+                return
+            if self.rope_switch_length and any(self._crosses_rope_switch(s) for s in todo):
+                self._recompute_for_rope(unit, out)
                 return
             while self.kv_manager.num_blocks_to_grow(todo, [1] * len(todo)) \
                     > self.kv_manager.num_free_blocks:
@@ -236,6 +247,24 @@ class Scheduler:
                 self.waiting.appendleft(seq)
             self.num_preemptions[kind] += 1
             logger.debug("preempted %s by %s", seq.request_id, kind)
+
+    def _crosses_rope_switch(self, seq: Request) -> bool:
+        long = isinstance(seq.cache_salt, tuple) and seq.cache_salt[:1] == ("long rope",)
+        return seq.num_tokens == self.rope_switch_length and not long
+
+    def _recompute_for_rope(self, unit: list[Request], out: SchedulerOutput) -> None:
+        """The unit's K/V were rotated with the short table: recompute them all with the long
+        one (from the waiting queue's front, as a recompute preemption does)."""
+        for seq in reversed(unit):
+            self.running.remove(seq)
+            self.kv_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.block_hashes = []
+            seq.cache_salt = ("long rope", seq.cache_salt)
+            seq.status = RequestStatus.WAITING
+            self.waiting.appendleft(seq)
+            out.preempted.append(seq)
+            logger.debug("%s crossed the long-rope switch: recomputing its K/V", seq.request_id)
 
     def _fail_stuck(self, out: SchedulerOutput, stuck: list[Request]) -> None:
         """Liveness guard. Nothing could run, swap or be preempted (or a unit alone in the

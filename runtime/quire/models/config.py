@@ -1,16 +1,13 @@
-"""ModelConfig: the architecture facts the runtime needs, read from a transformers config."""
+"""ModelConfig: the architecture facts the runtime needs, read from a transformers config.
+
+The fields every family shares are here; a family module reads its own special fields
+(soft-capping, multipliers, per-layer rope) from `hf`, the transformers config itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# architecture name -> (qkv projections carry a bias, the o projection carries a bias)
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_MODEL_TYPES = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+from quire.models.registry import family, resolve_architecture
 
 
 @dataclass
@@ -34,25 +31,17 @@ class ModelConfig:
     sliding_windows: list[int | None]   # per layer; None = full attention
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
+    model_type: str = "llama"
+    hf: object = field(default=None, repr=False)   # the transformers config
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
-        archs = list(getattr(hf, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            arch = _MODEL_TYPES.get(getattr(hf, "model_type", None))
-        if arch is None:
-            named = ", ".join(archs) or getattr(hf, "model_type", "unknown")
-            raise ValueError(f"model architecture {named!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = SUPPORTED_ARCHITECTURES[arch]
+        arch = resolve_architecture(getattr(hf, "architectures", None),
+                                    getattr(hf, "model_type", None))
+        model_type = family(arch).model_type
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
-        if rope.get("rope_type", "default") == "default":
-            rope = dict(getattr(hf, "rope_scaling", None) or {}) or rope
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        theta, scaling = rope_of(hf)
         attention_bias = bool(getattr(hf, "attention_bias", False))
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = frozenset(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -65,25 +54,42 @@ class ModelConfig:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             intermediate_size=hf.intermediate_size,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
+            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family == "llama" and attention_bias,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_windows=_sliding_windows(hf, family),
+            sliding_windows=_sliding_windows(hf, model_type),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
+            model_type=model_type,
+            hf=hf,
         )
 
 
-def _sliding_windows(hf, family: str) -> list[int | None]:
+def rope_of(hf, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(theta, scaling parameters or None) of a config's rope, or of one layer type's where
+    the config has one per layer type (Gemma 3: `rope_parameters[layer_type]`)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if layer_type is not None or "full_attention" in rope:
+        rope = dict(rope.get(layer_type or "full_attention") or {})
+    theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+    if rope.get("rope_type", "default") == "default" and layer_type is None:
+        rope = dict(getattr(hf, "rope_scaling", None) or {}) or rope
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return float(theta), rope if kind != "default" else None
+
+
+def _sliding_windows(hf, model_type: str) -> list[int | None]:
     n, window = hf.num_hidden_layers, getattr(hf, "sliding_window", None)
-    if family == "mistral":
+    if not window:
+        return [None] * n
+    if model_type in ("mistral", "phi3"):  # every layer slides
         return [window] * n
     layer_types = getattr(hf, "layer_types", None)
-    if family == "qwen2" and window and layer_types:
+    if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
     return [None] * n

@@ -116,6 +116,16 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rope_ on the first cos.shape[-1] dims of each head (all of them, usually; fewer under
+    partial rotary, as Phi-3 and transformers' apply_rotary_pos_emb do), in place."""
+    if cos.shape[-1] == x.shape[-1]:
+        return rope_(x, cos, sin)
+    part = x[..., : cos.shape[-1]]
+    part.copy_(rope_ref(part, cos, sin))
+    return x
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu_and_mul_ref: gate_up [T, 2 * N] -> [T, N]."""
     if gate_up.dim() != 2 or not _usable(gate_up) or _native()[2] is None:

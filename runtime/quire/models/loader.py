@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from quire.models import conversion_cache
-from quire.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from quire.models import conversion_cache, registry
+from quire.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # GGUF architectures we can read, and whether llama.cpp's converter permuted Q/K rows for them
 # (it does for archs whose llama.cpp RoPE is the interleaved, GPT-J style).
 GGUF_ARCHITECTURES = {"llama": True, "qwen2": False}
-
-_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -213,15 +211,11 @@ def load_hf_config(source: ModelSource, revision: str | None = None):
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the model config {path!r}: {e}") from None
-    model_type = raw.get("model_type")
-    archs = raw.get("architectures") or []
-    if model_type not in _CONFIG_CLASSES:
-        named = ", ".join(archs) or model_type
-        raise ValueError(f"model architecture {named!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    import transformers  # the one config class, not AutoConfig's registry of hundreds
+    arch = registry.resolve_architecture(raw.get("architectures"), raw.get("model_type"))
+    # the one config class, not AutoConfig's registry of hundreds
+    config_class = registry.config_class(registry.family(arch).model_type)
     try:
-        return getattr(transformers, _CONFIG_CLASSES[model_type]).from_pretrained(source.path)
+        return config_class.from_pretrained(source.path)
     except Exception as e:
         raise ValueError(f"cannot read the model config {path!r}: {e}") from None
 

@@ -10,7 +10,10 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope", "yarn")
+# types whose frequencies transformers computes from the whole config (its own functions are
+# used for them, so the tables match bit for bit)
+_FROM_TRANSFORMERS = ("longrope", "yarn")
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -29,46 +32,89 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _transformers_inv_freq(hf_config, rope_type: str, layer_type: str | None, **kw):
+    """(inv_freq, attention scaling) from transformers' own rope functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if hf_config is None:
+        raise ValueError(f"rope scaling type {rope_type!r} needs the model's config")
+    if layer_type is not None:
+        kw["layer_type"] = layer_type
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kw)
+    return inv_freq.float().cpu(), float(scaling)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by position (dynamic NTK computes per token)."""
+    """Precomputed cos/sin tables indexed by position (dynamic NTK computes per token; LongRoPE
+    keeps a short and a long table and picks per token). `rotary_dim` < head_dim rotates only
+    the first dims of each head (partial rotary): the tables are that wide."""
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None,
                  max_position_embeddings: int, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, rotary_dim: int | None = None, hf_config=None,
+                 layer_type: str | None = None) -> None:
         p = dict(rope_scaling or {})
         self.rope_type = p.get("rope_type", p.get("type", "default")) or "default"
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope scaling type {self.rope_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        self.head_dim, self.base, self.params = head_dim, rope_theta, p
+        dim = rotary_dim or head_dim
+        self.head_dim, self.rotary_dim, self.base, self.params = head_dim, dim, rope_theta, p
         self.max_position_embeddings = max_position_embeddings
         self.dtype, self.device = dtype, device
-        inv_freq = _base_inv_freq(rope_theta, head_dim)
+        self.attention_scaling = 1.0
+        self.long_threshold = None  # LongRoPE: sequences longer than this use the long table
+        inv_freq = _base_inv_freq(rope_theta, dim)
         if self.rope_type == "linear":
             inv_freq = inv_freq / p["factor"]
         elif self.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, p)
+        elif self.rope_type in _FROM_TRANSFORMERS:
+            inv_freq, self.attention_scaling = _transformers_inv_freq(
+                hf_config, self.rope_type, layer_type)
         self.inv_freq = inv_freq
         if self.rope_type != "dynamic":
             positions = torch.arange(max_model_len, dtype=torch.int64)
             self.cos_table, self.sin_table = self._cos_sin(positions, inv_freq[None, :])
+        if self.rope_type == "longrope":
+            self.long_threshold = p.get("original_max_position_embeddings") or getattr(
+                hf_config, "original_max_position_embeddings", max_position_embeddings)
+            long_inv_freq, _ = _transformers_inv_freq(hf_config, "longrope", layer_type,
+                                                      seq_len=self.long_threshold + 1)
+            positions = torch.arange(max_model_len, dtype=torch.int64)
+            self.long_cos, self.long_sin = self._cos_sin(positions, long_inv_freq[None, :])
+
+    @property
+    def needs_seq_lens(self) -> bool:
+        """Whether a token's table depends on the length transformers would see (the runner
+        then passes rope_seq_lens)."""
+        return self.rope_type in ("dynamic", "longrope")
 
     def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor):
         freqs = positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
 
     def cos_sin(self, positions: torch.Tensor, rope_seq_lens: torch.Tensor | None = None):
         """positions [T] (on the device). `rope_seq_lens` [T] (CPU) is, per token, the sequence
-        length transformers' dynamic NTK would see when it computes that token."""
-        if self.rope_type != "dynamic":
-            return self.cos_table[positions], self.sin_table[positions]
-        return self._dynamic_cos_sin(positions.cpu(), rope_seq_lens)
+        length transformers' dynamic NTK (or LongRoPE's switch) would see when it computes
+        that token."""
+        if self.rope_type == "dynamic":
+            return self._dynamic_cos_sin(positions.cpu(), rope_seq_lens)
+        cos, sin = self.cos_table[positions], self.sin_table[positions]
+        if self.long_threshold is not None and rope_seq_lens is not None:
+            long = (rope_seq_lens > self.long_threshold).to(positions.device)
+            if bool(long.any()):
+                cos = torch.where(long[:, None], self.long_cos[positions], cos)
+                sin = torch.where(long[:, None], self.long_sin[positions], sin)
+        return cos, sin
 
     def _dynamic_cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor):
         factor, dim, max_pos = self.params["factor"], self.head_dim, self.max_position_embeddings

@@ -10,8 +10,8 @@ import torch
 from quire.config import EngineArgs
 from quire.distributed import parallel_state as ps
 from quire.layers.quantization import describe
+from quire.models import registry
 from quire.models.config import ModelConfig
-from quire.models.llama import LlamaForCausalLM
 from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
 from quire.platform import attention_backend_class
 
@@ -20,18 +20,19 @@ logger = logging.getLogger(__name__)
 
 def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
                 device: torch.device, max_model_len: int, rank: int = 0,
-                size: int = 1) -> LlamaForCausalLM:
+                size: int = 1) -> torch.nn.Module:
     backend_cls = attention_backend_class(args.attention_backend, device)
     scale = cfg.head_dim ** -0.5
     num_heads = ps.heads_per_rank(cfg.num_heads, size)          # this rank's heads
     num_kv_heads = ps.kv_heads_per_rank(cfg.num_kv_heads, size)
 
-    def make_backend(window):
-        return backend_cls(num_heads, num_kv_heads, cfg.head_dim, scale, window)
+    def make_backend(window, scale=scale, logit_softcap=None):
+        extra = {} if logit_softcap is None else {"logit_softcap": logit_softcap}
+        return backend_cls(num_heads, num_kv_heads, cfg.head_dim, scale, window, **extra)
 
     quant = quant_config(source, args.quantization, args.quantization_group_size)
     with ps.shard_as(rank, size), default_dtype(dtype), device:
-        model = LlamaForCausalLM(cfg, make_backend, max_model_len, dtype, device, quant)
+        model = registry.model_class(cfg.architecture)(cfg, make_backend, max_model_len, dtype, device, quant)
     model.load_weights(iter_weights(source, cfg, args.quantization))  # only its shard
     model.pack_weights()
     if rank == 0:
@@ -50,4 +51,7 @@ def parameter_bytes(model: torch.nn.Module) -> int:
         kernel = getattr(module, "quant_kernel", None)  # a quantized layer's packed copy
         if kernel is not None:
             total += kernel.extra_bytes()
+        extra = getattr(module, "extra_weight_bytes", None)  # e.g. MoE experts' packed copies
+        if extra is not None:
+            total += extra()
     return total

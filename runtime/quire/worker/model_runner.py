@@ -78,7 +78,8 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
-        self.dynamic_rope = model.rope.rope_type == "dynamic"
+        self.dynamic_rope = model.rope.needs_seq_lens  # dynamic NTK, LongRoPE
+        self.long_rope = model.rope.long_threshold is not None
         self.workers = workers  # quire.distributed.workers.Workers, at tensor-parallel size > 1
         self.cuda_graphs = None  # decode steps replay CUDA graphs: one GPU, no LoRA
         graph_safe = all(b.supports_cuda_graphs for b in model.backends.values())
@@ -149,7 +150,7 @@ class ModelRunner:
         num_decodes = len(order)
         order += [i for i, n in enumerate(counts) if n != 1]
         tokens: list[int] = []
-        starts, ns, prompt_lens = [], [], []
+        starts, ns, prompt_lens, known = [], [], [], []
         sample_rows: list[Request] = []
         logits_indices: list[int] = []
         end = 0
@@ -160,6 +161,7 @@ class ModelRunner:
             starts.append(s)
             ns.append(n)
             prompt_lens.append(r.num_prompt_tokens)
+            known.append(r.num_tokens)
             end += n
             if s + n == r.num_tokens:  # reaches the last known token: sample the next
                 for row in (r, *out.forks.get(r.request_id, ())):
@@ -186,7 +188,9 @@ class ModelRunner:
         num_prompt_tokens = int(np.minimum(np.maximum(prompt_a - starts_a, 0), ns_a).sum())
         rope_seq_lens = None
         if self.dynamic_rope:  # what transformers' dynamic NTK sees: the prompt, then growth
-            rope_seq_lens = np.maximum(positions + 1, prompt_a[seq_idx])
+            # (LongRoPE: all the sequence's known tokens, since it recomputes at the switch)
+            rope_lens = np.asarray(known, dtype=np.int64) if self.long_rope else prompt_a
+            rope_seq_lens = np.maximum(positions + 1, rope_lens[seq_idx])
         batch = HostBatch(
             input_ids=np.asarray(tokens, dtype=np.int64), positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
