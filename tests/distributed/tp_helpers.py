@@ -14,8 +14,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 TP = 2
 
-# family -> tiny config overrides: qwen2 with one KV head, so two ranks replicate it
-FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {"num_key_value_heads": 1}}
+# family -> tiny config overrides: qwen2 with one KV head, so two ranks replicate it; OLMo 2
+# too (its k norm spans the whole projection: a replicated head must count once)
+FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {"num_key_value_heads": 1}, "qwen3": {},
+            "gemma3": {}, "olmo2": {"num_key_value_heads": 1}}
 
 
 def _load(name: str, path: Path):
