@@ -1,5 +1,6 @@
-"""The native CPU decode kernel against scaled_dot_product_attention, and the engine's
-pure-torch fallback where the kernel can't be built."""
+"""The native CPU decode kernel against scaled_dot_product_attention (with soft-capping and
+sinks, against transformers' eager order), and the engine's pure-torch fallback where the
+kernel can't be built."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from quire import LLM, SamplingParams
 from quire.attention import cpu_kernels
 
+from attention_reference import OPTIONS, check, options
 from runtime_helpers import assert_no_blocks_in_use, random_prompts
 
 
@@ -235,3 +237,61 @@ def _alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i):
     cpu_kernels.paged_decode(q[i:i + 1], k_cache, v_cache, out, block_tables[i:i + 1],
                              seq_lens[i:i + 1], scale, None, _march=march)
     return out
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 3, 64), (1, 4, 128), (1, 2, 48)])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_native_decode_soft_capping_and_sinks_match_eager_attention(
+        dtype, kv_heads, group, head_dim, option, march):
+    """Every build (AVX-512, AVX2, plain C++), the fixed shapes and the general loop, against
+    transformers' eager order in float32; windows shorter than the longer contexts."""
+    from types import SimpleNamespace
+    torch.manual_seed(3)
+    bs, num_blocks = 16, 40
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    lens = [1, bs - 1, bs, bs + 1, 40, 70]
+    tables = torch.stack([torch.randperm(num_blocks)[:5] for _ in lens]).int()
+    q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
+    opts = options(option, kv_heads * group)
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode(q, k_cache, v_cache, out, tables, torch.tensor(lens, dtype=torch.int32),
+                             head_dim ** -0.5, opts["window"], opts["softcap"], opts["sinks"],
+                             _march=march)
+    meta = SimpleNamespace(query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=lens,
+                           block_tables=tables)
+    check(out, q, k_cache, v_cache, meta, head_dim ** -0.5,
+          1e-5 if dtype == torch.float32 else 1e-2, **opts)
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("option", ["softcap", "sinks"])
+def test_decode_rows_sharing_a_prefix_with_soft_capping_and_sinks(option, march):
+    """The cascade (AVX2 build, float32): the shared prefix's tiles cap their scores too, and
+    the sink joins once, where the prefix and tail parts merge."""
+    from types import SimpleNamespace
+    torch.manual_seed(4)
+    bs, kv_heads, group, head_dim = 16, 3, 3, 64
+    k_cache = torch.randn(60, bs, kv_heads, head_dim)
+    v_cache = torch.randn(60, bs, kv_heads, head_dim)
+    tables = [list(range(6)) + [10 + i, 20 + i] for i in range(5)]  # five share six blocks
+    tables += [[30 + j for j in range(8)], [40 + j for j in range(8)]]
+    lens = [6 * bs + 1, 7 * bs, 8 * bs - 3, 7 * bs + 5, 6 * bs + 9, 8 * bs, 5 * bs + 2]
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), kv_heads * group, head_dim)
+    opts = options(option, kv_heads * group)
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, head_dim ** -0.5,
+                             None, opts["softcap"], opts["sinks"], _march=march)
+    meta = SimpleNamespace(query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=lens,
+                           block_tables=block_tables)
+    check(out, q, k_cache, v_cache, meta, head_dim ** -0.5, 1e-5, **opts)
+    if march == "haswell":  # the shared rows went through the cascade's tiles
+        alone = torch.empty_like(q[:1])
+        cpu_kernels.paged_decode(q[:1], k_cache, v_cache, alone, block_tables[:1],
+                                 seq_lens[:1], head_dim ** -0.5, None, opts["softcap"],
+                                 opts["sinks"], _march=march)
+        assert not torch.equal(out[:1], alone)

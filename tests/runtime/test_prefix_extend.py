@@ -1,6 +1,7 @@
 """Prefill chunks that extend a cached prefix run batched in one native call (paged_extend):
-it agrees with the per-sequence torch path it replaces, and an engine with prefix caching
-(which takes it) gives the same greedy tokens as one without (which never does)."""
+it agrees with the per-sequence torch path it replaces (with soft-capping and sinks, with
+transformers' eager order), and an engine with prefix caching (which takes it) gives the same
+greedy tokens as one without (which never does)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from quire.attention import paged_extend
 from quire.attention.base import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend
 
+from attention_reference import OPTIONS, check, options
 from runtime_helpers import assert_no_blocks_in_use
 
 BS = 16
@@ -25,7 +27,7 @@ MARCHES = ["native"] + (["haswell"] if " avx2" in _FLAGS and " fma" in _FLAGS el
 
 
 def _step(dtype, window=None, heads=6, kv_heads=2, head_dim=64, decodes=(40,),
-          extends=((100, 37), (16, 1), (33, 16), (250, 64)), fresh=(20,)):
+          extends=((100, 37), (16, 1), (33, 16), (250, 64)), fresh=(20,), softcap=None):
     """A mixed step: decodes (context lengths), extends ((cached prefix, new tokens)) and fresh
     prefills (lengths), blocks scattered over the cache; the cache already holds every token
     before this step's, as the engine leaves it. Returns (backend, q, k, v, caches, meta)."""
@@ -53,7 +55,7 @@ def _step(dtype, window=None, heads=6, kv_heads=2, head_dim=64, decodes=(40,),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
         slot_mapping=torch.cat(slots), max_query_len=max(n for _, n in seqs),
         max_seq_len=max(lens), block_size=BS, query_start_loc_cpu=starts, seq_lens_cpu=lens)
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, head_dim ** -0.5, window)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, head_dim ** -0.5, window, softcap)
     return backend, q, k, v, k_cache, v_cache, meta
 
 
@@ -83,6 +85,25 @@ def test_batched_extend_matches_the_per_sequence_torch_path(dtype, tol, window, 
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_batched_extend_with_soft_capping_and_sinks(dtype, tol, option, march, monkeypatch):
+    """SDPA can do neither, so every prefill chunk (fresh, and over a cached prefix) runs
+    natively, whichever way the build walks rows; against transformers' eager order."""
+    opts = options(option, 6)
+    backend, q, k, v, k_cache, v_cache, meta = _step(
+        dtype, opts["window"], extends=((100, 37), (16, 1), (33, 16), (7, 9)),
+        softcap=opts["softcap"])
+    library = paged_extend._library(march)
+    monkeypatch.setattr(paged_extend, "_library", lambda: library)
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, sinks=opts["sinks"])
+    (rows, _, _), plan = meta.backend_state[backend, "prefill_split", True]
+    assert len(rows) == 37 + 1 + 16 + 9 + 20 and not plan
+    check(out, q, k_cache, v_cache, meta, backend.scale, tol, **opts)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (8, 1, 128), (6, 3, 48)])
 def test_batched_extend_over_head_layouts(heads, kv_heads, head_dim, monkeypatch):
     # no GQA, one KV head for many query heads, and a head size off the fixed-shape path
@@ -102,7 +123,7 @@ def test_long_chunks_take_sdpa_unless_the_kernel_tiles(tiled, monkeypatch):
     args = _step(torch.float32, extends=((100, 37), (120, long_rows), (33, 16)))
     backend, meta = args[0], args[-1]
     got = _forward(args, True, monkeypatch)
-    (rows, _, _), plan = meta.backend_state[backend, "prefill_split"]
+    (rows, _, _), plan = meta.backend_state[backend, "prefill_split", False]
     if tiled:  # the fresh prompt's 20 rows too
         assert len(rows) == 37 + long_rows + 16 + 20 and not plan
     else:

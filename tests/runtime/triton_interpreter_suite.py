@@ -1,4 +1,5 @@
-"""The Triton kernels against the torch reference backend, in Triton's CPU interpreter.
+"""The Triton kernels against the torch reference backend (with soft-capping and sinks,
+against transformers' eager order), in Triton's CPU interpreter.
 
 Not collected by pytest on its own (no test_ prefix): test_triton_backend.py runs it in a
 child process with TRITON_INTERPRET=1, because Triton fixes interpreter-or-compiler for its
@@ -29,6 +30,8 @@ from quire.attention.base import AttentionMetadata  # noqa: E402
 from quire.attention.torch_backend import TorchAttentionBackend, write_kv  # noqa: E402
 from quire.attention.triton_kernels.cache_write import write_kv_cache  # noqa: E402
 from quire.attention.triton_kernels.common import is_interpreted  # noqa: E402
+
+from attention_reference import OPTIONS, check, options  # noqa: E402
 
 DEVICE = torch.device(DEVICE_TYPE)
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -243,6 +246,28 @@ def test_fp8_cache_matches_torch(kv, dtype, k_scale, v_scale):
     assert_close(out, ref, dtype, meta)
     for a, b, s in zip(ours, ref_caches, (k_scale, v_scale)):
         assert torch.equal(a.to(dtype) * s, b)
+
+
+@pytest.mark.parametrize("splits", [None, (16, 32)])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_soft_capping_and_sinks_match_eager_attention(option, splits):
+    """Decodes (with context splits: the sink counts once, in split 0), fresh prompts and
+    chunks over a cached prefix, against transformers' eager order in float32 (the torch
+    backend would run the same native kernels as on the CPU: the reference is written out
+    instead). Windows shorter than the longer contexts."""
+    h, hkv, d, bs = 6, 2, 32, 8
+    seqs = [(1, 1), (17, 1), (40, 1), (70, 1), (30, 30), (45, 12), (20, 5)]
+    q, k, v, caches, meta = paged_batch(seqs, h, hkv, d, torch.float32, bs, torch.float32,
+                                        1.0, 1.0)
+    opts = options(option, h, DEVICE)
+    attn = triton_backend.TritonAttentionBackend(h, hkv, d, d ** -0.5, opts["window"],
+                                                 opts["softcap"])
+    if splits:
+        attn.min_split_len, attn.target_decode_programs = splits
+    attn.prepare(meta)
+    assert (meta.backend_state[attn].num_splits > 1) == bool(splits)
+    out = attn.forward(q, k, v, *caches, meta, sinks=opts["sinks"])
+    check(out, q, *caches, meta, d ** -0.5, 1e-5, **opts)
 
 
 # ------------------------------------------------------------------------------- the engine

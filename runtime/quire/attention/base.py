@@ -3,6 +3,11 @@
 A batch is one flat, unpadded run of tokens: sequence i owns query tokens
 [query_start_loc[i], query_start_loc[i+1]) and attends to its first seq_lens[i] tokens, whose
 K/V live in the paged cache at the blocks block_tables[i]. Decodes (one query token) come first.
+
+Attention options, in transformers' eager order: scores s = (q . k) * scale; soft-capping
+(Gemma 2, the backend's logit_softcap) s = cap * tanh(s / cap); the causal and sliding-window
+mask; softmax, where sinks (gpt-oss, per layer, so forward's `sinks`) add one learned logit
+per query head to the denominator and no value.
 """
 
 from __future__ import annotations
@@ -47,22 +52,27 @@ class AttentionBackend:
     supports_cuda_graphs = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads})")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be > 0 (or None for none), got {logit_softcap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the forward; may fill meta.backend_state."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D] (any KV dtype,
-        fp8 stored as value / scale). Writes k/v into their slots, returns [T, H, D]."""
+        fp8 stored as value / scale); sinks: None, or this layer's [H] float32 sink logits (on
+        q's device). Writes k/v into their slots, returns [T, H, D]."""
         raise NotImplementedError

@@ -4,8 +4,8 @@ place through the block table (cpu_kernels/paged_decode.cpp, quire_paged_extend:
 kernel with a row -> sequence map). On AVX2 it takes up to 16 consecutive rows of a sequence
 as one tile, GEMM-shaped: each K/V block is loaded (and its keys transposed) once for all the
 tile's query vectors. The chunk's own K/V are already in the cache, so the cached prefix and
-the causal part are one read. The torch backend's per-sequence SDPA path is the fallback, and
-the reference the tests compare with.
+the causal part are one read. The torch backend's per-sequence SDPA path (its float32 eager
+path with soft-capping or sinks) is the fallback, and the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _library(march: str = "native"):
     fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [
         ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_void_p]
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
     return fn
 
 
@@ -69,18 +69,22 @@ def extend_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor,
 def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
                  row_seq: torch.Tensor, row_lens: torch.Tensor, scale: float,
-                 window: int | None) -> None:
+                 window: int | None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
     """out[rows[j]] = attention of q[rows[j]] over the first row_lens[j] tokens of sequence
-    row_seq[j]. q/out [T, H, D] with contiguous heads; caches contiguous; int32 indices."""
+    row_seq[j], with soft-capping and sinks where given (base.py). q/out [T, H, D] with
+    contiguous heads; caches contiguous; int32 indices; sinks [H]."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert block_tables.dtype == rows.dtype == row_seq.dtype == row_lens.dtype == torch.int32
+    sinks, sinks_ptr = cpu_kernels.sinks_arg(sinks, num_heads)
     rc = _library()(0 if q.dtype == torch.float32 else 1, q.data_ptr(), k_cache.data_ptr(),
                     v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
                     row_lens.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim,
                     block_size, q.stride(0), out.stride(0), block_tables.stride(0), scale,
-                    window or 0, rows.data_ptr(), row_seq.data_ptr())
+                    window or 0, rows.data_ptr(), row_seq.data_ptr(), softcap or 0.0,
+                    sinks_ptr)
     if rc:
         raise RuntimeError(f"paged_extend: unsupported dtype {q.dtype}")

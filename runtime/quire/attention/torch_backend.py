@@ -8,9 +8,15 @@ views (no layout copies). Decodes are batched, grouped by length so short contex
 for long ones. Prefill chunks that extend a cached prefix run together in one native call
 (paged_extend.py); fresh prefill chunks loop per sequence (few per step). Index and mask
 tensors are built once per step and reused by every layer.
+
+SDPA has neither soft-capping nor sinks: with either, the native kernels take every decode and
+prefill chunk they serve (q's dtype and the cache's), and the rest runs an explicit float32
+matmul + softmax in transformers' eager order (the greedy-parity reference).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,9 @@ _MAX_PADDING_WASTE = 0.25
 # has its own length. Zero rows at the end are invisible to the real rows under the causal
 # mask. float32 keeps the exact shapes (and so the exact sums) that transformers uses.
 _PREFILL_PAD = 64
+# The eager path materializes [heads, query rows, keys] float32 scores: at most about this
+# many elements at a time (256 MiB), taking query rows in slices.
+_EAGER_MAX_SCORES = 1 << 26
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -80,31 +89,32 @@ class TorchAttentionBackend(AttentionBackend):
         meta.backend_state[self, "fresh"] = fresh
         meta.backend_state[self, "extends"] = extends
 
-    def _prefill(self, q, k_cache, v_cache, out, meta) -> list:
+    def _prefill(self, q, k_cache, v_cache, out, meta, sinks, eager: bool) -> list:
         """Prefill chunks. Where the native kernel tiles this layout, all of them (fresh prompts
         and chunks over a cached prefix) run in one native call: it beats SDPA on both. Else
         the short chunks over a cached prefix run natively where the kernel serves q's dtype
-        and the cache's. What is left gets per-sequence SDPA plans, returned to run. The split
-        is made once per step, at its first layer."""
-        split = meta.backend_state.get((self, "prefill_split"))
+        and the cache's. With soft-capping or sinks (`eager`: SDPA can't) the kernel takes all
+        it serves. What is left gets per-sequence plans, returned to run. The split is made
+        once per step, at its first layer."""
+        split = meta.backend_state.get((self, "prefill_split", eager))
         if split is None:
             fresh, extends = meta.backend_state[self, "fresh"], meta.backend_state[self, "extends"]
             rows = meta.query_start_loc_cpu
             kernel = bool(fresh or extends) and paged_extend.supported(q, k_cache)
-            if kernel and paged_extend.tiled(q, k_cache):
+            if kernel and (eager or paged_extend.tiled(q, k_cache)):
                 native, fresh, extends = sorted(fresh + extends), [], []
             else:
                 native = [i for i in extends
                           if kernel and rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS]
                 extends = [i for i in extends if i not in native]
-            split = meta.backend_state[self, "prefill_split"] = (
+            split = meta.backend_state[self, "prefill_split", eager] = (
                 paged_extend.extend_rows(meta, native) if native else None,
                 [self._fresh_plan(meta, i) for i in fresh]
                 + [self._extend_plan(meta, i) for i in extends])
         index, plan = split
         if index is not None:
             paged_extend.paged_extend(q, k_cache, v_cache, out, meta.block_tables, *index,
-                                      self.scale, self.sliding_window)
+                                      self.scale, self.sliding_window, self.logit_softcap, sinks)
         return plan
 
     def _fresh_plan(self, meta: AttentionMetadata, i: int) -> tuple:
@@ -160,27 +170,31 @@ class TorchAttentionBackend(AttentionBackend):
             mask &= kpos > qpos - self.sliding_window
         return mask
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0):
+    def forward(self, q, k, v, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0, sinks=None):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
+        eager = self.logit_softcap is not None or sinks is not None  # what SDPA can't do
+        attend = functools.partial(self._eager, sinks=sinks) if eager else functools.partial(
+            F.scaled_dot_product_attention, scale=self.scale, enable_gqa=gqa)
         nd = meta.num_decodes
         if nd and cpu_kernels.native_decode_supported(q, k_cache):
             cpu_kernels.paged_decode(q[:nd], k_cache, v_cache, out[:nd], meta.block_tables[:nd],
-                                     meta.seq_lens[:nd], self.scale, self.sliding_window)
+                                     meta.seq_lens[:nd], self.scale, self.sliding_window,
+                                     self.logit_softcap, sinks)
             nd = 0
         for where, blocks, mask in (self._decode_groups(meta) if nd else ()):
             kc = gather_blocks(k_cache, blocks, k_scale, q.dtype)
             vc = gather_blocks(v_cache, blocks, v_scale, q.dtype)
             n = mask.shape[0]
-            o = F.scaled_dot_product_attention(
-                q[where].view(n, self.num_heads, 1, self.head_dim),
-                kc.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
-                vc.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
-                attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            o = attend(q[where].view(n, self.num_heads, 1, self.head_dim),
+                       kc.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
+                       vc.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
+                       attn_mask=mask)
             out[where] = o.view(n, self.num_heads, self.head_dim)
-        pad = q.dtype != torch.float32
-        for q0, q1, ctx, blocks, mask in self._prefill(q, k_cache, v_cache, out, meta):
+        pad = q.dtype != torch.float32 and not eager
+        for q0, q1, ctx, blocks, mask in self._prefill(q, k_cache, v_cache, out, meta, sinks,
+                                                       eager):
             qc = q[q0:q1]
             if blocks is None:  # no cached prefix: this chunk's own K/V
                 kc, vc = k[q0:q1], v[q0:q1]
@@ -191,11 +205,40 @@ class TorchAttentionBackend(AttentionBackend):
                 kc = gather_blocks(k_cache, blocks, k_scale, q.dtype).view(-1, *k.shape[1:])[:ctx]
                 vc = gather_blocks(v_cache, blocks, v_scale, q.dtype).view(-1, *v.shape[1:])[:ctx]
             # 4-D (a batch of one): with 3-D inputs SDPA takes its slow math path on CPU
-            o = F.scaled_dot_product_attention(
-                qc.transpose(0, 1)[None], kc.transpose(0, 1)[None],
-                vc.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                scale=self.scale, enable_gqa=gqa)
+            o = attend(qc.transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                       vc.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None)
             out[q0:q1] = o[0, :, : q1 - q0].transpose(0, 1)
+        return out
+
+    def _eager(self, q, k, v, attn_mask=None, is_causal=False, sinks=None):
+        """SDPA's arguments (q [n, H, Lq, D], k/v [n, Hkv, Lk, D], a boolean mask, True =
+        attended, or causal) in float32, in transformers' eager order: scores times the scale,
+        soft-capping, the mask, softmax with the sinks' column, then P @ V."""
+        group = self.num_heads // self.num_kv_heads
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        n, heads, rows, _ = q.shape
+        if is_causal:  # (only fresh chunks: Lq == Lk)
+            attn_mask = torch.ones(rows, rows, dtype=torch.bool, device=q.device).tril_()
+        if sinks is not None:
+            sinks = sinks.float().view(1, heads, 1, 1)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        step = max(1, _EAGER_MAX_SCORES // (n * heads * k.shape[2]))
+        for r0 in range(0, rows, step):
+            scores = torch.matmul(q[:, :, r0:r0 + step].float(), k.transpose(2, 3)) * self.scale
+            if self.logit_softcap is not None:
+                scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+            mask = attn_mask if attn_mask is None or attn_mask.shape[-2] == 1 \
+                else attn_mask[..., r0:r0 + step, :]
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:  # the sink's column joins the softmax, then is dropped: it adds no value
+                scores = torch.cat([scores, sinks.expand(n, -1, scores.shape[2], -1)], dim=-1)
+                scores = scores - scores.amax(dim=-1, keepdim=True)
+                probs = torch.softmax(scores, dim=-1)[..., :-1]
+            out[:, :, r0:r0 + step] = torch.matmul(probs, v)
         return out
 
 

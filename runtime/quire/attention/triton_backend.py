@@ -3,7 +3,8 @@
 Per layer: the cache-write kernel stores the new K/V into their slots; decodes (one query
 token, first in the batch) run the split-context decode kernel; the other sequences run the
 prefill / extend kernel over the same cache. prepare() plans the step once for every layer:
-the prefill query tiles and the number of decode splits.
+the prefill query tiles and the number of decode splits. Both kernels take soft-capping and
+sinks (base.py) as compile-time switches, so a model without them runs the kernels it did.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True  # the plan is host-side sizes and the step's query tiles
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, logit_softcap)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.group = num_heads // num_kv_heads
@@ -74,16 +75,22 @@ class TritonAttentionBackend(AttentionBackend):
             tile_seq=torch.tensor(seqs, dtype=torch.int32, device=device),
             tile_first=torch.tensor(firsts, dtype=torch.int32, device=device))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0):
+    def forward(self, q, k, v, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0, sinks=None):
         plan: _StepPlan = meta.backend_state[self]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if k_cache.dtype == q.dtype:   # as in the torch backend, scales only mean fp8
             k_scale = v_scale = 1.0
         out = torch.empty_like(q)
         dot_dtype, precision = common.dot_config(q.dtype)
+        if sinks is not None:
+            if sinks.shape != (self.num_heads,):
+                raise ValueError(f"sinks must have shape ({self.num_heads},), "
+                                 f"got {tuple(sinks.shape)}")
+            sinks = sinks.to(torch.float32).contiguous()
         shared = dict(scale=self.scale, k_scale=k_scale, v_scale=v_scale,
                       sliding_window=self.sliding_window, dot_dtype=dot_dtype,
-                      dot_precision=precision, block_d=self.block_d)
+                      dot_precision=precision, block_d=self.block_d,
+                      softcap=self.logit_softcap, sinks=sinks)
         if meta.num_decodes:
             paged_decode_attention(
                 q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,

@@ -6,8 +6,8 @@ runs the native quantized kernel (GGUF `auto`, int8, int4), the KV cache holds t
 dtype and the fused element-wise kernels are built, `DecodeStack.run` calls the same kernels
 in the same order from C++: the output is bit-identical to the Python path (the test checks
 it), only the orchestration moved. Anything else (float weights, LoRA, tensor parallelism,
-biases, fp8 KV, a step with prefill tokens, dynamic RoPE on a long sequence) keeps the
-Python path. QUIRE_DECODE_STACK=0 turns it off.
+biases, fp8 KV, attention soft-capping or sinks, a step with prefill tokens, dynamic RoPE on a
+long sequence) keeps the Python path. QUIRE_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ class DecodeStack:
         if (dtype not in (torch.float32, torch.bfloat16) or cfg.hidden_size > 8192
                 or cfg.intermediate_size > 16384 or len(model.layers) != len(kv_caches)):
             return None
-        if any(b.name != "torch" for b in model.backends.values()):
+        # the native stack passes no soft-capping and no sinks to the attention kernel
+        if any(b.name != "torch" or b.logit_softcap is not None for b in model.backends.values()) \
+                or any(getattr(layer, "sinks", None) is not None for layer in model.layers):
             return None
         decode_lib = cpu_kernels._library()  # quire_paged_decode, built with its library
         if decode_lib is None:

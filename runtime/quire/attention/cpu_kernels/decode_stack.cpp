@@ -23,7 +23,7 @@ using SiluFn = int (*)(int, int, const void*, void*, int64_t, int64_t, int64_t, 
                        const void*);
 using DecodeFn = int (*)(int, const void*, const void*, const void*, void*, const int32_t*,
                          const int32_t*, int64_t, int, int, int, int, int64_t, int64_t,
-                         int64_t, float, int);
+                         int64_t, float, int, float, const float*);
 using LinearFn = int (*)(const void*, void*, int64_t, int, int, const void*);
 
 inline double seconds() {
@@ -153,7 +153,7 @@ int quire_decode_stack(const QuireStackModel* m, void* x, void* residual, const 
     if (m->paged_decode(dt, qkv, L.k_cache, L.v_cache, attn, block_tables, seq_lens, tokens,
                         static_cast<int>(m->num_heads), static_cast<int>(m->num_kv_heads),
                         static_cast<int>(d), static_cast<int>(m->block_size), qkv_width, q_size,
-                        bt_stride, m->scale, static_cast<int>(L.window)))
+                        bt_stride, m->scale, static_cast<int>(L.window), 0.f, nullptr))
       return 6;
     lap(4);
     if (m->linear(attn, x, tokens, dt, threads, L.o)) return 7;

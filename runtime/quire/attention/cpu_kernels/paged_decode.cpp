@@ -5,6 +5,11 @@
 //
 // Plain C++ with a C ABI, no torch headers: it compiles in about a second and is called
 // through ctypes with tensor data pointers. dtype codes: 0 = float32, 1 = bfloat16.
+//
+// Two options of newer families, off (0 / null) on the fast paths, which then do exactly
+// what they did before: soft-capping (Gemma 2), scores s -> cap * tanh(s / cap) before the
+// mask and softmax; sinks (gpt-oss), a learned logit per query head that joins the softmax's
+// denominator and adds no value, folded in once a row's running max and sum are final.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,6 +33,28 @@ inline float load_scalar(const float* p) { return *p; }
 inline float load_scalar(const uint16_t* p) { return bf16_to_float(*p); }
 inline void store_scalar(float* p, float x) { *p = x; }
 inline void store_scalar(uint16_t* p, float x) { *p = float_to_bf16(x); }
+
+// What a row's output accumulator is multiplied by when its context is done: 1 / l, or with
+// a sink (gpt-oss) the sink's exp joins the denominator (both relative to the larger max).
+inline float finish_scale(float m, float l, const float* sink) {
+  if (sink == nullptr) return 1.f / l;
+  const float top = std::max(m, *sink);
+  const float a = std::exp(m - top);
+  return a / (l * a + std::exp(*sink - top));
+}
+
+// Odd Taylor coefficients of tanh (x, x^3, ..., x^15): below |x| = 0.5 they are within 1e-8
+// of it, where 1 - 2 / (e^2|x| + 1) would lose bits to cancellation.
+constexpr float kTanh[8] = {1.f, -0.333333333333f, 0.133333333333f, -0.0539682539683f,
+                            0.0218694885362f, -0.00886323552990f, 0.00359212803657f,
+                            -0.00145583438705f};
+
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+// Soft-capping of scores [t0, n): s = cap * tanh(s / cap), as transformers' Gemma 2 does it.
+inline void softcap_scores(float* s, int t0, int n, float cap) {
+  for (int t = t0; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+#endif
 
 constexpr int kMaxGroup = 8;     // query heads per KV head on the vector path
 constexpr int kMaxChunks = 16;   // head_dim / 16 on the vector path (head_dim <= 256)
@@ -88,6 +115,32 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// tanh for 16 lanes: the Taylor polynomial below |x| = 0.5, 1 - 2 / (e^2|x| + 1) above
+// (exp16 saturates: 1 for large |x|), x's sign put back.
+inline __m512 tanh16(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x), x2 = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(kTanh[7]);
+  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(kTanh[i]));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 big = _mm512_sub_ps(
+      one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp16(_mm512_add_ps(ax, ax)), one)));
+  const __m512 t = _mm512_mask_blend_ps(
+      _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.5f), _CMP_LT_OQ), big, _mm512_mul_ps(p, ax));
+  return _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(t),
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0x80000000u)))));
+}
+
+// Soft-capping of scores [t0, n): s = cap * tanh(s / cap), as transformers' Gemma 2 does it.
+inline void softcap_scores(float* s, int t0, int n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  for (int t = t0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(k, s + t);
+    _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(c, tanh16(_mm512_div_ps(x, c))));
+  }
 }
 
 // The online-softmax update for one head over one block of 16 scores (lanes [t0, n) valid):
@@ -155,7 +208,8 @@ inline __m512 block_scores_bf16(const __m512bh (&qb)[C / 2], const uint16_t* kb,
 template <typename T, int G, int C>
 void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
                    const int32_t* table, int len, int lo, int64_t block_stride,
-                   int64_t row_stride, int64_t q_head_stride, float scale) {
+                   int64_t row_stride, int64_t q_head_stride, float scale, float softcap,
+                   const float* sinks) {
   __m512 qv[G][C], acc[G][C];
   float m[G], l[G];
   for (int g = 0; g < G; ++g) {
@@ -201,6 +255,8 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
         for (int g = 0; g < G; ++g) s[g][t] = _mm512_reduce_add_ps(d[g]);
       }
     }
+    if (softcap > 0.f)
+      for (int g = 0; g < G; ++g) softcap_scores(s[g], t0, n, softcap);
     for (int g = 0; g < G; ++g) {
       const float correction = softmax_block16(s[g], t0, n, m[g], l[g]);
       if (correction != 1.f)
@@ -214,7 +270,7 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    const __m512 inv = _mm512_set1_ps(finish_scale(m[g], l[g], sinks ? sinks + g : nullptr));
     alignas(64) float row[C * 16];
     for (int c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], inv));
     for (int d = 0; d < C * 16; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
@@ -223,7 +279,7 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
 
 template <typename T>
 using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                        int64_t, int64_t, float);
+                        int64_t, int64_t, float, float, const float*);
 
 // The fixed-shape path for this layout, or nullptr (then the general loop runs).
 #define QUIRE_FIXED_SHAPE_PATH 1
@@ -284,6 +340,32 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// tanh for 8 lanes, as tanh16: the Taylor polynomial below |x| = 0.5, 1 - 2 / (e^2|x| + 1)
+// above, x's sign put back.
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 ax = _mm256_andnot_ps(sign, x), x2 = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(kTanh[7]);
+  for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(kTanh[i]));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 big = _mm256_sub_ps(
+      one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp8(_mm256_add_ps(ax, ax)), one)));
+  const __m256 t = _mm256_blendv_ps(big, _mm256_mul_ps(p, ax),
+                                    _mm256_cmp_ps(ax, _mm256_set1_ps(0.5f), _CMP_LT_OQ));
+  return _mm256_or_ps(t, _mm256_and_ps(x, sign));
+}
+
+// Soft-capping of scores [t0, n): s = cap * tanh(s / cap), as transformers' Gemma 2 does it.
+inline void softcap_scores(float* s, int t0, int n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int t = t0; t < n; t += 8) {
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - t), lane);
+    const __m256 x = _mm256_maskload_ps(s + t, k);
+    _mm256_maskstore_ps(s + t, k, _mm256_mul_ps(c, tanh8(_mm256_div_ps(x, c))));
+  }
+}
+
 // The online-softmax update for one head over one block of 16 scores (lanes [t0, n) valid).
 inline float softmax_block16(float* s, int t0, int n, float& m, float& l) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -334,7 +416,7 @@ struct NextBlock {
 
 template <typename T, int G, int C>
 inline void row_block(RowState<G, C>& st, const T* kb, const T* vb, int t0, int n,
-                      int64_t row_stride, const NextBlock& next) {
+                      int64_t row_stride, const NextBlock& next, float softcap) {
   alignas(32) float s[G][16];
   for (int g = 0; g < G; ++g) {
     __m256 qg[C];
@@ -351,6 +433,7 @@ inline void row_block(RowState<G, C>& st, const T* kb, const T* vb, int t0, int 
       }
       _mm256_store_ps(s[g] + 8 * half, sums8(d));
     }
+    if (softcap > 0.f) softcap_scores(s[g], t0, n, softcap);
     const float correction = softmax_block16(s[g], t0, n, st.m[g], st.l[g]);
     if (correction != 1.f)
       for (int c = 0; c < C; ++c) st.acc[g][c] = _mm256_mul_ps(st.acc[g][c], _mm256_set1_ps(correction));
@@ -386,11 +469,13 @@ inline void widen_rows(const T* src, int64_t row_stride, int n, float* dst) {
 // One query row (a decode step's, or a tile of one) walks its context block by block: its G
 // query heads and their accumulators stay in registers, scores are per-key dot products.
 // lse, where not null: each head's log-sum-exp of its scores (lse[g]), for merging this
-// part of the context with another (a shared prefix's, see cascade below).
+// part of the context with another (a shared prefix's, see cascade below). sinks, where not
+// null: this KV head's query heads' sinks (a part's caller leaves them to the merge).
 template <typename T, int G, int C>
 void decode_item8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int32_t* table, int len, int lo, int64_t block_stride,
-                      int64_t row_stride, int64_t q_head_stride, float scale, float* lse) {
+                      int64_t row_stride, int64_t q_head_stride, float scale, float softcap,
+                      const float* sinks, float* lse) {
   RowState<G, C> st;
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) {
@@ -415,15 +500,15 @@ void decode_item8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
               int(C * 8 * sizeof(T))};
     }
     if constexpr (std::is_same_v<T, float>) {
-      row_block<float, G, C>(st, kb, vb, t0, n, row_stride, next);
+      row_block<float, G, C>(st, kb, vb, t0, n, row_stride, next, softcap);
     } else {
       widen_rows<T, C>(kb, row_stride, n, kf);
       widen_rows<T, C>(vb, row_stride, n, vf);
-      row_block<float, G, C>(st, kf, vf, t0, n, C * 8, next);
+      row_block<float, G, C>(st, kf, vf, t0, n, C * 8, next, softcap);
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / st.l[g]);
+    const __m256 inv = _mm256_set1_ps(finish_scale(st.m[g], st.l[g], sinks ? sinks + g : nullptr));
     alignas(32) float row[C * 8];
     for (int c = 0; c < C; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(st.acc[g][c], inv));
     for (int d = 0; d < C * 8; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
@@ -434,9 +519,9 @@ void decode_item8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
 template <typename T, int G, int C>
 void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
                   int len, int lo, int64_t block_stride, int64_t row_stride,
-                  int64_t q_head_stride, float scale) {
+                  int64_t q_head_stride, float scale, float softcap, const float* sinks) {
   decode_item8_lse<T, G, C>(q, k_cache, v_cache, out, table, len, lo, block_stride, row_stride,
-                            q_head_stride, scale, nullptr);
+                            q_head_stride, scale, softcap, sinks, nullptr);
 }
 
 inline void transpose8(__m256 (&r)[8]) {
@@ -538,19 +623,21 @@ inline void by_six(int q0, int q1, F f) {
 constexpr int kTileRows = 16;
 
 // lse, where not null: row rows[r]'s heads' log-sum-exps at lse + rows[r] * lse_stride.
+// sinks as in decode_item8_lse.
 template <typename T, int G, int C>
 void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
                   const int32_t* rows, const int32_t* lens, int count, int window,
                   int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
-                  int64_t q_head_stride, float scale, float* lse, int64_t lse_stride) {
+                  int64_t q_head_stride, float scale, float softcap, const float* sinks,
+                  float* lse, int64_t lse_stride) {
   constexpr int D = C * 8, NQ = kTileRows * G;
   static_assert(D % 16 == 0, "P @ V takes 16 dimensions at a time");
   if (count == 1) {  // a tile of one: the decode row's form, which transposes nothing
     const int lo = window > 0 ? std::max(0, lens[0] - window) : 0;
     return decode_item8_lse<T, G, C>(q + int64_t(rows[0]) * q_stride, k_cache, v_cache,
                                      out + int64_t(rows[0]) * out_stride, table, lens[0], lo,
-                                     block_stride, row_stride, q_head_stride, scale,
-                                     lse ? lse + int64_t(rows[0]) * lse_stride : nullptr);
+                                     block_stride, row_stride, q_head_stride, scale, softcap,
+                                     sinks, lse ? lse + int64_t(rows[0]) * lse_stride : nullptr);
   }
   alignas(32) float qs[NQ][D];
   alignas(32) float acc[NQ][D];
@@ -598,6 +685,7 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
       const int t0 = std::max(first, lo[r]) - first, nr = std::min(16, len[r] - first);
       for (int g = 0; g < G; ++g) {
         const int j = r * G + g;
+        if (softcap > 0.f) softcap_scores(s[j], t0, nr, softcap);
         const float correction = softmax_block16(s[j], t0, nr, m[j], l[j]);
         if (correction != 1.f)
           for (int c = 0; c < C; ++c)
@@ -615,7 +703,7 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     T* dst = out + int64_t(rows[r]) * out_stride;
     for (int g = 0; g < G; ++g) {
       const int j = r * G + g;
-      const float inv = 1.f / l[j];
+      const float inv = finish_scale(m[j], l[j], sinks ? sinks + g : nullptr);
       for (int d = 0; d < D; ++d) store_scalar(dst + g * q_head_stride + d, acc[j][d] * inv);
       if (lse) lse[int64_t(rows[r]) * lse_stride + g] = m[j] + std::log(l[j]);
     }
@@ -624,7 +712,7 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 
 template <typename T>
 using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                        int64_t, int64_t, float);
+                        int64_t, int64_t, float, float, const float*);
 
 template <typename T>
 ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
@@ -635,11 +723,11 @@ ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
 
 template <typename T>
 using ItemLseFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                           int64_t, int64_t, float, float*);
+                           int64_t, int64_t, float, float, const float*, float*);
 template <typename T>
 using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
                         const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        float, float*, int64_t);
+                        float, float, const float*, float*, int64_t);
 
 template <typename T>
 ItemLseFn<T> fixed_shape_item_lse(int group, int head_dim, int block_size) {
@@ -660,8 +748,8 @@ TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
 // of them, in GEMM-shaped tiles of up to kTileRows rows: each K/V block then feeds count * G
 // query vectors instead of G. Each row reads its own tail alone, and the two parts merge by
 // their log-sum-exps. Float32 only (the parts stay float until merged), no sliding window,
-// decode rows only (row i is sequence i). Returns false, having done nothing, where no group
-// of rows qualifies.
+// decode rows only (row i is sequence i). Sinks join at the merge (a row read alone takes
+// its own). Returns false, having done nothing, where no group of rows qualifies.
 constexpr int kCascadeMinRows = 4;    // rows sharing a prefix, for its tiles to pay
 constexpr int kCascadeMinBlocks = 4;  // blocks they share (64 tokens)
 
@@ -669,7 +757,8 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
                            float* out, const int32_t* block_tables, const int32_t* seq_lens,
                            int64_t num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int64_t q_stride, int64_t out_stride, int64_t bt_stride, float scale,
-                           int64_t block_stride, int64_t row_stride) {
+                           float softcap, const float* sinks, int64_t block_stride,
+                           int64_t row_stride) {
   const int group = num_heads / num_kv_heads;
   const TileFn<float> tile = fixed_shape_tile<float>(group, head_dim, 16);
   const ItemLseFn<float> item = fixed_shape_item_lse<float>(group, head_dim, 16);
@@ -765,7 +854,7 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
              v_cache + int64_t(kv_head) * head_dim, part_out + head,
              block_tables + int64_t(members[0]) * bt_stride, members,
              tile_lens.data() + tile_start[t], int(tile_start[t + 1] - tile_start[t]), 0,
-             block_stride, row_stride, q_stride, width, head_dim, scale,
+             block_stride, row_stride, q_stride, width, head_dim, scale, softcap, nullptr,
              part_lse + kv_head * group, num_heads);
       } else {  // a row's own tail after its shared prefix (all of it for other rows)
         const int64_t i = (work - tiles) / num_kv_heads;
@@ -774,7 +863,8 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
         item(q + i * q_stride + head, k_cache + int64_t(kv_head) * head_dim,
              v_cache + int64_t(kv_head) * head_dim, out + i * out_stride + head,
              block_tables + i * bt_stride, seq_lens[i], shared_of[i], block_stride, row_stride,
-             head_dim, scale,
+             head_dim, scale, softcap,
+             shared_of[i] || !sinks ? nullptr : sinks + kv_head * group,
              shared_of[i] ? tail_part_lse + i * num_heads + kv_head * group : nullptr);
       }
     }
@@ -783,8 +873,10 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
       if (!shared_of[i]) continue;
       for (int h = 0; h < num_heads; ++h) {
         const float a = part_lse[i * num_heads + h], b = tail_part_lse[i * num_heads + h];
-        const float top = std::max(a, b);
-        const float wa = std::exp(a - top), wb = std::exp(b - top), inv = 1.f / (wa + wb);
+        const float sink = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+        const float top = std::max(std::max(a, b), sink);
+        const float wa = std::exp(a - top), wb = std::exp(b - top);
+        const float inv = 1.f / (wa + wb + (sinks ? std::exp(sink - top) : 0.f));
         const float* pa = part_out + i * width + int64_t(h) * head_dim;
         float* pb = out + i * out_stride + int64_t(h) * head_dim;
         for (int d = 0; d < head_dim; ++d) pb[d] = (pa[d] * wa + pb[d] * wb) * inv;
@@ -801,7 +893,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
             const int32_t* seq_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
             int head_dim, int block_size, int64_t q_stride, int64_t out_stride,
             int64_t bt_stride, float scale, int window, const int32_t* rows,
-            const int32_t* row_seq) {
+            const int32_t* row_seq, float softcap, const float* sinks) {
   const int group = num_heads / num_kv_heads;
   const int64_t row_stride = int64_t(num_kv_heads) * head_dim;  // between tokens of a block
   const int64_t block_stride = block_size * row_stride;
@@ -814,8 +906,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   if constexpr (std::is_same_v<T, float>)
     if (rows == nullptr && window <= 0 && block_size == 16 &&
         cascade_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
-                       num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale,
-                       block_stride, row_stride))
+                       num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
+                       sinks, block_stride, row_stride))
       return;
   if (rows != nullptr)
     if (const TileFn<T> tile = fixed_shape_tile<T>(group, head_dim, block_size)) {
@@ -835,7 +927,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
         tile(q + head, k_cache + int64_t(kv_head) * head_dim, v_cache + int64_t(kv_head) * head_dim,
              out + head, block_tables + int64_t(row_seq[i0]) * bt_stride, rows + i0,
              seq_lens + i0, int(i1 - i0), window, block_stride, row_stride, q_stride, out_stride,
-             head_dim, scale, nullptr, 0);
+             head_dim, scale, softcap, sinks ? sinks + kv_head * group : nullptr, nullptr, 0);
       }
       return;
     }
@@ -852,7 +944,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
       item(q + qrow * q_stride + head, k_cache + int64_t(kv_head) * head_dim,
            v_cache + int64_t(kv_head) * head_dim, out + qrow * out_stride + head,
            block_tables + seq * bt_stride, len, window > 0 ? std::max(0, len - window) : 0,
-           block_stride, row_stride, head_dim, scale);
+           block_stride, row_stride, head_dim, scale, softcap,
+           sinks ? sinks + kv_head * group : nullptr);
     }
     return;
   }
@@ -915,6 +1008,9 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
             scores[g * block_size + t] = sum;
           }
         }
+        if (softcap > 0.f)
+          for (int g = 0; g < group; ++g)
+            softcap_scores(scores.data() + g * block_size, t0, n, softcap);
         // online softmax: rescale what came before
 #if defined(__AVX512F__)
         if (vector_path && block_size == 16) {
@@ -966,8 +1062,9 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
         }
       }
       for (int g = 0; g < group; ++g) {
-        T* dst = out + qrow * out_stride + int64_t(kv_head * group + g) * head_dim;
-        const float inv = 1.f / l[g];
+        const int64_t h = int64_t(kv_head) * group + g;
+        T* dst = out + qrow * out_stride + h * head_dim;
+        const float inv = finish_scale(m[g], l[g], sinks ? sinks + h : nullptr);
         for (int d = 0; d < head_dim; ++d) store_scalar(dst + d, acc[g * head_dim + d] * inv);
       }
     }
@@ -983,30 +1080,33 @@ int run(const void* q, const void* k_cache, const void* v_cache, void* out,
         const int32_t* block_tables, const int32_t* seq_lens, int64_t num_rows, int num_heads,
         int num_kv_heads, int head_dim, int block_size, int64_t q_stride, int64_t out_stride,
         int64_t bt_stride, float scale, int window, const int32_t* rows,
-        const int32_t* row_seq) {
+        const int32_t* row_seq, float softcap, const float* sinks) {
   decode(static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),
          static_cast<T*>(out), block_tables, seq_lens, num_rows, num_heads, num_kv_heads,
-         head_dim, block_size, q_stride, out_stride, bt_stride, scale, window, rows, row_seq);
+         head_dim, block_size, q_stride, out_stride, bt_stride, scale, window, rows, row_seq,
+         softcap, sinks);
   return 0;
 }
 
 }  // namespace
 
+// softcap: 0 for none, else scores become softcap * tanh(score / softcap); sinks: null for
+// none, else one float32 logit per query head.
 extern "C" int quire_paged_extend(int dtype, const void* q, const void* k_cache,
                                   const void* v_cache, void* out, const int32_t* block_tables,
                                   const int32_t* row_lens, int64_t num_rows, int num_heads,
                                   int num_kv_heads, int head_dim, int block_size,
                                   int64_t q_stride, int64_t out_stride, int64_t bt_stride,
                                   float scale, int window, const int32_t* rows,
-                                  const int32_t* row_seq) {
+                                  const int32_t* row_seq, float softcap, const float* sinks) {
   if (dtype == 0)
     return run<float>(q, k_cache, v_cache, out, block_tables, row_lens, num_rows, num_heads,
                       num_kv_heads, head_dim, block_size, q_stride, out_stride, bt_stride, scale,
-                      window, rows, row_seq);
+                      window, rows, row_seq, softcap, sinks);
   if (dtype == 1)
     return run<uint16_t>(q, k_cache, v_cache, out, block_tables, row_lens, num_rows, num_heads,
                          num_kv_heads, head_dim, block_size, q_stride, out_stride, bt_stride,
-                         scale, window, rows, row_seq);
+                         scale, window, rows, row_seq, softcap, sinks);
   return 1;
 }
 
@@ -1015,10 +1115,11 @@ extern "C" int quire_paged_decode(int dtype, const void* q, const void* k_cache,
                                   const int32_t* seq_lens, int64_t num_seqs, int num_heads,
                                   int num_kv_heads, int head_dim, int block_size,
                                   int64_t q_stride, int64_t out_stride, int64_t bt_stride,
-                                  float scale, int window) {
+                                  float scale, int window, float softcap,
+                                  const float* sinks) {
   return quire_paged_extend(dtype, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs,
                             num_heads, num_kv_heads, head_dim, block_size, q_stride, out_stride,
-                            bt_stride, scale, window, nullptr, nullptr);
+                            bt_stride, scale, window, nullptr, nullptr, softcap, sinks);
 }
 
 // 1 where quire_paged_extend runs this layout in GEMM-shaped tiles (the AVX2 build's fixed

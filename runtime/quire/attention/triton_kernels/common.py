@@ -51,6 +51,13 @@ def kv_tile_offsets(block_table_row_ptr, pos, valid, kv_head, stride_cache_block
 
 
 @triton.jit
+def softcap(s, cap):
+    """cap * tanh(s / cap), tanh as 2 sigmoid(2x) - 1 (the interpreter has no tanh). On
+    log2-domain scores with cap * log2(e) it caps the natural-domain scores by cap."""
+    return cap * (2.0 * tl.sigmoid(2.0 * (s / cap)) - 1.0)
+
+
+@triton.jit
 def load_kv_tile(cache_ptr, row_offsets, valid, d, d_valid, DOT_DTYPE: tl.constexpr):
     """[BLOCK_N, BLOCK_D] tile in the dot dtype; fp8 goes through fp32, which the interpreter
     converts exactly (its fp8 -> fp16 path drops e5m2 subnormals)."""

@@ -6,6 +6,9 @@ every query head of its GQA group, the group padded to the 16 rows tl.dot needs 
 Long contexts are cut into splits so that a batch of few sequences still fills the GPU
 (flash-decoding); each split leaves its normalised partial output and log-sum-exp, and a
 reduction kernel merges them. With one split the first kernel writes the output directly.
+
+Soft-capping caps each tile's scores before the mask; a sink starts split 0's running max and
+sum (max = the sink, sum = 1, no value), so the splits' merge counts it once.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quire.attention.triton_kernels.common import LOG2E, kv_tile_offsets, load_kv_tile
+from quire.attention.triton_kernels.common import LOG2E, kv_tile_offsets, load_kv_tile, softcap
 
 MAX_SPLITS = 16
 
@@ -22,15 +25,16 @@ MAX_SPLITS = 16
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, v_scale, window, num_splits,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+    qk_scale, v_scale, window, num_splits, cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_bt,
     stride_part_seq, stride_part_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -55,6 +59,10 @@ def _decode_split_kernel(
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)   # running max, log2 domain
     l = tl.zeros([BLOCK_H], tl.float32)                  # running sum of exp2
+    if HAS_SINKS:  # split 0 counts the sink: max = the sink's logit, its exp2 summed
+        sink = tl.load(sinks_ptr + head, mask=h_valid, other=0.0).to(tl.float32) * LOG2E
+        m = tl.where(split == 0, sink, m)
+        l = tl.where(split == 0, 1.0, l)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
@@ -63,6 +71,8 @@ def _decode_split_kernel(
                                stride_cache_token, stride_cache_head, BLOCK_SIZE)
         k = load_kv_tile(k_cache_ptr, rows, valid, d, d_valid, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            s = softcap(s, cap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -109,9 +119,11 @@ def _decode_reduce_kernel(
 def paged_decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
                            *, num_seqs: int, num_splits: int, scale: float, k_scale: float,
                            v_scale: float, sliding_window: int | None, dot_dtype,
-                           dot_precision: str | None, block_n: int, block_d: int) -> None:
+                           dot_precision: str | None, block_n: int, block_d: int,
+                           softcap: float | None = None, sinks=None) -> None:
     """Attention for sequences 0..num_seqs-1, each with its one query token at
-    query_start_loc[i]; q/out [T, H, D], caches [num_blocks, block_size, Hkv, D]."""
+    query_start_loc[i]; q/out [T, H, D], caches [num_blocks, block_size, Hkv, D]; sinks
+    None or [H] float32 on q's device."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -125,7 +137,9 @@ def paged_decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, que
     part_strides = dict(stride_part_seq=num_heads * num_splits, stride_part_head=num_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+        q if sinks is None else sinks,
         scale * k_scale * LOG2E, float(v_scale), sliding_window or 0, num_splits,
+        (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         **part_strides,
@@ -133,6 +147,7 @@ def paged_decode_attention(q, k_cache, v_cache, out, block_tables, seq_lens, que
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         HAS_WINDOW=sliding_window is not None, SINGLE_SPLIT=single,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -7,6 +7,9 @@ One program serves a tile of a sequence's query tokens for one KV head: its BLOC
 BLOCK_Q tokens x the GROUP query heads that share the KV head (row r = token r // GROUP,
 head r % GROUP), so each K/V tile is loaded once for the whole group. The host lists the
 (sequence, first query token) of every tile, so the grid has no idle programs.
+
+Soft-capping caps each tile's scores before the mask; a row's sink starts its running max and
+sum (max = the sink, sum = 1, no value).
 """
 
 from __future__ import annotations
@@ -14,19 +17,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quire.attention.triton_kernels.common import LOG2E, kv_tile_offsets, load_kv_tile
+from quire.attention.triton_kernels.common import LOG2E, kv_tile_offsets, load_kv_tile, softcap
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, tile_seq_ptr, tile_first_ptr,
-    qk_scale, v_scale, window,
+    query_start_loc_ptr, tile_seq_ptr, tile_first_ptr, sinks_ptr,
+    qk_scale, v_scale, window, cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -57,6 +61,9 @@ def _prefill_kernel(
         lo = tl.maximum(cached + first - window + 1, 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the row's sink: its logit starts the max, its exp2 the sum
+        m = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        l = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for tile_start in range(lo, hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
@@ -65,6 +72,8 @@ def _prefill_kernel(
                                stride_cache_token, stride_cache_head, BLOCK_SIZE)
         k = load_kv_tile(k_cache_ptr, rows, valid, d, d_valid, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            s = softcap(s, cap)
         visible = pos[None, :] <= q_pos[:, None]
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -98,17 +107,19 @@ def paged_prefill_attention(q, k_cache, v_cache, out, block_tables, seq_lens, qu
                             tile_seq, tile_first, *, scale: float, k_scale: float,
                             v_scale: float, sliding_window: int | None, dot_dtype,
                             dot_precision: str | None, block_m: int, block_q: int, block_n: int,
-                            block_d: int) -> None:
+                            block_d: int, softcap: float | None = None, sinks=None) -> None:
     """q/out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; tile_seq/tile_first from
-    prefill_tiles() for the same block_q."""
+    prefill_tiles() for the same block_q; sinks None or [H] float32 on q's device."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     _prefill_kernel[(tile_seq.numel(), num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_first,
-        scale * k_scale * LOG2E, float(v_scale), sliding_window or 0,
+        q if sinks is None else sinks,
+        scale * k_scale * LOG2E, float(v_scale), sliding_window or 0, (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
     )
