@@ -100,13 +100,26 @@ def _read(path: str) -> dict[str, torch.Tensor]:
 
 
 def dequantized_compressed_tensors(path: str) -> dict[str, torch.Tensor]:
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
-        CompressedTensorsDequantizer,
-    )
-    # model-free, its "Linear" target matches any `.weight`: the embedding and norms named
-    dq = CompressedTensorsDequantizer(path, ignore=["model.embed_tokens", "re:.*norm$"],
-                                      dtype=torch.float32)
-    return {k: v.float() for k, v in dq.process(_fp32_scales(_read(path))).items()}
+    """Each quantized module decompressed by compressed-tensors' own compressor for the
+    format the config names (its model-free CompressedTensorsDequantizer re-infers the
+    format and so skips naive-quantized int4)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    with open(os.path.join(path, "config.json")) as f:
+        qcfg = QuantizationConfig.model_validate(json.load(f)["quantization_config"])
+    tensors = _fp32_scales(_read(path))
+    (scheme,) = qcfg.config_groups.values()
+    compressor = BaseCompressor.get_value_from_registry(scheme.format or qcfg.format)
+    names = compressor.compression_param_names(scheme)
+    out = {}
+    for module in [n.removesuffix(".weight_scale") for n in tensors
+                   if n.endswith(".weight_scale")]:
+        state = {p: tensors.pop(f"{module}.{p}") for p in names
+                 if f"{module}.{p}" in tensors}
+        tensors.pop(f"{module}.input_scale", None)
+        out[f"{module}.weight"] = compressor.decompress(state, scheme)["weight"].float()
+    out.update({k: v.float() for k, v in tensors.items()})
+    return out
 
 
 # --- auto-round: GPTQ and AWQ ----------------------------------------------------------------
@@ -212,3 +225,89 @@ def dequantized_hf_fp8(path: str) -> dict[str, torch.Tensor]:
     dq = FP8BlockDequantizer.from_pretrained(path, weight_block_size=tuple(block),
                                              dtype=torch.float32)
     return {k: v.float() for k, v in dq.process(_read(path)).items()}
+
+
+# --- GPTQ act-order: a reference packer (no tool here writes desc_act) ------------------------
+def write_gptq_act_order_reference(path: str, tokenizer, group_size: int = 32,
+                                   seed: int = 1) -> str:
+    """A GPTQ v1 checkpoint with act-order (desc_act), packed by this test from the format's
+    reference layout (AutoGPTQ's QuantLinear.pack): each layer input's columns are ranked by
+    a random "importance" order (one per input: q/k/v and gate/up share theirs, as GPTQ's
+    shared Hessian gives), g_idx[k] = rank(k) // G, then per group asymmetric 4-bit min/max
+    with fp16 scales; qweight packs 8 values a word along K, qzeros (z - 1) along N."""
+    from safetensors.torch import save_file
+    model = tiny_float_model()
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(seed)
+    orders: dict[str, torch.Tensor] = {}
+    tensors = {}
+    for name, t in model.state_dict().items():
+        module, _, kind = name.rpartition(".")
+        if kind != "weight" or module.rsplit(".", 1)[-1] not in LINEARS:
+            tensors[name] = t.contiguous()
+            continue
+        w = t.float()
+        n, k = w.shape
+        shared = module.rsplit(".", 1)[0] + ("/attn_in" if module.endswith(("q_proj", "k_proj", "v_proj"))
+                                             else "/mlp_in" if module.endswith(("gate_proj", "up_proj"))
+                                             else module)
+        if shared not in orders:
+            orders[shared] = torch.randperm(k, generator=gen)
+        rank = torch.empty(k, dtype=torch.long)
+        rank[orders[shared]] = torch.arange(k)
+        g_idx = rank // group_size
+        groups = k // group_size
+        scales = torch.empty(groups, n)
+        zeros = torch.empty(groups, n, dtype=torch.int32)
+        q = torch.empty(k, n, dtype=torch.int32)
+        for g in range(groups):
+            cols = torch.nonzero(g_idx == g).flatten()
+            wg = w[:, cols]
+            lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+            s = ((hi - lo) / 15).clamp(min=1e-8).half().float()
+            z = torch.round(-lo / s).clamp(1, 15).to(torch.int32)  # v1 stores z - 1 >= 0
+            scales[g], zeros[g] = s, z
+            q[cols] = (torch.round(wg / s[:, None]) + z[:, None]).clamp(0, 15).T.to(torch.int32)
+        tensors[f"{module}.qweight"] = _pack_rows(q)                  # [K / 8, N]
+        tensors[f"{module}.qzeros"] = _pack_rows((zeros - 1).T).T.contiguous()  # [S, N / 8]
+        tensors[f"{module}.scales"] = scales.half()
+        tensors[f"{module}.g_idx"] = g_idx.to(torch.int32)
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(path, f))
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4,
+                                     "group_size": group_size, "desc_act": True, "sym": False,
+                                     "checkpoint_format": "gptq", "lm_head": False}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] 4-bit values -> int32 [R / 8, C], value j of each word in bits 4j..4j+3."""
+    r, c = values.shape
+    v = values.to(torch.int64).reshape(r // 8, 8, c)
+    words = sum(v[:, j] << (4 * j) for j in range(8))
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement int32
+
+
+def dequantized_gptq_reference(path: str) -> dict[str, torch.Tensor]:
+    """GPTQ's reference dequantization (GPTQModel's, which auto-round's GGUF converter copies):
+    scales[g_idx] * (q - (qzeros + 1)[g_idx]), in fp32."""
+    tensors = _read(path)
+    out = {}
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        module = name.removesuffix(".qweight")
+        qw, qz = tensors.pop(name), tensors.pop(f"{module}.qzeros")
+        scales = tensors.pop(f"{module}.scales").float()
+        g_idx = tensors.pop(f"{module}.g_idx").long()
+        q = ((qw[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, qw.shape[1])
+        z = ((qz[:, :, None] >> shifts) & 15).reshape(qz.shape[0], -1) + 1
+        out[f"{module}.weight"] = (scales[g_idx] * (q - z[g_idx]).float()).T.contiguous()
+    out.update({k: v.float() for k, v in tensors.items()})
+    return out

@@ -67,7 +67,9 @@ def _packed(linear) -> quant_matmul.PackedWeight | None:
     kernel = getattr(linear, "quant_kernel", None)
     packed = getattr(kernel, "packed", None)
     if (not isinstance(packed, quant_matmul.PackedWeight) or packed._fn is None
-            or linear.bias is not None or linear.lora is not None or linear.tp_size != 1):
+            or linear.bias is not None or linear.lora is not None or linear.tp_size != 1
+            # act-order checkpoints gather x's columns first (layers/prequantized/act_order.py)
+            or getattr(linear, "input_perm", None) is not None):
         return None
     return packed
 

@@ -273,7 +273,8 @@ def quant_config(source: ModelSource, quantization: str, group_size: int | None)
             return prequantized.config_for(source.path, qcfg, quantization)
     if quantization in prequantized_methods():
         raise ValueError(f"--quantization {quantization} needs a checkpoint quantized with it "
-                         f"(config.json's quantization_config); {source.path!r} has none")
+                         f"(config.json's quantization_config); {source.path!r} has none "
+                         "(supported on a float checkpoint: auto, none, int8, int4)")
     manifest = quant_manifest(source, quantization)
     if manifest is not None and quantization != "auto":
         raise ValueError(f"{source.path!r} holds quantized weights; load it with "

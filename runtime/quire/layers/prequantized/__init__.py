@@ -62,5 +62,5 @@ def config_for(folder: str, qcfg: dict, requested: str) -> PrequantizedConfig:
                                 f"supported; supported: {', '.join(FORMATS)}")
     if requested not in ("auto", method):
         raise UnsupportedScheme(f"--quantization {requested} contradicts the checkpoint, "
-                                f"which is quantized with {method}; use auto (or {method})")
+                                f"which is quantized with {method}; supported for it: auto or {method}")
     return FORMATS[method](qcfg, tensor_names(folder))
