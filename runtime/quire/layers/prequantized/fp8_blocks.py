@@ -85,7 +85,7 @@ class Fp8BlockConfig(PrequantizedConfig):
         if scheme != "dynamic":
             raise UnsupportedScheme(f"fp8: activation_scheme {scheme!r} is not supported; "
                                     "supported: dynamic")
-        if qcfg.get("scale_fmt") not in (None, "float32", "fp32"):
+        if qcfg.get("scale_fmt") not in (None, "float", "float32", "fp32"):
             raise UnsupportedScheme(f"fp8: scale_fmt {qcfg.get('scale_fmt')!r} is not "
                                     "supported; supported: float32 scales")
         self.block = tuple(block)
