@@ -58,3 +58,50 @@ def routed(num_tokens, num_experts, hidden=64, seed=1, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(num_tokens, hidden, generator=g).to(dtype),
             torch.randn(num_tokens, num_experts, generator=g).to(dtype))
+
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+
+
+def tiny_moe_config(family: str, **overrides):
+    """8 experts, top-2, hidden 64, 3 layers; Qwen3-MoE with a dense layer (mlp_only_layers);
+    gpt-oss with 32-token windows on its sliding layers (0 and 2), under the prompts' 300."""
+    import transformers
+    common = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                  initializer_range=0.08, bos_token_id=1, eos_token_id=2,
+                  num_experts_per_tok=2)
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(**common, num_local_experts=8, intermediate_size=32)
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, num_experts=8, moe_intermediate_size=32,
+                                          intermediate_size=96, mlp_only_layers=[1],
+                                          norm_topk_prob=True)
+    elif family == "gpt_oss":
+        cfg = transformers.GptOssConfig(**common, num_local_experts=8, intermediate_size=32,
+                                        sliding_window=32)
+    else:
+        raise ValueError(family)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def save_tiny_moe(path: str, config, tokenizer, seed: int = 0) -> str:
+    """A random model of `config` saved as transformers saves it, with its norms, biases and
+    attention sinks randomized too (they start at one, zero and near zero); a router's bias
+    stays small, so that the tokens' own logits still pick the experts."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("router.bias"):
+                p.normal_(0, 0.05)
+            elif name.endswith(("bias", "sinks")):
+                p.normal_(0, 0.1 if name.endswith("bias") else 1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -13,6 +13,7 @@ from quire.layers.quantization import describe
 from quire.models import registry
 from quire.models.config import ModelConfig
 from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
+from quire.models.param_counts import ParameterCount
 from quire.platform import attention_backend_class
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,12 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
     quant = quant_config(source, args.quantization, args.quantization_group_size)
     with ps.shard_as(rank, size), default_dtype(dtype), device:
         model = registry.model_class(cfg.architecture)(cfg, make_backend, max_model_len, dtype, device, quant)
-    model.load_weights(iter_weights(source, cfg, args.quantization))  # only its shard
+    counts = ParameterCount()  # from the checkpoint's shapes: the whole model's
+    model.load_weights(counts.counted(iter_weights(source, cfg, args.quantization)))
     model.pack_weights()
+    model.parameter_count = counts
     if rank == 0:
+        logger.info("model: %s", counts.describe(model))
         logger.info("quantization %s: %s", args.quantization, describe(model))
     return model.eval()
 

@@ -136,6 +136,8 @@ class FusedMoE(nn.Module):
             self.process_weights_after_loading()
 
     def loaded_completely(self) -> bool:
+        if self.weights_processed:  # only a complete layer is (its parameters may be new)
+            return True
         for name, p in self.named_parameters(recurse=False):
             parts = 2 if p.moe_split == "rows" else 1
             if len(self._loaded.get(name, ())) < parts * self.num_experts:
@@ -143,6 +145,8 @@ class FusedMoE(nn.Module):
         return True
 
     def missing_weights(self) -> list[str]:
+        if self.weights_processed:
+            return []
         return [f"{self.prefix}.{n}" for n, p in self.named_parameters(recurse=False)
                 if len(self._loaded.get(n, ())) < (2 if p.moe_split == "rows" else 1)
                 * self.num_experts]
