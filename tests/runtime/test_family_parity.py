@@ -126,3 +126,18 @@ def test_unknown_architecture_is_refused_naming_it_and_the_supported(tmp_path):
     for arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                  "Olmo2ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM"):
         assert arch in message
+
+
+def test_qwen3_from_a_gguf_written_by_llamacpp_matches_transformers(tmp_path, smollm_tokenizer):
+    """llama.cpp's converter writes the tiny Qwen3 as a float32 GGUF (the same values):
+    Quire reads it (per-head q/k norms, head_dim from the file's key length, no Q/K
+    permutation) and gives the folder's transformers output, both dequantized and `auto`."""
+    from llamacpp_converter import convert
+    folder = save_tiny_model(str(tmp_path / "qwen3"), tiny_config("qwen3"), smollm_tokenizer)
+    gguf = convert(folder, str(tmp_path / "qwen3.gguf"))
+    prompts = random_prompts()
+    expected = hf_greedy(hf_model(folder), prompts, MAX_TOKENS)
+    for quantization in ("none", "auto"):
+        llm = LLM(gguf, dtype="float32", quantization=quantization, kv_cache_memory=8 << 20)
+        got = [o.token_ids for o in _greedy(llm, prompts)]
+        assert _diverging(got, expected, prompts) == [], quantization

@@ -27,7 +27,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # GGUF architectures we can read, and whether llama.cpp's converter permuted Q/K rows for them
 # (it does for archs whose llama.cpp RoPE is the interleaved, GPT-J style).
-GGUF_ARCHITECTURES = {"llama": True, "qwen2": False}
+GGUF_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -36,6 +36,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",   # Qwen3's per-head q/k norms
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -202,9 +204,16 @@ def _convert_gguf(source: ModelSource, folder: str, blocks: bool = False) -> Non
 def load_hf_config(source: ModelSource, revision: str | None = None):
     if source.kind == "gguf":
         from transformers import AutoConfig
-        gguf_architecture(read_gguf(source.path))  # our error, clearer than transformers'
+        reader = read_gguf(source.path)
+        arch = gguf_architecture(reader)  # our error, clearer than transformers'
         folder, name = os.path.split(source.path)
-        return AutoConfig.from_pretrained(folder or ".", gguf_file=name)
+        config = AutoConfig.from_pretrained(folder or ".", gguf_file=name)
+        # transformers' GGUF mapping leaves head_dim at the config class's default (Qwen3:
+        # 128); the file says it as the key length
+        key_length = reader.fields.get(f"{arch}.attention.key_length")
+        if key_length is not None and hasattr(config, "head_dim"):
+            config.head_dim = int(key_length.contents())
+        return config
     path = os.path.join(source.path, "config.json")
     try:
         with open(path) as f:
