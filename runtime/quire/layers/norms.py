@@ -59,6 +59,7 @@ class ShardedRMSNorm(RMSNorm):
         super().__init__(len(local_heads) * head_dim, eps)
         self.full_size, self.head_dim = full_size, head_dim
         self.local_heads = local_heads  # this rank's heads, by their index in the projection
+        self.tp_size = ps.tp_size()  # read while the model is built, as the linears do
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         """The checkpoint's weight covers the full projection: keep this rank's heads."""
@@ -68,7 +69,7 @@ class ShardedRMSNorm(RMSNorm):
         param.data.copy_(materialize(part))
 
     def forward(self, x: torch.Tensor, residual=None) -> torch.Tensor:
-        if ps.tp_size() == 1:
+        if self.tp_size == 1:
             return rms_norm_ref(x, self.weight, self.eps)
         t = x.shape[0]
         dtype = x.dtype
