@@ -100,8 +100,8 @@ def test_the_start_state_comes_from_the_prompt_and_enable_thinking():
 
 
 def test_unknown_parser_name_names_the_choices():
-    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1"}
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "openai_gptoss"}
+    with pytest.raises(ValueError, match="deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("qwen")
 
 

@@ -28,7 +28,7 @@ API_KEY_ENV = "QUIRE_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch, honoured the same way
 SERVER_PACKAGES = ("fastapi", "uvicorn", "h11", "prometheus_client", "jinja2")
 DEFAULT_MALLOC_ARENAS = 2
-TOOL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_calls/registry.py's, without importing it
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "openai")  # tool_calls/registry.py's, not imported
 
 
 class MissingDependency(RuntimeError):
@@ -69,13 +69,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto",
                    choices=("auto", *TOOL_PARSER_NAMES),
                    help="how tool calls look in the model's text: 'hermes' (<tool_call> "
-                        "JSON, Qwen2 / SmolLM2), 'llama3_json' (Llama 3.x), or 'auto': "
-                        "picked by the model's family (Qwen: hermes) or else read from the "
-                        "chat template")
+                        "JSON, Qwen2 / SmolLM2), 'llama3_json' (Llama 3.x), 'openai' "
+                        "(gpt-oss's harmony calls, with --reasoning-parser openai_gptoss), "
+                        "or 'auto': picked by the model's family (Qwen: hermes, gpt-oss: "
+                        "openai) or else read from the chat template")
     p.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
                    help="split the answer's <think>...</think> part into the message's "
                         "reasoning_content (delta.reasoning_content when streamed): 'qwen3' "
-                        "(honours enable_thinking) or 'deepseek_r1' (default: off, all is "
+                        "(honours enable_thinking), 'deepseek_r1', or 'openai_gptoss' "
+                        "(gpt-oss's harmony channels: analysis is reasoning, final is "
+                        "content, calls to functions are tool_calls) (default: off, all is "
                         "content)")
     p.add_argument("--default-chat-template-kwargs", type=template_kwargs, default=None,
                    metavar="JSON",

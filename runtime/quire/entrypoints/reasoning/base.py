@@ -32,6 +32,7 @@ class ReasoningParser:
     name = ""
     start_tag = "<think>"
     end_tag = "</think>"
+    needs_special_tokens = False  # its markers are special tokens: keep them in the text
 
     def starts_thinking(self, prompt_tail: str, template_kwargs: dict) -> bool:
         """Whether the answer to a prompt ending in `prompt_tail` begins inside the

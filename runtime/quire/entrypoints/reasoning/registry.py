@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from quire.entrypoints.reasoning.base import ReasoningParser
 from quire.entrypoints.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from quire.entrypoints.reasoning.openai_gptoss import GptOssReasoningParser
 from quire.entrypoints.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
 

@@ -77,6 +77,8 @@ async def chat_completions(request: Request):
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
     reasoning = await reasoning_use(serving, req, prompt, params.guided_decoding is not None)
+    if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
+        params.skip_special_tokens = False  # its markers (harmony's) are special tokens
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.submit(request_id, [prompt], params, renames, lora)
     if req.stream:

@@ -78,7 +78,8 @@ def tool_choice_guided_decoding(tools: list[dict] | None, tool_choice,
         start = 'start: body ("; " body)*\n' if many else "start: body\n"
         return GuidedDecodingParams(grammar=start + body)
     if parser != "hermes":
-        raise ValueError(f"no tool_choice grammar for tool_call_parser {parser!r}")
+        raise ValueError(f"tool_choice 'required' or a named function has no grammar for "
+                         f"tool_call_parser {parser!r}; use tool_choice 'auto'")
     start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
     call = 'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
     return GuidedDecodingParams(grammar=start + call + body)

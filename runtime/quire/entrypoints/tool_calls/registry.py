@@ -5,10 +5,12 @@ from __future__ import annotations
 from quire.entrypoints.tool_calls.base import ToolParser
 from quire.entrypoints.tool_calls.hermes import HermesToolParser
 from quire.entrypoints.tool_calls.llama3_json import PYTHON_TAG, Llama3JsonToolParser
+from quire.entrypoints.tool_calls.openai import OpenAIToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "openai": OpenAIToolParser,
 }
 
 
@@ -45,6 +47,7 @@ FAMILY_TOOL_PARSERS: tuple[tuple[str, str | None], ...] = (
     ("qwen", "hermes"),   # Qwen2, Qwen2.5, Qwen3: <tool_call> JSON </tool_call>
     ("gemma", None),
     ("phi", None),
+    ("gptoss", "openai"),  # harmony: read with --reasoning-parser openai_gptoss
 )
 
 
