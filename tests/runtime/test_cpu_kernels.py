@@ -34,10 +34,10 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
 
 
 _FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-# every build this CPU can run: native, then AVX2 without AVX-512 ("haswell": the path of a
-# CPU that has no AVX-512), then plain C++ ("x86-64")
-MARCHES = ["native"] + (["haswell"] if " avx2" in _FLAGS and " fma" in _FLAGS else []) + [
-    "x86-64"]
+# every build this CPU can run: native, then each ISA build it can execute, named for the CPU
+# feature it needs (cpu_kernels.ISA_BUILDS: "scalar" the plain C++ path, "avx2" the path of a
+# CPU without AVX-512, "avx512", "avx512_bf16", "amx")
+MARCHES = ["native", *cpu_kernels.isa_builds()]
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -182,13 +182,13 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
                        for i in range(len(lens))])
     tiled = paged_extend._tiled(kv_heads * group, kv_heads, head_dim, bs, march)
     avx2_only = " avx2" in _FLAGS and " avx512f" not in _FLAGS
-    assert tiled == (march == "haswell" or (march == "native" and avx2_only))
+    assert tiled == (march == "avx2" or (march == "native" and avx2_only))
     if tiled and dtype == torch.float32:
         assert not torch.equal(out[:14], alone[:14]), "no shared prefix went through a tile"
         torch.testing.assert_close(out[14:], alone[14:], atol=0, rtol=0)  # not shared: as alone
 
 
-@pytest.mark.parametrize("march", ["haswell"])
+@pytest.mark.parametrize("march", [b for b in MARCHES if b == "avx2"])  # the tiled build
 def test_cascade_groups_follow_the_longest_shared_prefix(march):
     """Chat requests all start with one template header (a block here), and behind it groups
     of them share long system prompts. The header alone is too short to share, but the rows
@@ -289,7 +289,7 @@ def test_decode_rows_sharing_a_prefix_with_soft_capping_and_sinks(option, march)
     meta = SimpleNamespace(query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=lens,
                            block_tables=block_tables)
     check(out, q, k_cache, v_cache, meta, head_dim ** -0.5, 1e-5, **opts)
-    if march == "haswell":  # the shared rows went through the cascade's tiles
+    if march == "avx2":  # the shared rows went through the cascade's tiles
         alone = torch.empty_like(q[:1])
         cpu_kernels.paged_decode(q[:1], k_cache, v_cache, alone, block_tables[:1],
                                  seq_lens[:1], head_dim ** -0.5, None, opts["softcap"],

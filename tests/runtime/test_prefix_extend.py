@@ -5,14 +5,13 @@ greedy tokens as one without (which never does)."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 from quire import LLM, SamplingParams
-from quire.attention import paged_extend
+from quire.attention import cpu_kernels, paged_extend
 from quire.attention.base import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend
 
@@ -20,10 +19,9 @@ from attention_reference import OPTIONS, check, options
 from runtime_helpers import assert_no_blocks_in_use
 
 BS = 16
-_FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-# native, AVX2 without AVX-512 ("haswell"), plain C++ ("x86-64"): what this CPU can run
-MARCHES = ["native"] + (["haswell"] if " avx2" in _FLAGS and " fma" in _FLAGS else []) + [
-    "x86-64"]
+# native, then each ISA build this CPU can run, named for the CPU feature it needs
+# (cpu_kernels.ISA_BUILDS: "scalar" plain C++, "avx2" without AVX-512, "avx512", ...)
+MARCHES = ["native", *cpu_kernels.isa_builds()]
 
 
 def _step(dtype, window=None, heads=6, kv_heads=2, head_dim=64, decodes=(40,),
@@ -137,12 +135,12 @@ def test_long_chunks_take_sdpa_unless_the_kernel_tiles(tiled, monkeypatch):
 def test_the_avx2_build_tiles_the_fixed_shapes_only():
     # (heads, kv heads, head_dim, block size): SmolLM2's layout and head_dim 128 tile; a head
     # size off the fixed shapes, another block size, or a build without AVX2 walk rows alone
-    if "haswell" in MARCHES:
-        assert paged_extend._tiled(9, 3, 64, 16, "haswell")
-        assert paged_extend._tiled(32, 8, 128, 16, "haswell")
-        assert not paged_extend._tiled(6, 3, 48, 16, "haswell")
-        assert not paged_extend._tiled(9, 3, 64, 32, "haswell")
-    assert not paged_extend._tiled(9, 3, 64, 16, "x86-64")
+    if "avx2" in MARCHES:
+        assert paged_extend._tiled(9, 3, 64, 16, "avx2")
+        assert paged_extend._tiled(32, 8, 128, 16, "avx2")
+        assert not paged_extend._tiled(6, 3, 48, 16, "avx2")
+        assert not paged_extend._tiled(9, 3, 64, 32, "avx2")
+    assert not paged_extend._tiled(9, 3, 64, 16, "scalar")
 
 
 def test_extend_rows_index_each_query_token():

@@ -1,6 +1,8 @@
 """The native int8 / int4 weight-only matmul (cpu_kernels/quant_matmul) against
-dequantize-then-matmul in float64, on this CPU's vector path and on an AVX2-only build, plus
-its torch path where the library can't be built.
+dequantize-then-matmul in float64, on every build this CPU can run (ids: native, then each
+ISA named for the CPU feature it needs: scalar, avx2, avx512, avx512_bf16, amx), plus its
+torch path where the library can't be built. On each build a row of y has the same bits
+whatever rows come with it (batch invariance).
 
 Tolerance, from float32 rounding alone. The kernel never rounds a weight or x to a narrower
 type: per group of G it sums x_k * q'_k in float32 (q' the small integer q or q - 8,
@@ -105,39 +107,34 @@ def _x(m, k, dtype, seed):
 
 with open("/proc/cpuinfo") as _f:
     _FLAGS = _f.read()
-# "haswell" is AVX2 without AVX-512: this CPU runs that path too whenever it has AVX2
-MARCHES = ["native"] + (["haswell"] if " avx2" in _FLAGS else [])
+# this CPU's own build, then every ISA build it can execute (cpu_kernels.ISA_BUILDS: an
+# AVX-512 CPU runs the AVX2 and plain C++ paths too, with AMX all of them)
+BUILDS = ["native", *cpu_kernels.isa_builds()]
+# the vector path each build takes (no AMX path: an AMX build runs the AVX512-BF16 one)
+ISA_PATHS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512",
+             "avx512_bf16": "avx512-bf16", "amx": "avx512-bf16"}
 
 
-@pytest.fixture(params=MARCHES)
+@pytest.fixture(params=BUILDS)
 def march(request):
-    """The library built for this CPU and again for an AVX2-only one (no AVX-512)."""
+    """The library built for this CPU, then for each older ISA this CPU can also run."""
     if qm._library(request.param) is None:
-        pytest.fail(f"quant_matmul.cpp did not build with -march={request.param}")
+        pytest.fail(f"quant_matmul.cpp did not build for {request.param}")
     return request.param
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_plain_cpp_path_without_avx2(dtype):
-    """-march=x86-64 (SSE2 only) builds the scalar fallback: every form, on a few shapes."""
-    assert qm.isa("x86-64") == "scalar"
-    for m, n, k in ((1, 16, 64), (5, 37, 128), (9, 20, 256)):
-        x = _x(m, k, dtype, seed=m)
-        for flavour in INT4_FLAVOURS:
-            qweight, scales, zeros = _int4_case(n, k, 32, seed=n, flavour=flavour)
-            packed = qm.pack_int4(qweight, scales, zeros, 32, _march="x86-64")
-            _assert_within_bound(qm.int4_linear(x, packed), x,
-                                 *_int4_exact(qweight, scales, zeros, 32))
-        for group, half in ((32, True), (k, False)):
-            qweight, scales = _int8_case(n, k, group, seed=n, half=half)
-            packed = qm.pack_int8(qweight, scales, group, _march="x86-64")
-            _assert_within_bound(qm.int8_linear(x, packed), x,
-                                 *_int8_exact(qweight, scales, group))
+def test_every_isa_this_cpu_has_is_built_and_tested():
+    """The matrix skips no ISA the CPU can execute (its /proc/cpuinfo flags)."""
+    flags = set(_FLAGS.split())
+    want = {"scalar"} | {name for name, flag in (("avx2", "avx2"), ("avx512", "avx512f"),
+                                                 ("avx512_bf16", "avx512_bf16"),
+                                                 ("amx", "amx_bf16")) if flag in flags}
+    assert want <= set(BUILDS)
 
 
 def test_builds_use_the_vector_paths_this_cpu_has(march):
-    if march == "haswell":
-        assert qm.isa(march) == "avx2"
+    if march != "native":
+        assert qm.isa(march) == ISA_PATHS[march]
     else:
         assert qm.isa(march) == ("avx512-bf16" if " avx512_bf16" in _FLAGS else
                                  "avx512" if " avx512f" in _FLAGS else
@@ -173,24 +170,41 @@ def test_int4_linear_matches_dequantize_then_matmul(march, m, n, k, group, flavo
     _assert_within_bound(y, x, *_int4_exact(qweight, scales, zeros, group))
 
 
-@pytest.mark.parametrize("build", [*MARCHES, "x86-64"])
+def _formed(packed):
+    """Each weight [N, K] as the kernel forms it: s * q' rounded to float32 (q' = q, or q - 8),
+    then the offset added and rounded again; where there is none, dequantize()'s float."""
+    q = qm._unblock(packed.qweight, packed.n)
+    scales = qm._unblock(packed.scales, packed.n).float().repeat_interleave(packed.group, dim=1)
+    if packed.form == qm.INT8:
+        return q.float() * scales
+    if packed.form != qm.INT4_MIN:
+        q = q ^ 0x88
+    nibbles = torch.stack([q & 15, q >> 4], dim=-1).reshape(packed.n, packed.k).float()
+    w = (nibbles if packed.form == qm.INT4_MIN else nibbles - 8) * scales
+    if packed.offsets is None:
+        return w
+    return w + qm._unblock(packed.offsets, packed.n).float().repeat_interleave(packed.group, 1)
+
+
 @pytest.mark.parametrize("flavour", [*INT4_FLAVOURS, "int8-g32", "int8-channel"])
-def test_expanded_calls_multiply_exactly_the_dequantized_weights(flavour, build):
-    """Beyond a few rows of x the kernel dequantizes each row block once: with one-hot rows of
-    x (M = K, every product but one a zero) y is that weight, which must be dequantize()'s
-    float bit for bit. On the float32 scale-and-offset forms a product rounded before its sum
-    (rather than one FMA, as dequantize's addcmul) gives other floats."""
+def test_one_hot_rows_give_each_weight_as_the_kernel_forms_it(flavour, march):
+    """With one-hot rows of x (every product but one a zero) y is one weight: s * q' plus the
+    offset, each rounded to float32, bit for bit (the right nibble, scale and offset of the
+    right row), whether the call expands its row blocks (M = K) or streams them (2 rows a
+    call). Without an offset that is dequantize()'s float."""
     n, k = 37, 128
     if flavour.startswith("int8"):
         group = k if flavour == "int8-channel" else 32
-        packed = qm.pack_int8(*_int8_case(n, k, group, seed=5), group, _march=build)
+        packed = qm.pack_int8(*_int8_case(n, k, group, seed=5), group, _march=march)
         linear = qm.int8_linear
     else:
-        packed = qm.pack_int4(*_int4_case(n, k, 32, seed=5, flavour=flavour), 32, _march=build)
+        packed = qm.pack_int4(*_int4_case(n, k, 32, seed=5, flavour=flavour), 32, _march=march)
         linear = qm.int4_linear
-    assert qm._library(build) is not None
-    y = linear(torch.eye(k), packed)
-    assert torch.equal(y, qm.dequantize(packed).T)
+    want = _formed(packed).T
+    if packed.offsets is None:
+        assert torch.equal(want, qm.dequantize(packed).T)
+    assert torch.equal(linear(torch.eye(k), packed), want)
+    assert torch.equal(torch.cat([linear(rows, packed) for rows in torch.eye(k).split(2)]), want)
 
 
 @pytest.mark.parametrize("flavour", INT4_FLAVOURS)
@@ -237,13 +251,14 @@ def test_one_wrong_weight_is_far_outside_the_bound(march):
         _assert_within_bound(y, x, *_int4_exact(corrupted, scales, zeros, group))
 
 
+@pytest.mark.parametrize("m", [1, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_thread_count_does_not_change_a_bit(dtype):
+def test_the_thread_count_does_not_change_a_bit(dtype, m, march):
     """Each output row is summed by one thread in one order, however many threads there are."""
     qweight, scales, zeros = _int4_case(300, 256, 64, seed=11, flavour="min16")
-    p4 = qm.pack_int4(qweight, scales, zeros, 64)
-    p8 = qm.pack_int8(*_int8_case(300, 256, 32, seed=12), 32)
-    x = _x(11, 256, dtype, seed=5)
+    p4 = qm.pack_int4(qweight, scales, zeros, 64, _march=march)
+    p8 = qm.pack_int8(*_int8_case(300, 256, 32, seed=12), 32, _march=march)
+    x = _x(m, 256, dtype, seed=5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -330,7 +345,8 @@ def test_without_the_library_the_torch_path_gives_the_same_results(monkeypatch):
 @pytest.mark.parametrize("flavour", [*INT4_FLAVOURS, "int8-channel", "int8-g32"])
 def test_prefill_sized_float32_m_stays_within_the_bound(flavour, march):
     """Prefill-sized float32 x runs the kernel's tiles on every build (AVX2: 6 rows each,
-    here 22 of them and a last one of a single row) within the same bound."""
+    here 22 of them and a last one of a single row; AVX-512: 16 of 8 and one of 5) within the
+    same bound, and its first rows are those of a call with those rows alone."""
     m, n, k = 133, 70, 256
     if flavour.startswith("int8"):
         group = k if flavour == "int8-channel" else 32
@@ -345,3 +361,26 @@ def test_prefill_sized_float32_m_stays_within_the_bound(flavour, march):
     y = linear(x, packed)
     _assert_within_bound(y, x, *exact)
     torch.testing.assert_close(y[:7], linear(x[:7], packed), rtol=0, atol=0)  # rows alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flavour", [*INT4_FLAVOURS, "int8-g32", "int8-channel", "int8-odd-k"])
+def test_a_row_has_the_same_bits_whatever_rows_come_with_it(flavour, dtype, march):
+    """Batch invariance, which the engine's exactness rests on: a row of x gives the same y
+    bit for bit alone, in a decode-sized call (streamed: few rows beside it, a tile of any
+    size) or a prefill-sized one (expanded: at any place in any tile), on every build."""
+    n, k = 70, 63 if flavour == "int8-odd-k" else 256  # odd K: one group, bfloat16 as float32
+    if flavour.startswith("int8"):
+        group = 32 if flavour == "int8-g32" else k
+        packed = qm.pack_int8(*_int8_case(n, k, group, seed=3, half=group == 32), group,
+                              _march=march)
+        linear = qm.int8_linear
+    else:
+        packed = qm.pack_int4(*_int4_case(n, k, 32, seed=3, flavour=flavour), 32, _march=march)
+        linear = qm.int4_linear
+    x = _x(40, k, dtype, seed=4)
+    y = linear(x, packed)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17):  # every streamed and expanded tile size
+        assert torch.equal(linear(x[:m], packed), y[:m]), f"the first {m} rows"
+        assert torch.equal(linear(x[-m:], packed), y[-m:]), f"the last {m} rows"
+    assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), y), "rows alone"

@@ -29,6 +29,34 @@ _HERE = os.path.dirname(__file__)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+# Builds for named x86 vector ISAs, so tests can run each path a kernel has on a CPU that has
+# newer ones: the compiler's flags, and the /proc/cpuinfo flags a CPU needs to run the result.
+# Feature levels rather than CPU names: -march=cooperlake would also allow instructions that
+# an AMD CPU with the same vector ISA lacks.
+_V3 = ("sse2", "pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm", "avx", "avx2",
+       "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+_BF16 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
+ISA_BUILDS = {
+    "scalar": (["-march=x86-64"], ("sse2",)),
+    "avx2": (["-march=x86-64-v3"], _V3),
+    "avx512": (["-march=x86-64-v4"], _V4),
+    "avx512_bf16": (_BF16, _V4 + ("avx512_bf16", "avx512_vnni")),
+    "amx": (_BF16 + ["-mamx-tile", "-mamx-int8", "-mamx-bf16"],
+            _V4 + ("avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")),
+}
+
+
+def isa_builds() -> list[str]:
+    """The names of ISA_BUILDS this CPU can run, oldest first (none off x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return []
+    flags = set(line.partition(":")[2].split())
+    return [name for name, (_, needs) in ISA_BUILDS.items() if flags.issuperset(needs)]
+
 
 def _cache_dir() -> str:
     """QUIRE_CACHE_DIR as the model loader reads it (quire.models.loader.cache_root): unset
@@ -89,8 +117,9 @@ def _build(compiler: str, source_path: str, flags: list[str], rebuild: bool = Fa
 @functools.cache
 def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
     """The compiled library of `source` (a .cpp file in this folder), or None (see above).
-    `march` other than "native" builds for an older CPU (e.g. "haswell": AVX2, no AVX-512),
-    so tests can run a kernel's fallback paths on a machine that has the newer ones."""
+    `march` other than "native" builds for an older CPU: a name in ISA_BUILDS ("avx2": no
+    AVX-512) or any -march value, so tests can run a kernel's other paths on a machine that
+    has newer ones."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -98,7 +127,8 @@ def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found; %s is not built and its torch path is used", source)
         return None
     try:
-        flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
+        arch = ISA_BUILDS[march][0] if march in ISA_BUILDS else [f"-march={march}"]
+        flags = [g for f in _FLAGS for g in (arch if f == "-march=native" else [f])]
         source_path = os.path.join(_HERE, source)
         path = _build(compiler, source_path, flags)
         try:

@@ -14,20 +14,22 @@
 //   int8  q[block][k][16]       int4  q[block][k / 2][16] (a row's byte: low nibble k even)
 //   scales / offsets [block][k / G][16]
 //
-// Up to kStreamRows rows of x (decode), each group is summed exactly as float32 allows:
-// part = sum_k x[k] * q'[k] with q' the small integer (q, or q - 8) converted exactly, then
-// y += s * part (+ offset * sum_k x[k]). Beyond them (prefill, batched decode), float32 x
-// multiplies the dequantized weights (expand_block), the same floats as dequantize(). Against
-// dequantize-then-matmul either only moves where float32 rounds (see the test's bound); no
-// value is quantized or rounded to a narrower type. Several independent accumulator chains
-// per row of x keep the FMA units busy at M = 1 (one chain would wait on FMA latency).
+// Each group is summed exactly as float32 allows: part = sum_k x[k] * q'[k] with q' the
+// small integer (q, or q - 8) converted exactly, then y += s * part (+ offset * sum_k x[k]).
+// Against dequantize-then-matmul that only moves where float32 rounds (see the test's
+// bound); no value is quantized or rounded to a narrower type. A row's order depends on
+// nothing but the weight and x's dtype: not on M, its tile or the threads ("Batch
+// invariance" below). Up to kStreamRows rows of x (decode) read the packed weights as they
+// go; beyond them (prefill, batched decode) each row block's q' is expanded once into a
+// per-thread scratch that every tile of x rows reuses.
 //
 // Vector paths: AVX-512 (16 lanes), AVX2 (two 8-lane halves), plain C++ otherwise; all three
 // share the kernel through the small V type. Where the CPU has AVX512-BF16, bfloat16 x uses
-// its dot product instead (int4 always, int8 beyond 8 rows of x; the integers are exact
-// bfloat16 values, products exact, sums float32: same rounding, half the instructions). No AMX. OpenMP over row blocks with the thread count the caller passes
-// (torch's: the same libgomp and pool once torch is loaded). Plain C++ with a C ABI, called
-// through ctypes.
+// its dot product instead (int4 always, int8 where G is even; the integers are exact
+// bfloat16 values, products exact, sums float32: same rounding, half the instructions). No
+// AMX: a build for an AMX CPU runs the AVX512-BF16 path. OpenMP over row blocks with the
+// thread count the caller passes (torch's: the same libgomp and pool once torch is loaded).
+// Plain C++ with a C ABI, called through ctypes.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -81,7 +83,7 @@ constexpr const char* kIsa = "avx512";
 constexpr int kTile = 8;    // rows of x per pass over a row block
 constexpr int kExpandedTile = 8;  // the same over an expanded block (prefill)
 constexpr int kStreamRows = kTile;  // calls of up to this many x rows are not expanded
-constexpr int kChains = 4;  // independent accumulators per pass (FMA latency x throughput)
+constexpr int kChains = 4;  // streamed: chains = rows of x times blocks side by side
 struct V {
   __m512 v;
 };
@@ -124,7 +126,7 @@ constexpr int kExpandedTile = 6;
 // these few rows multiply. On the AVX2 EPYC (builds alternated, medians of 9) M = 3 / 4 / 5
 // ran 18.8 / 21.5 / 14.7 ms expanded and 11.9 / 11.1 / 12.6 streamed; at 6 they tie.
 constexpr int kStreamRows = 5;
-constexpr int kChains = 4;  // at M = 1: 4 x (lo, hi) = 8 chains, FMA latency x 2 pipes
+constexpr int kChains = 4;  // at M = 1: 4 blocks x (lo, hi) = 8 chains, FMA latency x 2
 struct V {
   __m256 lo, hi;
 };
@@ -233,52 +235,11 @@ struct Weight {
   int64_t N, K, G;
 };
 
-// part[m] += sum over k in [k0, k1) of x[m, k] * q'[k] (one row block), U chains per row.
-template <int Form, int MT>
-inline void group_sums(const float* x, int64_t K, const uint8_t* q, int64_t k0, int64_t k1,
-                       V* part) {
-  constexpr int U = kChains / MT > 1 ? kChains / MT : 1;
-  V chain[U][MT];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MT; ++m) chain[u][m] = vzero();
-  if (Form == kInt8) {
-    int64_t k = k0;
-    for (; k + U <= k1; k += U)
-      for (int u = 0; u < U; ++u) {
-        const V w = load_int8(q + (k + u) * kRows);
-        for (int m = 0; m < MT; ++m) chain[u][m] = vfma(vset(x[m * K + k + u]), w, chain[u][m]);
-      }
-    for (; k < k1; ++k) {  // a per-channel G that U does not divide
-      const V w = load_int8(q + k * kRows);
-      for (int m = 0; m < MT; ++m) chain[0][m] = vfma(vset(x[m * K + k]), w, chain[0][m]);
-    }
-  } else {  // k0, k1 even and G a multiple of 2 U (groups of 32, 64, 128)
-    for (int64_t k = k0; k < k1; k += 2 * U)
-      for (int u = 0; u < U; ++u) {
-        V even, odd;
-        const uint8_t* p = q + (k / 2 + u) * kRows;
-        if (Form == kInt4Min) load_int4(p, even, odd); else load_sint4(p, even, odd);
-        const int64_t kk = k + 2 * u;
-        for (int m = 0; m < MT; ++m) {
-          chain[u][m] = vfma(vset(x[m * K + kk]), even, chain[u][m]);
-          chain[u][m] = vfma(vset(x[m * K + kk + 1]), odd, chain[u][m]);
-        }
-      }
-  }
-  for (int m = 0; m < MT; ++m) {
-    V sum = chain[0][m];
-    for (int u = 1; u < U; ++u) sum = vadd(sum, chain[u][m]);
-    part[m] = sum;
-  }
-}
-
 #if defined(__AVX512BF16__)
-// The same sums for int4 weights and bfloat16 x with the AVX512-BF16 dot product: a nibble is
-// looked up as the bfloat16 of q' (exact: a small integer), x[k] * q' is exact in float32 (8 +
-// 4 significant bits) and each pair is added in float32 with round-to-nearest, so this
-// path rounds like the float one, at half the instructions. (The instruction reads subnormal
-// inputs, below 1.2e-38, as zero.) A row's byte holds its k and k + 1, which is the
-// instruction's pair layout already.
+// The AVX512-BF16 operands: a row's k and k + 1 side by side in one 32-bit lane, as exact
+// bfloat16 values of q' (small integers). int4: a row's byte holds its pair already; each
+// nibble is looked up (word 2r = row r's low nibble, word 2r + 1 its high one; vpermw reads 5
+// index bits and the table repeats, so the other nibble's bit above does not matter).
 template <int Form>
 inline __m512i nibble_table() {
   alignas(64) uint16_t table[32];
@@ -289,104 +250,64 @@ inline __m512i nibble_table() {
   return _mm512_load_si512(table);
 }
 
-template <int Form, int MT>
-inline void group_sums(const uint16_t* x, int64_t K, const uint8_t* q, int64_t k0, int64_t k1,
-                       V* part, __m512i table) {
-  constexpr int U = kChains / MT > 1 ? kChains / MT : 1;
-  __m512 chain[U][MT];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MT; ++m) chain[u][m] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += 2 * U)
-    for (int u = 0; u < U; ++u) {
-      // word 2r = row r's low nibble, word 2r + 1 its high one (vpermw reads 5 index bits:
-      // the table repeats, so the other nibble's bit above does not matter)
-      const __m512i b = bytes16(q + (k / 2 + u) * kRows, false);
-      const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(
-          _mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
-      const int64_t kk = k + 2 * u;
-      for (int m = 0; m < MT; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * K + kk, sizeof pair);
-        chain[u][m] = _mm512_dpbf16_ps(chain[u][m], (__m512bh)_mm512_set1_epi32(pair), w);
-      }
-    }
-  for (int m = 0; m < MT; ++m) {
-    __m512 sum = chain[0][m];
-    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, chain[u][m]);
-    part[m].v = sum;
-  }
+inline __m512i nibble_pairs(const uint8_t* p, __m512i table) {
+  const __m512i b = bytes16(p, false);
+  return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
+}
+
+// int8 (8 significant bits: exact in bfloat16): k at p, k + 1 at p + kRows
+inline __m512i int8_pairs(const uint8_t* p) {
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512bh both = _mm512_cvtne2ps_pbh(load_int8(p + kRows).v, load_int8(p).v);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(order), (__m512i)both);
 }
 #endif
 
-// w = q' * s, or q' * s + offset rounded once (an FMA): the floats dequantize() gives, whose
-// torch.addcmul rounds once too (the test checks them bit for bit).
-inline V dequant(V qv, V s) { return vmul(qv, s); }
-inline V dequant(V qv, V s, V offset) { return vfma(qv, s, offset); }
+// Batch invariance: every row of y is summed in one order, fixed by the weight and x's dtype
+// alone, whatever the number of rows M, the tile a row lands in or the thread count. For each
+// group in turn: part = x[k0] q'[k0] + x[k0 + 1] q'[k0 + 1] + ... in one chain (float x: one
+// FMA per k; bfloat16 x on the AVX512-BF16 path: one dot-product step per pair of k), then
+// acc = s * part + acc and, for forms with an offset, acc = z * xsum + acc (xsum: the group's
+// sum of x, summed in order). Calls beyond kStreamRows rows expand each row block once
+// (expanded_rows); smaller ones read the packed weights as they go (stream_rows): the same
+// operations in the same order. The independent chains that hide FMA latency at M = 1 come
+// from B row blocks side by side, never from splitting a row's sum into partial sums (that
+// made a row's bits depend on the rows beside it).
 
 // Beyond kStreamRows rows of x (prefill, batched decode), a row block is expanded once into a
-// per-thread scratch that every tile loads as it is. The float path stores the dequantized
-// weights, float32 [K][16], the same values as dequantize(): its tiles are then a plain
-// float32 GEMM, with no per-group scale and offset to apply (on the AVX2 EPYC that took
-// ~12% of a prefill-sized call). The BF16 path stores q' as bfloat16 pairs [K / 2][16] and
-// applies each group's scale after its sums, as the streaming path does.
-template <int Form, typename S, typename X>
+// per-thread scratch that every tile loads as it is, with no unpacking: q' as float32 [K][16]
+// (float x), or as bfloat16 pairs [K / 2][16] (the AVX512-BF16 path).
+template <int Form, typename X>
 void expand_block(const Weight& w, int64_t block, float* scratch) {
-  const uint8_t* q = w.q + block * (Form == kInt8 ? w.K : w.K / 2) * kRows;
+  const int64_t K = w.K;  // (a local: the vector stores may alias w)
+  const uint8_t* q = w.q + block * (Form == kInt8 ? K : K / 2) * kRows;
   if constexpr (std::is_same_v<X, float>) {
-    const int64_t groups = w.K / w.G;
-    const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
-    const S* offsets = w.offsets ? static_cast<const S*>(w.offsets) + block * groups * kRows
-                                 : nullptr;
-    for (int64_t g = 0; g < groups; ++g) {
-      const V s = vload(scales + g * kRows);
-      const int64_t k0 = g * w.G, k1 = k0 + w.G;
-      if (Form == kInt8) {
-        for (int64_t k = k0; k < k1; ++k)
-          vstore(scratch + k * kRows, dequant(load_int8(q + k * kRows), s));
-        continue;
-      }
-      const V z = offsets ? vload(offsets + g * kRows) : vzero();
-      for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp) {
-        V even, odd;
-        if (Form == kInt4Min) load_int4(q + kp * kRows, even, odd);
-        else load_sint4(q + kp * kRows, even, odd);
-        if (Form == kInt4Symmetric) {
-          vstore(scratch + 2 * kp * kRows, dequant(even, s));
-          vstore(scratch + (2 * kp + 1) * kRows, dequant(odd, s));
-        } else {
-          vstore(scratch + 2 * kp * kRows, dequant(even, s, z));
-          vstore(scratch + (2 * kp + 1) * kRows, dequant(odd, s, z));
-        }
-      }
+    if (Form == kInt8) {
+      for (int64_t k = 0; k < K; ++k) vstore(scratch + k * kRows, load_int8(q + k * kRows));
+      return;
     }
-  } else if constexpr (Form == kInt8) {
-#if defined(__AVX512BF16__)
-    // int8 is exact in bfloat16 (8 significant bits): pairs (k, k + 1) of each row
-    alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                                   6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
-                                                   12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i order = _mm512_load_si512(pairs);
-    for (int64_t kp = 0; kp < w.K / 2; ++kp) {
-      const __m512bh both = _mm512_cvtne2ps_pbh(load_int8(q + (2 * kp + 1) * kRows).v,
-                                                load_int8(q + 2 * kp * kRows).v);
-      _mm512_storeu_si512(scratch + kp * kRows,
-                          _mm512_permutexvar_epi16(order, (__m512i)both));
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
+      V even, odd;
+      if (Form == kInt4Min) load_int4(q + kp * kRows, even, odd);
+      else load_sint4(q + kp * kRows, even, odd);
+      vstore(scratch + 2 * kp * kRows, even);
+      vstore(scratch + (2 * kp + 1) * kRows, odd);
     }
-#endif
   } else {
 #if defined(__AVX512BF16__)
-    const __m512i table = nibble_table<Form>();
-    for (int64_t kp = 0; kp < w.K / 2; ++kp) {
-      const __m512i b = bytes16(q + kp * kRows, false);
-      _mm512_storeu_si512(scratch + kp * kRows,
-                          _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)),
-                                                   table));
-    }
+    [[maybe_unused]] const __m512i table = nibble_table<Form>();
+    for (int64_t kp = 0; kp < K / 2; ++kp)
+      _mm512_storeu_si512(scratch + kp * kRows, Form == kInt8 ? int8_pairs(q + 2 * kp * kRows)
+                                                              : nibble_pairs(q + kp * kRows,
+                                                                             table));
 #endif
   }
 }
 
-// group_sums over an expanded block (float x: one float32 q' vector per k)
+// part[m] = sum over k in [k0, k1) of x[m, k] * q'[k] over an expanded block, one chain per
+// row (float x: one float32 q' vector per k)
 template <int MT>
 inline void expanded_sums(const float* x, int64_t K, const float* e, int64_t k0, int64_t k1,
                           V* part) {
@@ -416,73 +337,169 @@ inline void expanded_sums(const uint16_t* x, int64_t K, const float* e, int64_t 
 }
 #endif
 
-// One row block against MT rows of x: out[m][r] = y[m, row r of the block]. xsum[m][g] is
-// the sum of x[m] over group g (forms with an offset).
+// A group's part folded into a row's accumulator: acc = s * part + acc, then (forms with an
+// offset) acc = z * xsum + acc.
+template <int Form>
+inline V fold(V acc, V part, V s, V z, float xsum) {
+  acc = vfma(s, part, acc);
+  return Form == kInt4Zero || Form == kInt4Min ? vfma(z, vset(xsum), acc) : acc;
+}
+
+// Folds a group into MT rows' accumulators, kept in the tile (out + m * kRows): loaded and
+// stored once a group, they leave every register to the group's chains (AVX2 has 16).
+// `scales` and `offsets` point at the group's 16 rows, xsum at row 0's sum of it (rows
+// `groups` apart). (Plain values only: the vector stores may alias anything a Weight holds.)
+template <int Form, typename S, int MT>
+inline void fold_group(const V* part, const float* xsum, int64_t groups, const S* scales,
+                       const S* offsets, float* out) {
+  const V s = vload(scales);
+  const V z = Form == kInt4Zero || Form == kInt4Min ? vload(offsets) : vzero();
+  for (int m = 0; m < MT; ++m) {
+    const float xs = Form == kInt4Zero || Form == kInt4Min ? xsum[m * groups] : 0.f;
+    vstore(out + m * kRows, fold<Form>(vload(out + m * kRows), part[m], s, z, xs));
+  }
+}
+
+// One expanded row block against MT rows of x: out[m][r] = y[m, row r of the block].
+// xsum[m][g] is the sum of x[m] over group g (forms with an offset). (expanded_rows and
+// stream_rows stay out of line: inlined into linear, their loops compiled differently with
+// whatever else linear holds; a call per tile costs nothing beside its K steps.)
 template <int Form, typename S, int MT, typename X>
-void row_block(const X* x, const float* xsum, const Weight& w, int64_t block,
-               const float* expanded, float* out) {
-  const int64_t groups = w.K / w.G;
-  const uint8_t* q = w.q + block * (Form == kInt8 ? w.K : w.K / 2) * kRows;
+__attribute__((noinline)) void expanded_rows(const X* x, const float* xsum, const Weight& w,
+                                             int64_t block, const float* expanded, float* out) {
+  const int64_t K = w.K, G = w.G, groups = K / G;
   const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
-  const S* offsets = w.offsets ? static_cast<const S*>(w.offsets) + block * groups * kRows
-                               : nullptr;
-  V acc[MT], part[MT];
-  if constexpr (std::is_same_v<X, float>)
-    if (expanded) {  // dequantized weights: y = x . w over the whole row
-      expanded_sums<MT>(x, w.K, expanded, 0, w.K, acc);
-      for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
-      return;
-    }
-  for (int m = 0; m < MT; ++m) acc[m] = vzero();
+  const S* offsets =  // (read only by the forms that have them)
+      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block * groups * kRows;
+  for (int m = 0; m < MT; ++m) vstore(out + m * kRows, vzero());
+  for (int64_t g = 0; g < groups; ++g) {
+    V part[MT];
+    expanded_sums<MT>(x, K, expanded, g * G, (g + 1) * G, part);
+    fold_group<Form, S, MT>(part, xsum ? xsum + g : nullptr, groups, scales + g * kRows,
+                            offsets + g * kRows, out);
+  }
+}
+
+// B consecutive row blocks against MT rows of x, read from the packed weights as they go
+// (decode: each weight comes once from memory): out[b][m][r] = y[m, row r of block b], in
+// exactly expanded_rows' order (see "Batch invariance" above).
+template <int Form, typename S, int MT, int B, typename X>
+__attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const Weight& w,
+                                           int64_t block0, float* out) {
+  const int64_t K = w.K, G = w.G, groups = K / G;
+  const int64_t block_bytes = (Form == kInt8 ? K : K / 2) * kRows;
+  [[maybe_unused]] const int64_t group_bytes = block_bytes / groups;
+  const uint8_t* q = w.q + block0 * block_bytes;
+  const S* scales = static_cast<const S*>(w.scales) + block0 * groups * kRows;
+  const S* offsets =  // (read only by the forms that have them)
+      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block0 * groups * kRows;
+  for (int i = 0; i < B * MT; ++i) vstore(out + i * kRows, vzero());
 #if defined(__AVX512BF16__)
-  const __m512i table = nibble_table<Form>();
+  [[maybe_unused]] const __m512i table = nibble_table<Form>();
 #endif
-  const int64_t block_bytes = (Form == kInt8 ? w.K : w.K / 2) * kRows,
-                group_bytes = block_bytes / groups;
   for (int64_t g = 0; g < groups; ++g) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-    // a decode step streams each weight once from memory: fetch the same group of the next
-    // row block (this thread's next one under the schedule's contiguous chunks) meanwhile
+    // a decode step streams each weight once from memory: fetch the same group of the next B
+    // row blocks (this thread's next ones under the schedule's contiguous chunks) meanwhile
     // (a prefetch past the last block is harmless: it never faults)
-    if (!expanded && MT <= 2)
-      for (int64_t off = 0; off < group_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + g * group_bytes + off),
-                     _MM_HINT_T0);
+    if (MT <= 2)
+      for (int b = 0; b < B; ++b)
+        for (int64_t off = 0; off < group_bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(q + (B + b) * block_bytes +
+                                                     g * group_bytes + off),
+                       _MM_HINT_T0);
 #endif
-    if constexpr (std::is_same_v<X, float>) {  // (an expanded float block returned above)
-      group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part);
-    } else if (expanded) {  // bfloat16 pairs of q'
-      expanded_sums<MT>(x, w.K, expanded, g * w.G, (g + 1) * w.G, part);
-    } else if constexpr (Form != kInt8) {  // (bfloat16 x with int8 is always expanded)
+    const int64_t k0 = g * G, k1 = k0 + G;
+    V part[B][MT];
+    if constexpr (std::is_same_v<X, float>) {
+      for (int b = 0; b < B; ++b)
+        for (int m = 0; m < MT; ++m) part[b][m] = vzero();
+      if (Form == kInt8) {
+        for (int64_t k = k0; k < k1; ++k)
+          for (int b = 0; b < B; ++b) {
+            const V wk = load_int8(q + b * block_bytes + k * kRows);
+            for (int m = 0; m < MT; ++m)
+              part[b][m] = vfma(vset(x[m * K + k]), wk, part[b][m]);
+          }
+      } else {  // k0, k1 even (groups of 32, 64, 128)
+        for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp)
+          for (int b = 0; b < B; ++b) {
+            V even, odd;
+            const uint8_t* p = q + b * block_bytes + kp * kRows;
+            if (Form == kInt4Min) load_int4(p, even, odd); else load_sint4(p, even, odd);
+            for (int m = 0; m < MT; ++m) {
+              part[b][m] = vfma(vset(x[m * K + 2 * kp]), even, part[b][m]);
+              part[b][m] = vfma(vset(x[m * K + 2 * kp + 1]), odd, part[b][m]);
+            }
+          }
+      }
+    } else {
 #if defined(__AVX512BF16__)
-      group_sums<Form, MT>(x, w.K, q, g * w.G, (g + 1) * w.G, part, table);
+      __m512 sum[B][MT];
+      for (int b = 0; b < B; ++b)
+        for (int m = 0; m < MT; ++m) sum[b][m] = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 2)  // k0, k1 even (bf16_direct)
+        for (int b = 0; b < B; ++b) {
+          const uint8_t* p = q + b * block_bytes;
+          const __m512bh wk = (__m512bh)(Form == kInt8 ? int8_pairs(p + k * kRows)
+                                                       : nibble_pairs(p + k / 2 * kRows, table));
+          for (int m = 0; m < MT; ++m) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * K + k, sizeof pair);
+            sum[b][m] = _mm512_dpbf16_ps(sum[b][m], (__m512bh)_mm512_set1_epi32(pair), wk);
+          }
+        }
+      for (int b = 0; b < B; ++b)
+        for (int m = 0; m < MT; ++m) part[b][m].v = sum[b][m];
 #endif
     }
-    const V s = vload(scales + g * kRows);
-    for (int m = 0; m < MT; ++m) acc[m] = vfma(s, part[m], acc[m]);
-    if (Form == kInt4Zero || Form == kInt4Min) {
-      const V z = vload(offsets + g * kRows);
-      for (int m = 0; m < MT; ++m) acc[m] = vfma(z, vset(xsum[m * groups + g]), acc[m]);
-    }
+    for (int b = 0; b < B; ++b)
+      fold_group<Form, S, MT>(part[b], xsum ? xsum + g : nullptr, groups,
+                              scales + (b * groups + g) * kRows, offsets + (b * groups + g) * kRows,
+                              out + b * MT * kRows);
   }
-  for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
 }
 
 template <int Form, typename S, typename X>
-void row_block_tile(int mt, const X* x, const float* xsum, const Weight& w, int64_t block,
-                    const float* e, float* out) {
+void expanded_tile(int mt, const X* x, const float* xsum, const Weight& w, int64_t block,
+                   const float* e, float* out) {
   switch (mt) {
-    case 1: row_block<Form, S, 1>(x, xsum, w, block, e, out); break;
-    case 2: row_block<Form, S, 2>(x, xsum, w, block, e, out); break;
+    case 1: expanded_rows<Form, S, 1>(x, xsum, w, block, e, out); break;
+    case 2: expanded_rows<Form, S, 2>(x, xsum, w, block, e, out); break;
 #if defined(__AVX512F__) || defined(__AVX2__)
-    case 3: row_block<Form, S, 3>(x, xsum, w, block, e, out); break;
-    case 4: row_block<Form, S, 4>(x, xsum, w, block, e, out); break;
-    case 5: row_block<Form, S, 5>(x, xsum, w, block, e, out); break;
-    case 6: row_block<Form, S, 6>(x, xsum, w, block, e, out); break;
+    case 3: expanded_rows<Form, S, 3>(x, xsum, w, block, e, out); break;
+    case 4: expanded_rows<Form, S, 4>(x, xsum, w, block, e, out); break;
+    case 5: expanded_rows<Form, S, 5>(x, xsum, w, block, e, out); break;
+    case 6: expanded_rows<Form, S, 6>(x, xsum, w, block, e, out); break;
 #endif
 #if defined(__AVX512F__)
-    case 7: row_block<Form, S, 7>(x, xsum, w, block, e, out); break;
-    case 8: row_block<Form, S, 8>(x, xsum, w, block, e, out); break;
+    case 7: expanded_rows<Form, S, 7>(x, xsum, w, block, e, out); break;
+    case 8: expanded_rows<Form, S, 8>(x, xsum, w, block, e, out); break;
+#endif
+    default: break;
+  }
+}
+
+// mt rows of x against nb blocks, mt * nb <= kChains (nb = 1 for mt > 2)
+template <int Form, typename S, typename X>
+void stream_tile(int mt, int nb, const X* x, const float* xsum, const Weight& w, int64_t block,
+                 float* out) {
+  switch (mt * 8 + nb) {
+    case 9: stream_rows<Form, S, 1, 1>(x, xsum, w, block, out); break;
+    case 10: stream_rows<Form, S, 1, 2>(x, xsum, w, block, out); break;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    case 11: stream_rows<Form, S, 1, 3>(x, xsum, w, block, out); break;
+    case 12: stream_rows<Form, S, 1, 4>(x, xsum, w, block, out); break;
+    case 18: stream_rows<Form, S, 2, 2>(x, xsum, w, block, out); break;
+#endif
+    case 17: stream_rows<Form, S, 2, 1>(x, xsum, w, block, out); break;
+#if defined(__AVX512F__)
+    case 25: stream_rows<Form, S, 3, 1>(x, xsum, w, block, out); break;
+    case 33: stream_rows<Form, S, 4, 1>(x, xsum, w, block, out); break;
+    case 41: stream_rows<Form, S, 5, 1>(x, xsum, w, block, out); break;
+    case 49: stream_rows<Form, S, 6, 1>(x, xsum, w, block, out); break;
+    case 57: stream_rows<Form, S, 7, 1>(x, xsum, w, block, out); break;
+    case 65: stream_rows<Form, S, 8, 1>(x, xsum, w, block, out); break;
 #endif
     default: break;
   }
@@ -501,16 +518,33 @@ void store_rows(const float* tile, int mt, int rows, void* y, int dtype, int64_t
   }
 }
 
+// Row blocks a streaming call takes per iteration (up to kChains: its chains at M = 1): the
+// most that leaves no thread more blocks to walk than the fewest would. (Results never depend
+// on it: each block is summed the same way alone or beside others.)
+inline int64_t stream_span(int64_t blocks, int threads) {
+  int64_t span = 1, least = blocks;
+  for (int64_t s = 1; s <= kChains; ++s) {
+    const int64_t units = (blocks + s - 1) / s, walk = (units + threads - 1) / threads * s;
+    if (walk <= least) span = s, least = walk;
+  }
+  return span;
+}
+
 template <int Form, typename S, typename X>
 void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int threads,
             const Weight& w) {
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
+  const bool expand = M > kStreamRows;
+  // Streaming calls take `span` consecutive row blocks per iteration: stream_rows runs them
+  // side by side, the independent chains of a call with few rows of x.
+  const int64_t span = expand ? 1 : stream_span(blocks, threads),
+                units = (blocks + span - 1) / span;
   // Calls that expand their blocks (compute-bound) go in dynamic chunks of about 1/8 of a
   // thread's share: on a shared machine a thread that is descheduled mid-call leaves its
   // remaining chunks to the others instead of stalling the call. Streaming calls (decode, up
   // to kStreamRows rows of x: each weight read once from memory) go in guided chunks: each
-  // thread first walks a long contiguous run of blocks, so its prefetch of the next block
-  // (row_block) and the hardware's streams stay on its own data, while the shrinking tail
+  // thread first walks a long contiguous run of blocks, so its prefetch of the next blocks
+  // (stream_rows) and the hardware's streams stay on its own data, while the shrinking tail
   // still balances. On the 2-core AVX2 EPYC a SmolLM2 decode step's 120 int4 matmuls ran
   // 15-20% faster than in 1/8 chunks (builds alternated); expanded calls ran the same either
   // way. The schedule is set at run time (schedule(runtime) reads the calling thread's
@@ -518,38 +552,58 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
   // helper, changed how the 6-row tiles were compiled: expanded calls ran 5-100% slower.
   // Each row block is summed by one thread in one order either way: results don't depend
   // on the schedule.
-  const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
-  const bool expand = M > kStreamRows;
+  const int64_t chunk = std::max<int64_t>(1, units / (8 * threads));
   const int tile_rows = expand ? kExpandedTile : kTile;
+  // streaming: the blocks one full tile of rows takes side by side; the tiles of a call
+  // with more rows than one tile walk these few blocks in turn (they stay in cache)
+  const int64_t side = std::max<int64_t>(1, kChains / std::min<int64_t>(M, tile_rows));
 #if defined(_OPENMP)
   omp_set_schedule(expand ? omp_sched_dynamic : omp_sched_guided, expand ? chunk : 2);
 #endif
-#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
   {
     std::vector<float> scratch(expand ? w.K * kRows : 0);
 #pragma omp for schedule(runtime)
-    for (int64_t b = 0; b < blocks; ++b) {
-      alignas(64) float tile[std::max(kTile, kExpandedTile) * kRows];
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
-      if (expand) expand_block<Form, S, X>(w, b, scratch.data());
-      for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
-        const int mt = static_cast<int>(std::min<int64_t>(tile_rows, M - m0));
-        row_block_tile<Form, S>(mt, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
-                                expand ? scratch.data() : nullptr, tile);
-        store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
+    for (int64_t u = 0; u < units; ++u) {
+      alignas(64) float tile[std::max({kTile, kExpandedTile, kChains}) * kRows];
+      const int64_t first = u * span, last = std::min(blocks, first + span);
+      if (expand) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - first * kRows));
+        expand_block<Form, X>(w, first, scratch.data());
+        for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+          const int mt = static_cast<int>(std::min<int64_t>(tile_rows, M - m0));
+          expanded_tile<Form, S>(mt, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w,
+                                 first, scratch.data(), tile);
+          store_rows(tile, mt, rows, y, dtype, w.N, m0, first * kRows);
+        }
+        continue;
       }
+      for (int64_t b0 = first; b0 < last; b0 += side)
+        for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+          const int mt = static_cast<int>(std::min<int64_t>(tile_rows, M - m0));
+          for (int64_t b = b0, end = std::min(last, b0 + side); b < end;) {
+            const int nb = static_cast<int>(std::min<int64_t>(std::max(1, kChains / mt),
+                                                              end - b));
+            stream_tile<Form, S>(mt, nb, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w,
+                                 b, tile);
+            for (int i = 0; i < nb; ++i, ++b)
+              store_rows(tile + i * mt * kRows, mt,
+                         static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows)), y, dtype,
+                         w.N, m0, b * kRows);
+          }
+        }
     }
   }
 }
 
-// Whether bfloat16 x goes to the AVX512-BF16 dot product as it is: int4 always, int8 beyond
-// one tile (where its block is expanded to bfloat16 pairs once; even G keeps pairs in a
-// group); everything else runs on float32 rows.
-inline bool bf16_direct(int form, int64_t M, int64_t G) {
+// Whether bfloat16 x goes to the AVX512-BF16 dot product as it is: int4 always, int8 where
+// G is even (pairs of k never straddle a group); everything else runs on float32 rows. Never
+// on M: a row's path, and so its bits, must not depend on the rows beside it.
+inline bool bf16_direct(int form, int64_t G) {
 #if defined(__AVX512BF16__)
-  return form != kInt8 || (M > kTile && G % 2 == 0);
+  return form != kInt8 || G % 2 == 0;
 #else
-  (void)form, (void)M, (void)G;
+  (void)form, (void)G;
   return false;
 #endif
 }
@@ -559,7 +613,7 @@ template <int Form>
 void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
                  int dtype, int threads, bool half, const Weight& w) {
 #if defined(__AVX512BF16__)
-  if (dtype == 1 && bf16_direct(Form, M, w.G)) {
+  if (dtype == 1 && bf16_direct(Form, w.G)) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
     if (half) linear<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
     else linear<Form, float>(xb, xsum, y, M, dtype, threads, w);
@@ -587,19 +641,18 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
   if ((dtype != 0 && dtype != 1) || form < kInt8 || form > kInt4Min) return 1;
   if (M <= 0 || N <= 0) return 0;
   threads = std::max(1, threads);
-  // x as float32 rows (the caller's memory when it is float32; the AVX512-BF16 int4 path
-  // reads bfloat16 x directly), and each group's sum of x (forms with an offset)
+  // x as float32 rows (the caller's memory when it is float32; the AVX512-BF16 path reads
+  // bfloat16 x directly), and each group's sum of x (forms with an offset)
   std::vector<float> copy, xsum;
   const float* xf = static_cast<const float*>(x);
   const uint16_t* xb = static_cast<const uint16_t*>(x);
-  const bool direct_bf16 = dtype == 1 && bf16_direct(form, M, G);
+  const bool direct_bf16 = dtype == 1 && bf16_direct(form, G);
   if (dtype == 1 && !direct_bf16) {
     copy.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) copy[i] = bf16_to_float(xb[i]);
     xf = copy.data();
   }
-  // (float32 x beyond one tile multiplies dequantized weights: no offset term to add)
-  if ((form == kInt4Zero || form == kInt4Min) && (M <= kStreamRows || direct_bf16)) {
+  if (form == kInt4Zero || form == kInt4Min) {
     xsum.resize(M * (K / G));
     for (int64_t i = 0; i < M * (K / G); ++i) {
       float sum = 0.f;

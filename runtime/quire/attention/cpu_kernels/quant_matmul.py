@@ -16,16 +16,20 @@ only where float32 rounds differs (tests/runtime/test_quant_matmul.py states the
 `available()` says whether the native library runs here; without it the same calls take a
 torch path (dequantize, then matmul): slower, same semantics.
 
-One kernel serves every M. At M = 1 it reads weights faster than torch's own int4 and int8
-kernels (the 2-core AVX-512 EPYC, one thread, benchmarks/quant_matmul.py). Beyond 2 rows of
-x (AVX2; 8 with AVX-512) it expands each 16-row block's integers once into a per-thread
-scratch that every tile of x rows reuses (for bfloat16 x as exact bfloat16 integers, for the
-AVX512-BF16 dot product). On the AVX-512 EPYC at M = 32 and 512, int4 and int8 with bfloat16
-x ran within 0.8-1x of dense bfloat16 F.linear, with float32 x ahead of float32 F.linear. On
-the AVX2-only EPYC (float32 activations: its bfloat16 is emulated) the 6-row tiles run
-ahead of float32 F.linear at every M from 32 to 1024 (2026-11-26: 28.6 against 30.7 ms for
-one SmolLM2 layer's four matmuls at M = 512, 4.0 against 5.8 at M = 64), so no M goes to a
-dequantized copy and a matmul library.
+One kernel serves every M, and a row of y has the same bits whatever rows come with it
+(batch invariance, on every build): each row sums each group's x * q' in one chain, in order,
+then adds the group's scale times it (and its offset times the group's sum of x). At M = 1
+it reads weights faster than torch's own int4 and int8 kernels (the 2-core AVX-512 EPYC, one
+thread, benchmarks/quant_matmul.py). Beyond 5 rows of x (AVX2; 8 with AVX-512) it expands
+each 16-row block's integers once into a per-thread scratch that every tile of x rows reuses
+(for bfloat16 x as exact bfloat16 integers, for the AVX512-BF16 dot product). Before the
+expanded tiles took the group order (they multiplied dequantized weights), on the AVX-512
+EPYC at M = 32 and 512, int4 and int8 with bfloat16 x ran within 0.8-1x of dense bfloat16
+F.linear, with float32 x ahead of float32 F.linear; on the AVX2-only EPYC (float32
+activations: its bfloat16 is emulated) the 6-row tiles ran ahead of float32 F.linear at every
+M from 32 to 1024 (2026-11-26: 28.6 against 30.7 ms for one SmolLM2 layer's four matmuls at
+M = 512, 4.0 against 5.8 at M = 64), so no M goes to a dequantized copy and a matmul library.
+The per-group scale and offset now cost the float32 tiles some of that margin.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ def available() -> bool:
 
 def isa(march: str = "native") -> str | None:
     """The vector path the library was built with ("avx512-bf16": AVX-512 plus the bfloat16
-    dot product for int4 weights and bfloat16 x, "avx512", "avx2", "scalar"), or None."""
+    dot product for bfloat16 x, "avx512", "avx2", "scalar"), or None. `march`: "native" or a
+    build of cpu_kernels.ISA_BUILDS (tests)."""
     lib = _library(march)
     return lib.quire_quant_matmul_isa().decode() if lib is not None else None
 
