@@ -170,3 +170,19 @@ def test_parameter_counts_and_bytes_include_the_experts(tmp_path, smollm_tokeniz
     assert experts < expert_bytes(q) < experts * 4 * 0.4  # ~1 byte a weight, plus scales
     # parameter_bytes (what a tensor-parallel worker reports) counts them
     assert parameter_bytes(model) - parameter_bytes(q) > 0.55 * experts * 4
+
+
+def test_unsupported_expert_tensors_are_refused_in_one_line(tmp_path, smollm_tokenizer):
+    """A pre-quantized MoE checkpoint (experts stored as, say, compressed-tensors' packed
+    weights) is refused naming the tensor, not loaded as garbage."""
+    from safetensors.torch import load_file, save_file
+    path = save_tiny_moe(str(tmp_path / "m"), tiny_moe_config("mixtral"), smollm_tokenizer)
+    tensors = load_file(f"{path}/model.safetensors")
+    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    tensors[name.replace(".weight", ".weight_packed")] = tensors.pop(name).to(torch.int32)
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        LLM(path, dtype="float32", kv_cache_memory=1 << 20)
+    message = str(e.value)
+    assert "experts.0.w1.weight_packed" in message and "not supported" in message
+    assert "\n" not in message

@@ -147,7 +147,9 @@ def _layer_part(name: str, module: str) -> tuple[int, str] | None:
 def _expert_param(experts: FusedMoE, proj: str, kind: str, name: str) -> nn.Parameter:
     param = getattr(experts, f"{proj}_{kind}", None)
     if not isinstance(param, nn.Parameter):
-        have = sorted(n for n, _ in experts.named_parameters(recurse=False))
-        raise ValueError(f"{name}: the experts hold {', '.join(have)} in this format "
-                         f"({experts.method.kind}), not {proj}_{kind}")
+        kinds = sorted({n.split("_", 1)[1] for n, _ in experts.named_parameters(recurse=False)})
+        raise ValueError(f"{name}: expert tensors of kind {kind!r} are not supported for "
+                         f"{experts.method.kind} experts (they take {', '.join(kinds)}); "
+                         "pre-quantized MoE checkpoints are not read: load a float one "
+                         "(--quantization int8 or int4 quantizes its experts on load)")
     return param
