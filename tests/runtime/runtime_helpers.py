@@ -75,7 +75,7 @@ def _new_family_config_class(family: str, c: dict):
             "hidden_activation": "gelu_pytorch_tanh"})
     if family == "gemma3":  # 5 local layers to 1 global, rope scaling on the global one
         return transformers.Gemma3TextConfig(**{
-            **c, "num_hidden_layers": 6, "query_pre_attn_scalar": 24, "sliding_window": 32,
+            **c, "num_hidden_layers": 6, "query_pre_attn_scalar": 16, "sliding_window": 32,
             "rope_parameters": {
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})

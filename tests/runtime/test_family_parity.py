@@ -128,13 +128,17 @@ def test_unknown_architecture_is_refused_naming_it_and_the_supported(tmp_path):
         assert arch in message
 
 
-def test_qwen3_from_a_gguf_written_by_llamacpp_matches_transformers(tmp_path, smollm_tokenizer):
-    """llama.cpp's converter writes the tiny Qwen3 as a float32 GGUF (the same values):
-    Quire reads it (per-head q/k norms, head_dim from the file's key length, no Q/K
-    permutation) and gives the folder's transformers output, both dequantized and `auto`."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp_path,
+                                                                     smollm_tokenizer):
+    """llama.cpp's converter writes the tiny model as a float32 GGUF (the same values; Gemma's
+    norms as 1 + w): Quire reads it (q/k norms, head_dim from the file's key length, Gemma 3's
+    query scale by llama.cpp's rule and its rope scaling from the file, no Q/K permutation)
+    and gives the folder's transformers output, both dequantized and `auto`. (Gemma 2's
+    converter needs a SentencePiece tokenizer.model, which no tiny model here has.)"""
     from llamacpp_converter import convert
-    folder = save_tiny_model(str(tmp_path / "qwen3"), tiny_config("qwen3"), smollm_tokenizer)
-    gguf = convert(folder, str(tmp_path / "qwen3.gguf"))
+    folder = save_tiny_model(str(tmp_path / family), tiny_config(family), smollm_tokenizer)
+    gguf = convert(folder, str(tmp_path / f"{family}.gguf"))
     prompts = random_prompts()
     expected = hf_greedy(hf_model(folder), prompts, MAX_TOKENS)
     for quantization in ("none", "auto"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import importlib.metadata
@@ -27,7 +28,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # GGUF architectures we can read, and whether llama.cpp's converter permuted Q/K rows for them
 # (it does for archs whose llama.cpp RoPE is the interleaved, GPT-J style).
-GGUF_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+GGUF_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma2": False,
+                      "gemma3": False}
+# llama.cpp stores Gemma's norm weights as 1 + w (its RMS norm multiplies by the weight)
+_GGUF_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -41,6 +45,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's four norms per layer under llama.cpp's names (ffn_norm is the pre-MLP norm there)
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -213,6 +224,8 @@ def load_hf_config(source: ModelSource, revision: str | None = None):
         key_length = reader.fields.get(f"{arch}.attention.key_length")
         if key_length is not None and hasattr(config, "head_dim"):
             config.head_dim = int(key_length.contents())
+        if arch in _GGUF_NORMS_PLUS_ONE:
+            _gemma_from_gguf(config, reader, arch)
         return config
     path = os.path.join(source.path, "config.json")
     try:
@@ -227,6 +240,22 @@ def load_hf_config(source: ModelSource, revision: str | None = None):
         return config_class.from_pretrained(source.path)
     except Exception as e:
         raise ValueError(f"cannot read the model config {path!r}: {e}") from None
+
+
+def _gemma_from_gguf(config, reader, arch: str) -> None:
+    """What a Gemma GGUF leaves out of transformers' config: the query scale (llama.cpp's rule:
+    1/sqrt(hidden / heads) for the 27B models, 1/sqrt(head_dim) otherwise) and, on Gemma 3,
+    the global layers' rope scaling (the file's rope.scaling fields)."""
+    big = {"gemma2": 46, "gemma3": 62}[arch] == config.num_hidden_layers  # the 27Bs
+    config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads if big
+                                    else config.head_dim)
+    kind = reader.fields.get(f"{arch}.rope.scaling.type")
+    factor = reader.fields.get(f"{arch}.rope.scaling.factor")
+    params = getattr(config, "rope_parameters", None)
+    if kind is not None and factor is not None and isinstance(params, dict) \
+            and "full_attention" in params and kind.contents() != "none":
+        params["full_attention"].update(rope_type=kind.contents(),
+                                        factor=float(factor.contents()))
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
@@ -345,9 +374,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def _iter_gguf(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
     reader = read_gguf(path)
-    permuted = GGUF_ARCHITECTURES[gguf_architecture(reader)]
+    arch = gguf_architecture(reader)
+    hf_name, fix = _gguf_names(arch), _gguf_value_fix(arch, cfg)
     for tensor in reader.tensors:
-        name = _gguf_to_hf_name(tensor.name)
+        name = hf_name(tensor.name)
         if name is None:
             continue
         try:
@@ -355,32 +385,43 @@ def _iter_gguf(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
         except Exception as e:
             raise ValueError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) "
                              f"in {path!r}: {e}") from None
-        w = w.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, cfg.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, cfg.num_kv_heads)
+        w = fix(name, w.reshape(tuple(int(d) for d in reversed(tensor.shape))))
         yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def _gguf_value_fix(arch: str, cfg: ModelConfig):
+    """(transformers name, array) -> the array transformers' layout has: llama.cpp's Q/K row
+    permutation undone (rows are whole output channels, so it applies to integers and scales
+    alike), Gemma's stored 1 + w norms back to w."""
+    permuted, plus_one = GGUF_ARCHITECTURES[arch], arch in _GGUF_NORMS_PLUS_ONE
+
+    def fix(name: str, w):
+        module = name.rsplit(".", 1)[0]
+        if permuted and module.endswith("q_proj"):
+            return unpermute_qk(w, cfg.num_heads)
+        if permuted and module.endswith("k_proj"):
+            return unpermute_qk(w, cfg.num_kv_heads)
+        if plus_one and name.endswith("norm.weight"):
+            return w - np.float32(1.0)
+        return w
+    return fix
+
+
+def _gguf_names(arch: str):
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch in _GGUF_NORMS_PLUS_ONE else _GGUF_LAYER_NAMES
+    return functools.partial(_gguf_to_hf_name, layer_names=layer_names)
 
 
 def gguf_plan(reader) -> dict[str, dict]:
     from quire.models import gguf_repack
-    return gguf_repack.plan(reader, _gguf_to_hf_name)
+    return gguf_repack.plan(reader, _gguf_names(gguf_architecture(reader)))
 
 
 def _iter_gguf_blocks(reader, cfg: ModelConfig, layers: dict[str, dict]):
     from gguf.quants import dequantize
 
     from quire.models import gguf_repack
-    permuted = GGUF_ARCHITECTURES[gguf_architecture(reader)]
-
-    def unpermute(name: str, w):  # rows are output channels: integers and scales alike
-        module = name.rsplit(".", 1)[0]
-        if permuted and module.endswith("q_proj"):
-            return unpermute_qk(w, cfg.num_heads)
-        if permuted and module.endswith("k_proj"):
-            return unpermute_qk(w, cfg.num_kv_heads)
-        return w
+    arch = gguf_architecture(reader)
 
     def dequantize_float(tensor):
         try:
@@ -390,17 +431,17 @@ def _iter_gguf_blocks(reader, cfg: ModelConfig, layers: dict[str, dict]):
                              f"{e}") from None
         return w.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
-    return gguf_repack.iter_tensors(reader, layers, _gguf_to_hf_name, unpermute,
-                                    dequantize_float)
+    return gguf_repack.iter_tensors(reader, layers, _gguf_names(arch),
+                                    _gguf_value_fix(arch, cfg), dequantize_float)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: dict = _GGUF_LAYER_NAMES) -> str | None:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        if rest in layer_names:
+            return f"model.layers.{idx}.{layer_names[rest]}"
     return None
 
 
