@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from quire.layers.linear import LinearBase
 from quire.lora.batch import LoRABatch, build_lora_batch
 from quire.lora.layers import LoRALinear
 from quire.lora.peft_format import load_peft_adapter
@@ -51,7 +52,9 @@ def lora_targets(model) -> dict[str, tuple[object, list[tuple[str, object]]]]:
     out = {}
     for i, layer in enumerate(model.layers):
         for ours, ps in parts.items():
-            out[f"layers.{i}.{ours}"] = (getattr(layer, ours), ps)
+            linear = getattr(layer, ours, None)  # a MoE layer: no dense MLP, a router
+            if isinstance(linear, LinearBase):
+                out[f"layers.{i}.{ours}"] = (linear, ps)
     return out
 
 
