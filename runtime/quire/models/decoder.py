@@ -129,10 +129,21 @@ class CausalLM(nn.Module):
         (first row, rows, the usual module name). None: not fused."""
         return None
 
+    def _load_special(self, name: str, tensor) -> bool:
+        """A family's own loading for tensors the shared rules don't cover (a MoE's experts):
+        True if it took the tensor. Their parameters are `_loads_itself`."""
+        return False
+
+    @staticmethod
+    def _loads_itself(param) -> bool:
+        """Parameters filled by `_load_special`: the shared loader neither fills nor checks
+        them (their owner says what it lacks)."""
+        return hasattr(param, "moe_proj") or getattr(param, "loads_itself", False)
+
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
         """Takes (transformers name, tensor or lazy safetensors slice) pairs; each parameter's
         layer keeps its shard of it. Fills every parameter or says what lacks."""
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if not self._loads_itself(p)}
         wanted = set(params)
         parts_seen: dict[str, set] = {}
         filled: set[str] = set()
@@ -148,6 +159,8 @@ class CausalLM(nn.Module):
                                       and parts_seen.get(ours) == fused_parts[ours])
 
         for name, tensor in self._unfuse(weights):
+            if self._load_special(name, tensor):
+                continue
             target = self._our_name(name)
             if target is None or target[0] not in params:
                 continue  # rotary buffers, a tied lm_head, ...

@@ -76,26 +76,14 @@ class MoECausalLM(LlamaForCausalLM):
 
     # --- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
-        """The experts' tensors go to their FusedMoE (which processes itself once complete);
-        the rest to the shared loader, which then checks only what it loads."""
-        self._loading_experts = True
-        try:
-            super().load_weights(w for w in weights if not self._load_special(*w))
-        finally:
-            self._loading_experts = False
+        """The experts' tensors go to their FusedMoE (`_load_special`, which processes itself
+        once complete); the rest to the shared loader, which checks only what it loads."""
+        super().load_weights(weights)
         missing = [n for m in self.modules() if isinstance(m, FusedMoE)
                    for n in m.missing_weights()]
         if missing:
             shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
             raise ValueError(f"the checkpoint lacks the experts' weights {shown}")
-
-    def named_parameters(self, *args, **kwargs):
-        # while loading, the shared loader neither sees nor checks the parameters this class
-        # loads itself (the experts', and any a family marks `loads_itself`)
-        hide = getattr(self, "_loading_experts", False)
-        for name, p in super().named_parameters(*args, **kwargs):
-            if not (hide and (hasattr(p, "moe_proj") or getattr(p, "loads_itself", False))):
-                yield name, p
 
     def _load_special(self, name: str, tensor) -> bool:
         """Loads an expert tensor (True), or leaves the name to the shared loader (False)."""
