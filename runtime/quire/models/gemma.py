@@ -68,6 +68,13 @@ class Gemma2ForCausalLM(CausalLM):
     _LAYER_NORMS = {n: n for n in ("input_layernorm", "post_attention_layernorm",
                                    "pre_feedforward_layernorm", "post_feedforward_layernorm")}
 
+    def __init__(self, cfg, backend_factory, max_model_len, dtype, device,
+                 quant_config=None) -> None:
+        super().__init__(cfg, backend_factory, max_model_len, dtype, device, quant_config)
+        # transformers keeps sqrt(hidden) as a float32 tensor cast to the weights' dtype (in
+        # bfloat16 the scale itself is rounded); made once, not per step (CUDA graphs too)
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype=dtype, device=device)
+
     def make_layer(self, index, quant_config):
         cfg, hf = self.cfg, self.cfg.hf
         window = cfg.sliding_windows[index]
@@ -84,9 +91,7 @@ class Gemma2ForCausalLM(CausalLM):
         return GemmaRMSNorm(size, self.cfg.rms_norm_eps)
 
     def embed(self, input_ids):
-        # transformers keeps sqrt(hidden) as a float32 tensor cast to the weights' dtype
-        scale = torch.tensor(self.cfg.hidden_size ** 0.5).to(self.embed_tokens.weight.dtype)
-        return self.embed_tokens(input_ids) * scale
+        return self.embed_tokens(input_ids) * self.embed_scale
 
     def scale_logits(self, logits):
         cap = getattr(self.cfg.hf, "final_logit_softcapping", None)
