@@ -145,3 +145,18 @@ def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp
         llm = LLM(gguf, dtype="float32", quantization=quantization, kv_cache_memory=8 << 20)
         got = [o.token_ids for o in _greedy(llm, prompts)]
         assert _diverging(got, expected, prompts) == [], quantization
+
+
+def test_yarn_rope_scaling_matches_transformers(tmp_path, smollm_tokenizer):
+    """YaRN (Qwen3's long-context setting) through transformers' own frequency function,
+    with its attention factor on cos/sin: greedy parity past its original length."""
+    cfg = tiny_config("qwen3", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0})
+    path = save_tiny_model(str(tmp_path / "yarn"), cfg, smollm_tokenizer)
+    prompts = random_prompts()
+    expected = hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+    llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20)
+    assert llm.engine.model.rope.rope_type == "yarn"
+    assert llm.engine.model.rope.attention_scaling > 1.0
+    assert _diverging([o.token_ids for o in _greedy(llm, prompts)], expected, prompts) == []
