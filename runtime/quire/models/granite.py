@@ -10,18 +10,14 @@ class GraniteDecoderLayer(DecoderLayer):
         super().__init__(cfg, backend, quant_config, prefix)
         self.residual_multiplier = residual_multiplier
 
-    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
-        """transformers adds `residual + out * multiplier` after attention and after the MLP;
-        the adds are fused into the norms that follow, so each output is scaled first."""
-        t = x.shape[0]
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
-        o = self._attention(h, t, cos, sin, k_cache, v_cache, meta)
-        h = self.post_attention_layernorm(o * self.residual_multiplier, residual)
-        return self._mlp(h) * self.residual_multiplier, residual
+    # transformers adds `residual + out * multiplier` after attention and after the MLP;
+    # Llama's layer fuses those adds into the norms that follow, so each output is scaled
+    def _attention(self, h, t, cos, sin, k_cache, v_cache, meta):
+        return super()._attention(h, t, cos, sin, k_cache, v_cache, meta) \
+            * self.residual_multiplier
+
+    def _mlp(self, h):
+        return super()._mlp(h) * self.residual_multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
