@@ -44,7 +44,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 # machine, 512-token steps ran the offline benchmark about as fast as 2,048 (91-103 against
 # 97-99 tok/s across runs), cut prefix_cache.py's mean TTFT with caching on from 9.5-13.2 s
 # to 8.5-10.4 s, and cost an 8,000-token prompt 5-20% of its prefill (more, shorter steps).
-# benchmarks/README has the figures.
+# benchmarks/HISTORY.md has the figures.
 CUDA_STEP_BUDGET = 2048
 CPU_STEP_BUDGET_PER_THREAD = 256
 CPU_STEP_BUDGET_RANGE = (512, 2048)

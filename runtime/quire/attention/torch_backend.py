@@ -71,7 +71,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
 # chunks of at least this many new tokens over a cached prefix go to SDPA (gathered K/V, its
 # blocked GEMM-like kernel): an 8,000-token prompt in 2,048-token chunks prefilled 8-13% faster
 # that way on the AVX2 EPYC before its tiles were GEMM-shaped. The tiled kernel takes every
-# chunk: 1.4-1.9x faster than SDPA there from 128 to 2,048 rows (benchmarks/README).
+# chunk: 1.4-1.9x faster than SDPA there from 128 to 2,048 rows (benchmarks/HISTORY.md).
 EXTEND_SDPA_MIN_ROWS = 256
 
 

@@ -77,7 +77,7 @@ def _group_params(ptr, offs_n, idx, first, mask, stride_sn, n_groups, G: tl.cons
     if TILE_GROUPS == 1:
         values = tl.load(ptr + offs_n * stride_sn + first // G)[:, None]
     elif TILE_GROUPS > 1:
-        # per-weight loads of the same few values held an H100 to 36 GB/s (benchmarks/README)
+        # per-weight loads of the same few values held an H100 to 36 GB/s (benchmarks/HISTORY.md)
         g = first // G + tl.arange(0, TILE_GROUPS)
         per_group = tl.load(ptr + offs_n[:, None] * stride_sn + g[None, :],
                             mask=g[None, :] < n_groups, other=0.0)
