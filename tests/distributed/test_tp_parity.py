@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from quire import LLM, SamplingParams
+from quire import LLM
 from quire.worker.model_builder import parameter_bytes
 
-from tp_helpers import FAMILIES, TP, kv_budget_for
+from tp_helpers import FAMILIES, TP, assert_two_ranks_match_transformers
 from tp_helpers import runtime_helpers as rh
 
 MAX_TOKENS = 24
@@ -28,26 +28,8 @@ def test_two_ranks_match_transformers_with_chunks_prefix_hits_and_preemption(fam
                                                                               tp_models):
     from transformers import AutoConfig
     path = tp_models[family]
-    prompts = _prompts()
-    expected = rh.hf_greedy(rh.hf_model(path), prompts, MAX_TOKENS)
-
-    need = -(-(max(map(len, prompts)) + MAX_TOKENS) // 16)  # blocks of the longest request
-    llm = LLM(path, dtype="float32", tensor_parallel_size=TP, num_threads=1,
-              kv_cache_memory=kv_budget_for(AutoConfig.from_pretrained(path), need + 4, TP),
-              max_num_batched_tokens=64, enable_prefix_caching=True)
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                            use_tqdm=False)
-        got = [o.outputs[0].token_ids for o in outs]
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert g == e, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
-        engine = llm.engine
-        assert engine.scheduler.num_preemptions["recompute"] > 0, "no preemption happened"
-        assert engine.kv_manager.prefix_hits > 0, "no prefix-cache hit happened"
-        assert max(map(len, prompts)) > 64  # so prefills were chunked
-        assert engine.kv_manager.pool.num_used_blocks == 0
-    finally:
-        llm.engine.shutdown()
+    assert_two_ranks_match_transformers(path, AutoConfig.from_pretrained(path), _prompts(),
+                                        MAX_TOKENS)
 
 
 def test_each_rank_holds_half_the_weights_and_half_the_kv_heads(tp_models):

@@ -76,3 +76,31 @@ def spawned_children(parent: int) -> list[int]:
         if ppid == parent and b"spawn_main" in cmdline and alive(int(entry)):
             found.append(int(entry))
     return found
+
+
+def assert_two_ranks_match_transformers(path: str, hf_config, prompts, max_tokens: int,
+                                        check_engine=None) -> None:
+    """Two ranks with 64-token chunks, prefix caching and a KV budget that preempts give
+    transformers' greedy output for every prompt, with a preemption, a prefix hit and no
+    block left in use; `check_engine(engine)` adds a caller's checks before shutdown."""
+    from quire import LLM, SamplingParams
+    expected = runtime_helpers.hf_greedy(runtime_helpers.hf_model(path), prompts, max_tokens)
+    need = -(-(max(map(len, prompts)) + max_tokens) // 16)  # blocks of the longest request
+    llm = LLM(path, dtype="float32", tensor_parallel_size=TP, num_threads=1,
+              kv_cache_memory=kv_budget_for(hf_config, need + 4, TP),
+              max_num_batched_tokens=64, enable_prefix_caching=True)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
+                            use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g == e, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions["recompute"] > 0, "no preemption happened"
+        assert engine.kv_manager.prefix_hits > 0, "no prefix-cache hit happened"
+        assert max(map(len, prompts)) > 64  # so prefills were chunked
+        assert engine.kv_manager.pool.num_used_blocks == 0
+        if check_engine is not None:
+            check_engine(engine)
+    finally:
+        llm.engine.shutdown()
