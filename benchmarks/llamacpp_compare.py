@@ -15,6 +15,7 @@ threads) is the ceiling tok/s; each engine's decode is shown as a % of it.
     python benchmarks/llamacpp_compare.py
     python benchmarks/llamacpp_compare.py --num-threads 2 --rounds 3 --llama-bench PATH
     python benchmarks/llamacpp_compare.py --quick
+    python benchmarks/llamacpp_compare.py --plot     # and plots/llamacpp_compare.png
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import subprocess
 import time
 
 import single_stream
-from machine import StealMeter, describe_machine
+from machine import StealMeter, describe_machine, machine_caption
+from plotting import add_plot_flag, grouped_bars
 
 DEFAULT_LLAMA_BENCH = "/tmp/llamabuild/bin/llama-bench"
 # never part of the weights a decode step reads: RoPE tables, masks
@@ -136,6 +138,7 @@ def kv_bytes_per_token(cfg, mean_context: float, bytes_per_value: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     single_stream.add_common_flags(ap)
+    add_plot_flag(ap, "llamacpp_compare")
     ap.add_argument("--llama-bench", default=None,
                     help=f"llama-bench binary (default: {DEFAULT_LLAMA_BENCH} or on PATH)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -198,8 +201,11 @@ def main() -> None:
     print(f"| | prefill {args.prefill_len} tok/s | decode tok/s | bytes/token | "
           f"roofline tok/s | % of roofline |")
     print("|---|---|---|---|---|---|")
+    bars = {}
     for name, fig, nbytes in (("Quire", q, quire_bytes), ("llama.cpp", ll, llama_bytes)):
         ceiling = bandwidth / nbytes
+        if fig is not None:
+            bars[name] = [fig["decode"], ceiling]
         if fig is None:
             print(f"| {name} | - | - | {nbytes / 1e6:.1f} MB | {ceiling:.0f} | - |")
             continue
@@ -212,6 +218,12 @@ def main() -> None:
           f"best of 5); Quire ITL p50 {quire_runs[-1].itl_p50_ms:.1f} ms, p90 "
           f"{quire_runs[-1].itl_p90_ms:.1f} ms; llama.cpp tg starts from an empty context, "
           f"Quire's decode after a {args.prompt_len}-token prompt (KV counted at each's mean)")
+    if args.plot:
+        title = f"Single-stream decode: prefill {args.prefill_len} Quire {q['prefill']:.0f} tok/s"
+        if ll:
+            title += f", llama.cpp {ll['prefill']:.0f} tok/s"
+        grouped_bars(args.plot, title, "tok/s", ["decode (median)", "memory roofline"], bars,
+                     caption=machine_caption(threads))
 
 
 if __name__ == "__main__":

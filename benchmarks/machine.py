@@ -66,3 +66,11 @@ def describe_machine(threads: int | None = None) -> str:
     t = f"{threads} threads" if threads is not None else "threads: Quire's default"
     return (f"machine: {model}; flags {' '.join(flags) or 'none of note'}; {quota.describe()} "
             f"(quota {quota.cpus} cpus); {t}; {load_average()}")
+
+
+def machine_caption(threads: int | None = None) -> str:
+    """One short line for a plot: CPU, its flags of note, threads, the date."""
+    import datetime
+    model, flags = cpu_model_and_flags()
+    t = f", {threads} threads" if threads else ""
+    return f"{model} ({' '.join(flags) or 'no AVX'}){t}, {datetime.date.today()}"

@@ -9,6 +9,7 @@ does not have (no --quantization flag, or not among its choices) is skipped with
     python benchmarks/memory.py
     python benchmarks/memory.py --modes none,int8 --skip-llama
     python benchmarks/memory.py --quick
+    python benchmarks/memory.py --plot                # and plots/memory.png: RSS per server
 """
 
 from __future__ import annotations
@@ -17,23 +18,16 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
-from machine import describe_machine
-from processes import stop
+from machine import describe_machine, machine_caption
+from plotting import add_plot_flag, grouped_bars
+from processes import free_port, stop, wait_ready
 
 DEFAULT_LLAMA_SERVER = "/tmp/llamabuild/bin/llama-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -63,30 +57,6 @@ def children(pid: int) -> list[int]:
 def get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()
-
-
-def status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
-    """Quire: /ready (its /health answers while the model loads); llama-server, which has no
-    /ready: /health (503 until loaded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        ready = status(url + "/ready")
-        if ready == 200 or (ready == 404 and status(url + "/health") == 200):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
 def complete(url: str, n: int, max_tokens: int) -> None:
@@ -141,6 +111,7 @@ def main() -> None:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show the servers' logs")
     ap.add_argument("--quick", action="store_true", help="mode none only, one request")
+    add_plot_flag(ap, "memory")
     args = ap.parse_args()
     if args.quick:
         args.modes, args.requests, args.max_tokens, args.settle = "none", 1, 8, 1.0
@@ -178,6 +149,7 @@ def main() -> None:
                   "(../shared/anchors/build_llamacpp.sh builds it)")
     print("| server | RSS idle after load | RSS after requests | peak RSS (VmHWM) |")
     print("|---|---|---|---|")
+    measured = {}
     for label, cmd in rows:
         port = free_port()
         cmd = [c.replace("{port}", str(port)) for c in cmd]
@@ -189,6 +161,15 @@ def main() -> None:
         mib = 1 << 20
         print(f"| {label} | {r['idle'] / mib:.0f} MiB | {r['after'] / mib:.0f} MiB | "
               f"{r['peak'] / mib:.0f} MiB |", flush=True)
+        measured[label] = r
+    if args.plot and measured:
+        mib = 1 << 20
+        names = [label.replace(" --quantization ", "\n") for label in measured]
+        grouped_bars(args.plot, "Resident memory, default model", "MiB", names,
+                     {key: [r[k] / mib for r in measured.values()]
+                      for key, k in (("idle after load", "idle"), ("after requests", "after"),
+                                     ("peak (VmHWM)", "peak"))},
+                     caption=machine_caption(threads))
 
 
 if __name__ == "__main__":

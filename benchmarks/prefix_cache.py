@@ -6,6 +6,7 @@ off every request recomputes the system prompt before its first token.
 
     python benchmarks/prefix_cache.py
     python benchmarks/prefix_cache.py --num-requests 64 --prefix-len 1024 --question-len 64
+    python benchmarks/prefix_cache.py --plot     # and plots/prefix_cache.png
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import random
 import statistics
 import time
 
-from machine import StealMeter
+from machine import StealMeter, machine_caption
+from plotting import add_plot_flag, grouped_bars
 
 
-def run(prompts, max_tokens: int, caching: bool, args) -> float:
+def run(prompts, max_tokens: int, caching: bool, args) -> dict[str, float]:
     from quire import LLM, SamplingParams
     kw = {"num_threads": args.num_threads} if args.num_threads else {}
     if args.max_num_batched_tokens:
@@ -38,7 +40,8 @@ def run(prompts, max_tokens: int, caching: bool, args) -> float:
           f"{generated / wall:.1f} generated tok/s, {(generated + sum(map(len, prompts))) / wall:.1f}"
           f" total tok/s, prompt tokens computed {e.num_prompt_tokens_computed}, "
           f"prefix hits {e.kv_manager.prefix_hits} of {e.kv_manager.prefix_queries} tokens, {steal}")
-    return statistics.mean(ttft)
+    return {"mean TTFT (s)": statistics.mean(ttft), "p50 TTFT (s)": statistics.median(ttft),
+            "wall (s)": wall}
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -58,6 +61,7 @@ def main() -> None:
                     help="the engine's per-step token budget (default: the engine's)")
     ap.add_argument("--only", choices=["on", "off"], default=None,
                     help="run one side only (no ratio)")
+    add_plot_flag(ap, "prefix_cache")
     args = ap.parse_args()
     rng = random.Random(0)
     system = [rng.randrange(3, 49152) for _ in range(args.prefix_len)]
@@ -66,7 +70,15 @@ def main() -> None:
     on = run(prompts, args.max_tokens, True, args) if args.only != "off" else None
     off = run(prompts, args.max_tokens, False, args) if args.only != "on" else None
     if on and off:
-        print(f"mean TTFT is {off / on:.1f}x lower with prefix caching")
+        print(f"mean TTFT is {off['mean TTFT (s)'] / on['mean TTFT (s)']:.1f}x lower with "
+              "prefix caching")
+    if args.plot:
+        sides = {name: r for name, r in (("caching on", on), ("caching off", off)) if r}
+        keys = list(next(iter(sides.values())))
+        grouped_bars(args.plot, f"{args.num_requests} requests sharing a {args.prefix_len}-token "
+                     "prefix", "seconds", keys,
+                     {name: [r[k] for k in keys] for name, r in sides.items()},
+                     caption=machine_caption(args.num_threads))
 
 
 if __name__ == "__main__":

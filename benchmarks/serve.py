@@ -1,5 +1,5 @@
-"""Online serving benchmark: a load generator against a running `quire serve` (or any
-OpenAI-compatible server).
+"""Online serving benchmark: a load generator against `quire serve` (and llama-server on the
+same GGUF), or against any OpenAI-compatible server.
 
 Requests stream from /v1/completions (or /v1/chat/completions); each arrives either as soon
 as one of `--concurrency` slots is free (a fixed concurrency), or at Poisson times with
@@ -8,24 +8,39 @@ random English-like text of about --input-len words; outputs are exactly --outpu
 (ignore_eos) unless --no-ignore-eos. Prints throughput and TTFT / inter-token latency / end-to-
 end latency percentiles, plus what the server's /metrics saw (preemptions, prefix hits).
 
-    quire serve --port 8000 &                                   # the default model
-    python benchmarks/serve.py --concurrency 1 --num-prompts 16
-    python benchmarks/serve.py --concurrency 8 --num-prompts 64
-    python benchmarks/serve.py --request-rate 4 --num-prompts 100
+--concurrency takes a list (a sweep). Without --url the script starts the servers itself, on
+free ports with the same threads: `quire serve` with the default model and, where it is built
+(../shared/anchors/build_llamacpp.sh), llama-server on the same GGUF with as many slots as the
+largest concurrency; at each level the two take turns going first. --plot draws output tok/s
+and TTFT / ITL p50 against concurrency, a line per server.
+
+    python benchmarks/serve.py --plot                           # the comparison, 1..16 users
+    python benchmarks/serve.py --concurrency 1,4,16 --num-prompts 32 --plot
+    quire serve --port 8000 &
+    python benchmarks/serve.py --url http://127.0.0.1:8000 --concurrency 8 --num-prompts 64
+    python benchmarks/serve.py --url http://127.0.0.1:8000 --request-rate 4 --num-prompts 100
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shlex
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 
 import httpx
+from machine import StealMeter, describe_machine, machine_caption
+from plotting import add_plot_flag, line_panels
+from processes import free_port, stop, wait_ready
+
+DEFAULT_LLAMA_SERVER = "/tmp/llamabuild/bin/llama-server"
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which "
          "this be or had not but what all when there can said who been one more time so some "
@@ -112,7 +127,8 @@ async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     return out
 
 
-async def run(args) -> None:
+async def run(args) -> dict[str, float]:
+    """One load at args.url with args.concurrency; prints the report and returns its figures."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 1) + args.num_prompts)
     async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits) as client:
@@ -143,7 +159,7 @@ async def run(args) -> None:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         after = await scrape(client, args.url)
-    report(args, model, results, duration, before, after)
+    return report(args, model, results, duration, before, after)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -155,7 +171,8 @@ def pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def report(args, model, results: list[Result], duration: float, before, after) -> None:
+def report(args, model, results: list[Result], duration: float, before, after
+           ) -> dict[str, float]:
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -187,17 +204,22 @@ def report(args, model, results: list[Result], duration: float, before, after) -
         print(f"server: {delta('quire:num_preemptions_total'):.0f} preemptions, prefix cache "
               f"hits {delta('quire:prefix_cache_hits_total'):.0f} / "
               f"{delta('quire:prefix_cache_queries_total'):.0f} queried tokens")
+    return {"output tok/s": out_tokens / duration, "failed": len(failed),
+            "TTFT p50 ms": pct(ttfts, 50), "TTFT p99 ms": pct(ttfts, 99),
+            "ITL p50 ms": pct(itls, 50), "ITL p99 ms": pct(itls, 99)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default=None,
+                   help="a running server; default: start quire serve (and llama-server)")
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     p.add_argument("--api-key", default=os.environ.get("QUIRE_API_KEY"))
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight at most (alone: a fixed concurrency)")
+    p.add_argument("--concurrency", default=None,
+                   help="requests in flight at most, or a comma-separated sweep (default "
+                        "1,2,4,8,16 when the script starts the servers)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--input-len", type=int, default=64, help="prompt length in words (mean)")
@@ -206,11 +228,88 @@ def main() -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (one at a time) first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="threads for the servers this script starts (default: the CPU quota)")
+    p.add_argument("--quire-args", default="", help="more `quire serve` flags")
+    p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER, metavar="PATH")
+    p.add_argument("--skip-llama", action="store_true")
+    add_plot_flag(p, "serve")
     args = p.parse_args()
+    if args.concurrency is None and args.url is None:
+        args.concurrency = "1,2,4,8,16"
     if args.concurrency is None and args.request_rate == float("inf"):
         p.error("give --concurrency or --request-rate (or both)")
-    asyncio.run(run(args))
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else [None]
+    except ValueError:
+        p.error(f"--concurrency: integers, comma-separated, not {args.concurrency!r}")
+    if args.url:
+        sweep(args, levels, {"server": args.url})
+        return
+    with launched_servers(args, max(c or 1 for c in levels)) as urls:
+        sweep(args, levels, urls)
 
+
+def sweep(args, levels: list[int | None], urls: dict[str, str]) -> None:
+    """Each level on each server, the servers taking turns going first; a table, a plot."""
+    figures: dict[str, dict[int, dict[str, float]]] = {name: {} for name in urls}
+    for i, level in enumerate(levels):
+        names = list(urls) if i % 2 == 0 else list(reversed(urls))
+        for name in names:
+            args.url, args.concurrency = urls[name], level
+            with StealMeter() as steal:
+                figures[name][level] = asyncio.run(run(args))
+            print(f"({name}, {steal})\n", flush=True)
+    print("| server | concurrency | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---|---|---|---|---|")
+    for name, rows in figures.items():
+        for level, f in rows.items():
+            print(f"| {name} | {level} | {f['output tok/s']:.1f} | {f['TTFT p50 ms']:.0f} / "
+                  f"{f['TTFT p99 ms']:.0f} | {f['ITL p50 ms']:.1f} / {f['ITL p99 ms']:.1f} |")
+    if args.plot and None not in levels:
+        def series(key):
+            return {name: (list(rows), [f[key] for f in rows.values()])
+                    for name, rows in figures.items()}
+        line_panels(args.plot, f"Serving: ~{args.input_len} words in, {args.output_len} tokens "
+                    f"out, {args.num_prompts} requests per level", "concurrent requests",
+                    [("output tok/s", series("output tok/s")), ("TTFT p50 (ms)",
+                     series("TTFT p50 ms")), ("ITL p50 (ms)", series("ITL p50 ms"))],
+                    caption=machine_caption(args.num_threads), log_x=True)
+
+
+@contextlib.contextmanager
+def launched_servers(args, slots: int):
+    """quire serve and (if built) llama-server on the default GGUF, ready; stopped after."""
+    import sys
+
+    from quire.cpu_threads import detect_quota
+    from quire.models.loader import default_model_path
+    args.num_threads = threads = args.num_threads or detect_quota().cpus
+    print(describe_machine(threads))
+    commands = {"Quire": [sys.executable, "-m", "quire.entrypoints.cli", "serve", "--host",
+                          "127.0.0.1", "--port", "{port}", "--num-threads", str(threads)]
+                + shlex.split(args.quire_args)}
+    if not args.skip_llama:
+        if os.access(args.llama_server, os.X_OK):
+            # -c is split between the slots: each gets 1,024 tokens, enough for one request
+            commands[f"llama-server -np {slots}"] = [
+                args.llama_server, "-m", default_model_path(), "-t", str(threads), "-np",
+                str(slots), "-c", str(1024 * slots), "--host", "127.0.0.1", "--port", "{port}"]
+        else:
+            print(f"llama-server not found at {args.llama_server} "
+                  "(../shared/anchors/build_llamacpp.sh builds it): Quire only")
+    procs, urls = [], {}
+    try:
+        for name, cmd in commands.items():
+            port = free_port()
+            procs.append(subprocess.Popen([c.replace("{port}", str(port)) for c in cmd],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_ready(procs[-1], urls[name])
+        yield urls
+    finally:
+        for proc in procs:
+            stop(proc)
 
 if __name__ == "__main__":
     main()

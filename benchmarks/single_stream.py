@@ -9,6 +9,7 @@ prefill, median run for decode. Default model: the SmolLM2-135M-Instruct GGUF.
     python benchmarks/single_stream.py
     python benchmarks/single_stream.py --quantization int4 --num-threads 2
     python benchmarks/single_stream.py --quick
+    python benchmarks/single_stream.py --plot   # and plots/single_stream.png: ITL per token
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import itertools
 import random
 import time
 
-from machine import StealMeter, describe_machine
+from machine import StealMeter, describe_machine, machine_caption
+from plotting import add_plot_flag, line_panels
 
 
 @dataclasses.dataclass
@@ -30,6 +32,7 @@ class SingleStream:
     itl_p90_ms: float
     threads: int
     engine_note: str
+    itl_ms: list[float] = dataclasses.field(default_factory=list)  # the median run, in order
 
 
 def engine_kwargs(args) -> tuple[dict, str]:
@@ -71,8 +74,8 @@ _runs = itertools.count()  # a fresh seed per call: never a prefix-cache hit on 
 
 
 def measure(llm, prompt_len: int, decode_tokens: int, prefill_len: int, repeats: int
-            ) -> tuple[float, float, float, float]:
-    """(prefill tok/s, decode tok/s, ITL p50 ms, ITL p90 ms)."""
+            ) -> tuple[float, float, float, float, list[float]]:
+    """(prefill tok/s, decode tok/s, ITL p50 ms, ITL p90 ms, the median run's ITLs in ms)."""
     rng = random.Random(next(_runs))
     engine = llm.engine
     step_times(engine, random_prompt(rng, 16), 4)  # warm-up: first-call costs
@@ -83,10 +86,10 @@ def measure(llm, prompt_len: int, decode_tokens: int, prefill_len: int, repeats:
         stamps = step_times(engine, random_prompt(rng, prompt_len), decode_tokens)
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         runs.append((len(gaps) / (stamps[-1] - stamps[0]), gaps))
-    rate, gaps = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-    gaps = sorted(gaps)
+    rate, in_order = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    gaps = sorted(in_order)
     return (prefill, rate, 1000 * gaps[len(gaps) // 2],
-            1000 * gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))])
+            1000 * gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))], [1000 * g for g in in_order])
 
 
 def load_llm(args):
@@ -100,15 +103,15 @@ def run(args, llm=None, note: str = "") -> SingleStream:
     import torch
     if llm is None:
         llm, note = load_llm(args)
-    prefill, rate, p50, p90 = measure(llm, args.prompt_len, args.decode_tokens,
-                                      args.prefill_len, args.repeats)
+    prefill, rate, p50, p90, itl = measure(llm, args.prompt_len, args.decode_tokens,
+                                           args.prefill_len, args.repeats)
     e = llm.engine
     quant = getattr(e.args, "quantization", None)
     desc = (f"quire ({str(e.dtype).removeprefix('torch.')}"
             f"{', quantization ' + str(quant) if quant else ''}, attention "
             f"{e.attention_backend})")
     return SingleStream(prefill, rate, p50, p90, torch.get_num_threads(),
-                        desc + (f"; {note}" if note else ""))
+                        desc + (f"; {note}" if note else ""), itl)
 
 
 def add_common_flags(ap: argparse.ArgumentParser) -> None:
@@ -134,6 +137,7 @@ def apply_quick(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_flags(ap)
+    add_plot_flag(ap, "single_stream")
     args = ap.parse_args()
     apply_quick(args)
     with StealMeter() as steal:
@@ -145,6 +149,12 @@ def main() -> None:
           f"{r.decode_tok_s:.1f} tok/s, inter-token latency p50 {r.itl_p50_ms:.1f} ms, "
           f"p90 {r.itl_p90_ms:.1f} ms")
     print(f"threads {r.threads}; {steal}")
+    if args.plot:
+        positions = list(range(args.prompt_len + 2, args.prompt_len + 2 + len(r.itl_ms)))
+        line_panels(args.plot, f"Single stream: {r.decode_tok_s:.1f} decode tok/s, prefill "
+                    f"{r.prefill_tok_s:.0f} tok/s", "context length (tokens)",
+                    [("inter-token latency (ms)", {"Quire": (positions, r.itl_ms)})],
+                    caption=f"{r.engine_note}; {machine_caption(r.threads)}")
 
 
 if __name__ == "__main__":

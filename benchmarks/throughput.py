@@ -33,8 +33,9 @@ import subprocess
 import time
 import urllib.request
 
-from machine import StealMeter, describe_machine
-from processes import stop
+from machine import StealMeter, describe_machine, machine_caption
+from plotting import add_plot_flag, grouped_bars
+from processes import free_port, stop, wait_ready
 
 
 def make_requests(n: int, seed: int, vocab: int = 49152):
@@ -160,13 +161,13 @@ def run_hf(reqs, batch_size: int, dtype: str, limit: int | None, model_dir: str 
 def run_llama_server(reqs, binary: str, threads: int, slots: int, context: int) -> float:
     """llama-server on the same GGUF, all requests at once (it serves `slots` at a time)."""
     from quire.models.loader import default_model_path
-    port = _free_port()
+    port = free_port()
     cmd = [binary, "-m", default_model_path(), "-t", str(threads), "-np", str(slots),
            "-c", str(context), "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url)
+        wait_ready(proc, url)
 
         def one(req) -> int:
             prompt, max_tokens = req
@@ -187,28 +188,6 @@ def run_llama_server(reqs, binary: str, threads: int, slots: int, context: int) 
     print(f"llama-server ({threads} threads, -np {slots} -c {context}): {len(reqs)} requests "
           f"in {wall:.1f} s, {generated / wall:.1f} generated tok/s, {steal}")
     return generated / wall
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc, url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("llama-server not healthy in time")
 
 
 def main() -> None:
@@ -239,6 +218,7 @@ def main() -> None:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 8 requests, transformers float32 at batch 8 only")
+    add_plot_flag(ap, "throughput")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.hf_batch_sizes, args.hf_dtypes = 8, "8", "float32"
@@ -255,21 +235,28 @@ def main() -> None:
     reqs = make_requests(args.num_requests, args.seed, vocab)
     print(f"{len(reqs)} requests: prompts {sum(len(p) for p, _ in reqs)} tokens, outputs "
           f"{sum(m for _, m in reqs)} tokens")
-    quire = run_quire(reqs, args)
+    results = {"Quire": run_quire(reqs, args)}
+    quire = results["Quire"]
     print(f"peak RSS after Quire: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     if args.llama_server:
         llama = run_llama_server(reqs, args.llama_server, threads, args.llama_slots,
                                  args.llama_context)
+        results[f"llama-server\n-np {args.llama_slots}"] = llama
         print(f"Quire / llama-server = {quire / llama:.2f}x")
-    if args.skip_hf:
-        return
-    import torch
-    torch.set_num_threads(threads)  # the same threads for transformers
-    best = max((run_hf(reqs, b, d, args.hf_limit, args.model, args.device), f"{d}, batch {b}")
-               for d in args.hf_dtypes.split(",") for b in map(int, args.hf_batch_sizes.split(",")))
-    print(f"best transformers: {best[0]:.1f} tok/s ({best[1]}); Quire / best = "
-          f"{quire / best[0]:.2f}x")
-
+    if not args.skip_hf:
+        import torch
+        torch.set_num_threads(threads)  # the same threads for transformers
+        hf = {f"transformers\n{d}, batch {b}": run_hf(reqs, b, d, args.hf_limit, args.model,
+                                                        args.device)
+              for d in args.hf_dtypes.split(",") for b in map(int, args.hf_batch_sizes.split(","))}
+        best = max(hf, key=hf.get)
+        print(f"best transformers: {hf[best]:.1f} tok/s ({best.split(chr(10))[1]}); "
+              f"Quire / best = {quire / hf[best]:.2f}x")
+        results.update(hf)
+    if args.plot:
+        grouped_bars(args.plot, f"Offline throughput, {len(reqs)} requests", "generated tok/s",
+                     list(results), {"generated tok/s": list(results.values())},
+                     caption=machine_caption(threads))
 
 if __name__ == "__main__":
     main()
