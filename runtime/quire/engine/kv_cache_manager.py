@@ -10,7 +10,10 @@ Public interface (`seq` is a Request: one sequence):
                num_slack_tokens(seqs), prefix_queries, prefix_hits
     admission  get_computed_blocks(seq) -> (blocks, num_tokens)   prefix hits, kept for
                allocate_slots; record_prefix_lookup(num_tokens, num_hit_tokens)
-    growth     allocate_slots(seq, n, computed=()) -> copies | None   room for n more tokens
+    growth     allocate_slots(seq, n, computed=(), num_lookahead=0) -> copies | None
+                                                       room for n more tokens (and proposals)
+               trim(seq)                               give back the slots of rejected
+                                                       proposals (speculative decoding)
                num_blocks_to_grow(seqs, ns) -> int     what a beam group's step needs, exactly
                max_fitting_tokens(seq, n) -> int       the largest chunk that fits now
     sharing    fork(parent, child)                     the child shares every parent block
@@ -111,15 +114,18 @@ class KVCacheManager:
 
     # --- growth ----------------------------------------------------------------------------
     def allocate_slots(self, seq: Request, num_new_tokens: int,
-                       computed: list[KVBlock] = ()) -> list[tuple[int, int]] | None:
+                       computed: list[KVBlock] = (), num_lookahead: int = 0
+                       ) -> list[tuple[int, int]] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after the
-        prefix hits `computed`, for a sequence being admitted). Returns the block copies
-        (src, dst) that copy-on-write requires, or None (and nothing done) if the pool can't
-        cover it."""
+        prefix hits `computed`, for a sequence being admitted), plus `num_lookahead` slots
+        for proposals being verified (never registered in the prefix cache: their tokens are
+        not the sequence's until accepted). Returns the block copies (src, dst) that
+        copy-on-write requires, or None (and nothing done) if the pool can't cover it."""
         blocks = self._tables.get(seq.request_id, [])
         start = seq.num_computed_tokens + len(computed) * self.block_size
-        num_new = max(0, self.blocks_needed(start + num_new_tokens) - len(blocks) - len(computed))
-        cow = self._needs_copy(blocks, start, num_new_tokens)
+        num_new = max(0, self.blocks_needed(start + num_new_tokens + num_lookahead)
+                      - len(blocks) - len(computed))
+        cow = self._needs_copy(blocks, start, num_new_tokens + num_lookahead)
         revived = sum(1 for b in computed if b.ref_cnt == 0)  # they leave the free queue
         if num_new + int(cow) > self.pool.num_free_blocks - revived:
             return None
@@ -174,6 +180,16 @@ class KVCacheManager:
                 self.pool.cache_block(blocks[i], seq.block_hashes[i])
                 self._cached_this_step.append(blocks[i])
         self._num_hashed[seq.request_id] = num_full
+
+    def trim(self, seq: Request) -> None:
+        """After verification: blocks past the computed tokens held only rejected proposals'
+        slots; give them back (the next step allocates what it needs)."""
+        blocks = self._tables.get(seq.request_id)
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        if blocks and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(extra[::-1])
 
     # --- sharing and release ---------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> None:

@@ -29,6 +29,7 @@ class SiblingGroup:
                        for s in seqs]
         self.sent_text = [0] * len(seqs)
         self.sent_tokens = [0] * len(seqs)
+        self.seen_tokens = [0] * len(seqs)  # output tokens detokenized, per sequence
         self.error: str | None = None
 
     @property
@@ -50,8 +51,10 @@ class OutputProcessor:
 
     def process(self, updated: list[Request], logprobs: dict[str, TokenLogprobs],
                 finish) -> set[str]:
-        """Detokenize each sequence's new token; `finish(seq, status)` ends one early (a stop
-        string, or an error that is that sequence's alone). Returns the touched groups' ids."""
+        """Detokenize each sequence's new tokens (one per step, or several when proposals
+        were accepted), in order; `finish(seq, status)` ends one early (a stop string, or an
+        error that is that sequence's alone), and tokens after a stop string are dropped as
+        if never sampled. Returns the touched groups' ids."""
         now = time.time()
         touched = set()
         for seq in updated:
@@ -61,23 +64,43 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            token = seq.token_ids[-1]
-            try:
-                if seq.logprobs is not None and seq.request_id in logprobs:
-                    self._add_logprobs(seq, logprobs[seq.request_id], group.detoks[i])
-                stopped_by_token = seq.status == RequestStatus.FINISHED_STOPPED
-                if stopped_by_token and not seq.sampling_params.include_stop_str_in_output:
-                    continue  # EOS / stop_token_ids: in token_ids, not in the text
-                stop = group.detoks[i].update(token)
-            except Exception as e:  # one bad sequence must not take the batch down
-                logger.exception("detokenizing request %s failed", seq.request_id)
-                group.error = f"detokenization failed: {e}"
-                finish(seq, RequestStatus.FINISHED_ERROR)
-                continue
-            if stop is not None and not seq.finished:
-                seq.stop_reason = stop
-                finish(seq, RequestStatus.FINISHED_STOPPED)
+            first_new = group.seen_tokens[i]
+            group.seen_tokens[i] = seq.num_output_tokens
+            for j in range(first_new, seq.num_output_tokens):
+                last = j == seq.num_output_tokens - 1
+                if self._detokenize(group, i, seq, j, logprobs if last else {}, finish):
+                    break
+
         return touched
+
+    def _detokenize(self, group: SiblingGroup, i: int, seq: Request, j: int,
+                    logprobs: dict[str, TokenLogprobs], finish) -> bool:
+        """Output token j of `seq` into its text; True when the sequence ended there."""
+        token = seq.token_ids[seq.num_prompt_tokens + j]
+        try:
+            if seq.logprobs is not None and seq.request_id in logprobs:
+                self._add_logprobs(seq, logprobs[seq.request_id], group.detoks[i])
+            last = j == seq.num_output_tokens - 1
+            stopped_by_token = last and seq.status == RequestStatus.FINISHED_STOPPED
+            if stopped_by_token and not seq.sampling_params.include_stop_str_in_output:
+                return True  # EOS / stop_token_ids: in token_ids, not in the text
+            stop = group.detoks[i].update(token)
+        except Exception as e:  # one bad sequence must not take the batch down
+            logger.exception("detokenizing request %s failed", seq.request_id)
+            group.error = f"detokenization failed: {e}"
+            finish(seq, RequestStatus.FINISHED_ERROR)
+            return True
+        # (a stop string inside a step's accepted tokens wins over how the last one ended)
+        if stop is not None and (not seq.finished or j < seq.num_output_tokens - 1):
+            seq.drop_output_tokens_after(j + 1)
+            group.seen_tokens[i] = seq.num_output_tokens
+            seq.stop_reason = stop
+            if seq.finished:
+                seq.status = RequestStatus.FINISHED_STOPPED
+            else:
+                finish(seq, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
 
     def _add_logprobs(self, seq: Request, lp: TokenLogprobs,
                       detok: IncrementalDetokenizer) -> None:

@@ -83,6 +83,10 @@ class Request:
         self.structured = None  # its GrammarState under guided decoding (quire/structured)
         self.lora = None        # the AdapterHandle it computes with (quire/lora); None: base
         self.cache_salt = None  # seeds its block-hash chain: blocks of other salts never match
+        # speculative decoding: the tokens proposed for its next step (verified there, never
+        # part of token_ids until accepted), and its proposer's per-sequence state
+        self.spec_token_ids: list[int] = []
+        self.spec = None
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property
@@ -112,6 +116,11 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def drop_output_tokens_after(self, num_output_tokens: int) -> None:
+        """A stop string ended the text at this many output tokens: the tokens after it
+        (accepted proposals of the same step) are not part of the output."""
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
 
     # --- state ---------------------------------------------------------------------------
     def start_running(self, num_computed_tokens: int, forked_from: Request | None = None) -> None:

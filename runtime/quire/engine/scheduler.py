@@ -11,7 +11,8 @@ Public interface (the only way to add, fork or finish sequences):
     add_request(seq)                 queue a new sequence (its pending siblings ride along)
     schedule() -> SchedulerOutput    one step: batch, preemptions, swaps, copies; what can
                                      never progress is failed (out.stuck), not spun on
-    update(out, sampled) -> [seq]    after the forward: counts, tokens, n>1 forks, token stops
+    update(out, sampled) -> [seq]    after the forward: counts, tokens (several where
+                                     proposals were accepted), n>1 forks, token stops
     fork(parent, child)              a new running sibling sharing the parent's blocks
     finish(seq, status)              out of every queue, its blocks given back
     step_failed(out)                 the forward raised: forget the blocks cached this step
@@ -95,6 +96,8 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         self._scheduled: set[str] = set()
         self._num_compiling = 0
+        # decodes come before proposals: what proposals may use is the budget less these
+        self._decodes_left = sum(1 for s in self.running if s.num_tokens_to_compute == 1)
         # Each pass walks a snapshot of the running units, oldest first. Preemption only ever
         # removes units younger than the one being served (or that one itself), so the walk
         # never revisits or skips a live unit: preempted ones are skipped by their status.
@@ -131,8 +134,14 @@ class Scheduler:
             if self.rope_switch_length and any(self._crosses_rope_switch(s) for s in todo):
                 self._recompute_for_rope(unit, out)
                 return
-            while self.kv_manager.num_blocks_to_grow(todo, [1] * len(todo)) \
+            self._fit_proposals(todo)
+            while self.kv_manager.num_blocks_to_grow(
+                    todo, [1 + len(s.spec_token_ids) for s in todo]) \
                     > self.kv_manager.num_free_blocks:
+                if any(s.spec_token_ids for s in todo):  # proposals go before anyone else
+                    for s in todo:
+                        s.spec_token_ids = []
+                    continue
                 victim = self._pick_victim(unit, units)
                 if victim is not None:
                     self._preempt(victim, out)
@@ -143,7 +152,11 @@ class Scheduler:
                     self._fail_stuck(out, unit)
                 return
             for seq in todo:
-                self._add(seq, 1, self.kv_manager.allocate_slots(seq, 1), out)
+                k = len(seq.spec_token_ids)
+                self._add(seq, 1 + k, self.kv_manager.allocate_slots(seq, 1, num_lookahead=k),
+                          out)
+                if k:
+                    out.spec_token_ids[seq.request_id] = seq.spec_token_ids
             return
         for seq in todo:  # prefills: a chunk each, as budget and blocks allow
             n = min(seq.num_tokens_to_compute, self._budget)
@@ -158,6 +171,16 @@ class Scheduler:
                 self._add(seq, n, copies, out)
             if self._budget <= 0:
                 return
+
+    def _fit_proposals(self, todo: list[Request]) -> None:
+        """Proposals ride on a decode when the token budget has room after the unit's decodes
+        (the decodes of older units came first); what does not fit is dropped."""
+        spare = self._budget - self._decodes_left
+        self._decodes_left -= len(todo)
+        for seq in todo:
+            if seq.spec_token_ids:
+                seq.spec_token_ids = seq.spec_token_ids[:max(0, spare)]
+                spare -= len(seq.spec_token_ids)
 
     def _swap_in_and_admit(self, out: SchedulerOutput) -> None:
         lora = self.lora_admission  # distinct adapters of running sequences <= max_loras
@@ -282,15 +305,22 @@ class Scheduler:
             self.finish(seq, RequestStatus.FINISHED_ERROR)
 
     # --- after the forward -----------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, fork n>1 siblings, apply token
-        stops. Returns the sequences that got a new token (finished ones included); a beam's
-        token is left to its beam group to choose."""
+        stops. A sequence that verified proposals gets a list: the accepted ones and the
+        token drawn after them; its computed count grows by them (its known token and the
+        accepted proposals), tokens after a stop are dropped, and the rejected proposals'
+        slots are given back. Returns the sequences that got new tokens (finished ones
+        included); a beam's token is left to its beam group to choose."""
         self.kv_manager.step_done()
         updated = []
         for seq, n in zip(out.requests, out.num_new_tokens):
             if seq.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if seq.request_id in out.spec_token_ids:
+                self._accept(seq, sampled[seq.request_id])
+                updated.append(seq)
+                continue
             seq.num_computed_tokens += n
             if seq.request_id not in sampled:
                 continue  # a prefill chunk that does not reach the end of the prompt
@@ -308,6 +338,17 @@ class Scheduler:
                 if status is not None:
                     self.finish(s, status)
         return updated
+
+    def _accept(self, seq: Request, tokens: list[int]) -> None:
+        seq.num_computed_tokens += len(tokens)  # its known token, then the accepted proposals
+        seq.spec_token_ids = []
+        for token in tokens:
+            seq.append_token(token)
+            status = seq.check_stop()
+            if status is not None:
+                self.finish(seq, status)
+                return
+        self.kv_manager.trim(seq)
 
     def step_failed(self, out: SchedulerOutput) -> None:
         self.kv_manager.step_failed()

@@ -20,6 +20,9 @@ class SchedulerOutput:
     stuck: list[Request] = field(default_factory=list)  # failed by the liveness guard
     stuck_reason: str | None = None
     lora_keys_in_use: frozenset[int] = frozenset()  # adapters of running sequences (pinned)
+    # speculative decoding: sequence id -> the proposals verified this step (its
+    # num_new_tokens counts them after its one known token)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:

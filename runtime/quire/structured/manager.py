@@ -120,22 +120,26 @@ class StructuredOutputManager:
 
     # --- after sampling ------------------------------------------------------------------
     def advance(self, seqs: list[Request], finish=None) -> None:
-        """Each sequence's newest token enters its matcher; `finish(seq, status)` ends a
-        sequence whose grammar has terminated (nothing but EOS could follow). Beams pass no
-        `finish`: their group ends them, and a terminated grammar's mask leaves only EOS."""
+        """Each sequence's new tokens (one, or the accepted proposals of a step) enter its
+        matcher; `finish(seq, status)` ends a sequence whose grammar has terminated (nothing
+        but EOS could follow). Beams pass no `finish`: their group ends them, and a
+        terminated grammar's mask leaves only EOS."""
         for seq in seqs:
             state = seq.structured
             if state is None or state.matcher is None or seq.finished:
                 continue
-            if not state.matcher.accept(seq.token_ids[-1]):
-                logger.error("request %s: token %d rejected by its grammar: %s", seq.request_id,
-                             seq.token_ids[-1], state.matcher.error())
-                if finish is not None:
-                    finish(seq, RequestStatus.FINISHED_ERROR)
-                continue
-            state.num_accepted += 1
-            if finish is not None and state.matcher.is_terminated():
-                finish(seq, RequestStatus.FINISHED_STOPPED)
+            while state.num_accepted < seq.num_output_tokens:
+                token = seq.token_ids[seq.num_prompt_tokens + state.num_accepted]
+                if not state.matcher.accept(token):
+                    logger.error("request %s: token %d rejected by its grammar: %s",
+                                 seq.request_id, token, state.matcher.error())
+                    if finish is not None:
+                        finish(seq, RequestStatus.FINISHED_ERROR)
+                    break
+                state.num_accepted += 1
+                if finish is not None and state.matcher.is_terminated():
+                    finish(seq, RequestStatus.FINISHED_STOPPED)
+                    break
 
     def fork(self, parent: Request) -> GrammarState | None:
         return None if parent.structured is None else parent.structured.fork()
