@@ -2,8 +2,8 @@
 admits. Every reader (/health, /ready, add_request, LoRA calls, drain, shutdown) asks it.
 
     LOADING ──► READY ──► DRAINING ──► STOPPED
-       │  └──────────────────►│
-       └──────► DEAD ◄────────┘ (from LOADING, READY or DRAINING)
+    LOADING ──► DRAINING                  (a drain or a shutdown while the model loads)
+    LOADING, READY or DRAINING ──► DEAD   (the load or the loop failed)
 
 DRAINING is entered by a drain (SIGTERM) or a shutdown, also while the model still loads:
 admitted requests finish, nothing new is admitted. STOPPED and DEAD are final; DEAD carries
