@@ -13,6 +13,7 @@ from quire.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     EngineNotReady,
+    EngineState,
     ModelInfo,
     RequestStream,
 )
@@ -72,10 +73,11 @@ class Serving:
 
     def model_for(self, name: str | None) -> tuple[ModelInfo, LoRARequest | None]:
         """check_model, and the adapter `name` picks (None: the base model)."""
-        if self.engine.fatal_error is not None:
+        state = self.engine.state
+        if state is EngineState.DEAD:
             raise engine_error(EngineDeadError(self.engine.fatal_error))
         info = self.engine.model_info
-        if info is None or not self.engine.loaded.is_set():
+        if state is EngineState.LOADING or info is None:  # None: stopped while loading
             raise engine_error(EngineNotReady("the model is still loading"))
         if name is None or name == info.served_name or name in self.model_aliases:
             return info, None
