@@ -23,6 +23,7 @@ from kopf.testing import KopfRunner
 from quire_operator import api_calls, names
 from quire_operator.kube import resource_path
 
+import foreign_crds
 from kube_emulator import (
     RunningEmulator,  # tests/operator is on sys.path (no __init__.py: no `operator` package)
 )
@@ -142,6 +143,7 @@ def _setup(emulator: Any) -> None:
     crd = yaml.safe_load(CRD_PATH.read_text())
     emulator.register_builtins()
     emulator.register_crd(crd)
+    foreign_crds.install(emulator)  # GIE, Gateway API and KEDA are installed, and validate
 
 
 @pytest.fixture
