@@ -13,9 +13,8 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 import crd_rules  # tests/charts is on the test path
+import yaml
 
 FOLDER = pathlib.Path(__file__).resolve().parent / "vendored_crds"
 CRDS = {crd["spec"]["names"]["kind"]: crd

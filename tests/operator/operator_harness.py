@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import foreign_crds
 import kubernetes
 import pytest
 import requests
@@ -23,7 +24,6 @@ from kopf.testing import KopfRunner
 from quire_operator import api_calls, names
 from quire_operator.kube import resource_path
 
-import foreign_crds
 from kube_emulator import (
     RunningEmulator,  # tests/operator is on sys.path (no __init__.py: no `operator` package)
 )

@@ -4,10 +4,11 @@ endpoint picker; the runtime gets vLLM's metric names; bad specs name their fiel
 
 import copy
 
+import crd_rules
 import pytest
 import yaml
+from foreign_crds import problems
 
-import crd_rules
 from quire_operator import names
 from quire_operator.children import desired_deployment
 from quire_operator.gateway_children import desired_http_route, desired_inference_pool
@@ -15,7 +16,6 @@ from quire_operator.pod_template import server_args
 from quire_operator.router_children import desired_router_deployment, desired_router_service
 from quire_operator.spec import SpecError, parse_spec
 
-from foreign_crds import problems
 from operator_harness import CRD_PATH
 
 OWNER = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",

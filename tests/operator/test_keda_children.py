@@ -5,19 +5,21 @@ bad specs name their field."""
 
 import copy
 
+import crd_rules
 import kopf
 import pytest
 import yaml
+from foreign_crds import problems
 from prometheus_client import generate_latest
 
-import crd_rules
 from quire.metrics import SPECS
 from quire.router.metrics import RouterMetrics
 from quire_operator import handlers, names
 from quire_operator.keda_children import HELD_METRIC, KV_METRIC, QUEUE_METRIC, desired_scaled_object
+from quire_operator.kube import ApiError
+from quire_operator.reconcile import ChildRejected, apply
 from quire_operator.spec import SpecError, parse_spec
 
-from foreign_crds import problems
 from operator_harness import CRD_PATH
 
 OWNER = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
@@ -151,3 +153,19 @@ def test_the_vendored_scaled_object_schema_refuses_broken_objects(change, said):
 def test_the_labels_queried_are_the_pods_labels_as_prometheus_writes_them():
     # Prometheus turns every character outside [a-zA-Z0-9_] of a label name into '_'.
     assert "quire_dev_llmdeployment" == names.SELECTOR_LABEL.replace(".", "_").replace("/", "_")
+
+
+class ClusterWithoutKeda:
+    """An API server that does not know the ScaledObject kind (KEDA not installed)."""
+
+    def get(self, group, version, plural, namespace, name):
+        return None  # kube.get's answer to a 404
+
+    def create(self, group, version, plural, namespace, body):
+        raise ApiError(404, "NotFound", "the server could not find the requested resource")
+
+
+def test_a_cluster_without_keda_gets_a_rejection_that_says_so():
+    with pytest.raises(ChildRejected) as rejected:
+        apply(ClusterWithoutKeda(), "llm", scaled_object(KEDA))
+    assert "ScaledObject 'chat'" in str(rejected.value) and "is KEDA installed?" in str(rejected.value)
