@@ -172,7 +172,8 @@ def llmdeployments(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, 
         memo["handler_context"]["context"] = contextvars.copy_context()
     try:
         parsed = parse_spec(spec)
-        poll_seconds = parsed.autoscaling.poll_interval_seconds if parsed.autoscaling.enabled else None
+        # A KEDA-scaled object is KEDA's alone: no poll, so no /scale write from here.
+        poll_seconds = parsed.autoscaling.poll_interval_seconds if parsed.autoscaling.builtin else None
         adapter_seconds = parsed.lora.sync_interval_seconds if parsed.lora.enabled else None
         adapters = parsed.adapters
     except SpecError:

@@ -6,6 +6,7 @@ import math
 
 from . import names
 from .adapter_spec import ADAPTERS_MOUNT, adapter_claims, claim_volume_name, lora_flags
+from .gateway_children import gateway_runtime_args
 from .spec import LLMSpec, RuntimeSpec
 
 # How often the startup probe asks /health while the model loads.
@@ -44,6 +45,7 @@ def server_args(spec: LLMSpec) -> list[str]:
     # LoRA's switch and limits only: the adapters themselves are loaded through the API, so
     # editing spec.adapters never changes (and never rolls) the pods.
     args += lora_flags(spec.lora)
+    args += gateway_runtime_args(spec)
     args += list(spec.runtime.extra_args)
     return args
 

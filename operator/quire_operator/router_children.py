@@ -20,6 +20,7 @@ from typing import Any
 import kopf
 
 from . import names
+from .gateway_spec import EXT_PROC_PORT_NAME
 from .router_spec import RouterSpec
 
 ROUTER_LABEL = "quire.dev/router"
@@ -60,6 +61,8 @@ def router_args(name: str, spec: RouterSpec) -> list[str]:
             "--k8s-service", headless_service_name(name), "--backend-port-name", names.PORT_NAME,
             "--routing", spec.routing, "--max-pending", str(spec.max_pending),
             "--hold-timeout", f"{spec.hold_timeout_seconds:g}"]
+    if spec.ext_proc_port is not None:  # spec.gateway.inferencePool: the pool's endpoint picker
+        args += ["--ext-proc-port", str(spec.ext_proc_port)]
     if spec.routing == "prefix-aware":  # it tokenizes prompts as the replicas do
         args += ["--block-size", str(spec.block_size)]
         if spec.model_pvc_claim and spec.model_source:
@@ -76,7 +79,9 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
         "image": spec.image or image,
         "command": ["quire"],
         "args": router_args(name, spec),
-        "ports": [{"name": ROUTER_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": ROUTER_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}, *(
+            [{"name": EXT_PROC_PORT_NAME, "containerPort": spec.ext_proc_port, "protocol": "TCP"}]
+            if spec.ext_proc_port is not None else [])],
         # Always ready: with no replica it holds requests, which is its job during scale-up.
         "readinessProbe": {"httpGet": {"path": "/ready", "port": ROUTER_PORT_NAME},
                            "periodSeconds": 5},
@@ -135,7 +140,11 @@ def desired_router_service(owner: Mapping[str, Any], spec: RouterSpec) -> dict:
             "type": "ClusterIP",
             "selector": router_selector_labels(name),
             "ports": [{"name": ROUTER_PORT_NAME, "port": spec.runtime_port,
-                       "targetPort": ROUTER_PORT_NAME, "protocol": "TCP"}],
+                       "targetPort": ROUTER_PORT_NAME, "protocol": "TCP"}, *(
+                # the InferencePool's endpointPickerRef names this Service and port
+                [{"name": EXT_PROC_PORT_NAME, "port": spec.ext_proc_port,
+                  "targetPort": EXT_PROC_PORT_NAME, "protocol": "TCP"}]
+                if spec.ext_proc_port is not None else [])],
         },
     }, owner)
 

@@ -46,6 +46,9 @@ class RouterSpec:
     # spec.runtime.apiKeySecret when LoRA is on: the router reads the replicas' /v1/models with
     # it, to send an adapter's requests to the replicas that have it loaded.
     backend_api_key_secret: tuple[str, str] | None = None
+    # spec.gateway.inferencePool: the router also serves Envoy ext_proc here, as the pool's
+    # endpoint picker (gateway_children.py).
+    ext_proc_port: int | None = None
 
 
 @dataclass(frozen=True)

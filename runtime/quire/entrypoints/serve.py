@@ -163,7 +163,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from quire.entrypoints import memory
     from quire.entrypoints.api_server import build_app
     from quire.entrypoints.uvicorn_server import QuireServer, uvicorn_config
-    from quire.metrics import ServerMetrics
+    from quire.metrics import ServerMetrics, cache_config_labels
 
     if ns.malloc_arena_max > 0:
         memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
@@ -172,7 +172,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     names = served_names(ns)
     limits = limits_from(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
-    metrics = ServerMetrics(ns.metrics_compat)
+    metrics = ServerMetrics(ns.metrics_compat, cache_config=cache_config_labels(
+        args.block_size, args.kv_cache_dtype, args.enable_prefix_caching))
     engine = AsyncLLMEngine(args, served_model_name=names[0] if names else None,
                             max_queue_len=ns.max_queue_len, stats=metrics)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
