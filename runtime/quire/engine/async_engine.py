@@ -136,6 +136,7 @@ class _PendingAdd:
     arrival_time: float
     future: asyncio.Future
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -328,14 +329,15 @@ class AsyncLLMEngine:
         for add in adds:
             try:
                 lora = add.lora_request
+                salt = {} if add.cache_salt is None else {"cache_salt": add.cache_salt}
                 if lora is None:
                     self.engine.add_request(add.request_id, add.prompt, add.params,
-                                            add.arrival_time)
+                                            add.arrival_time, **salt)
                 elif self.engine.get_lora(lora.name) != lora:
                     raise AdapterNotFound(lora.name)  # unloaded since the server picked it
                 else:
                     self.engine.add_request(add.request_id, add.prompt, add.params,
-                                            add.arrival_time, lora_request=lora)
+                                            add.arrival_time, lora_request=lora, **salt)
                 errors.append(None)
             except (ValueError, AdapterNotFound) as e:
                 errors.append(e)
@@ -403,9 +405,11 @@ class AsyncLLMEngine:
     # --- requests ------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it (between two steps).
-        lora_request: one of `lora_adapters`, or None for the base model.
+        lora_request: one of `lora_adapters`, or None for the base model. cache_salt: see
+        LLMEngine.add_request.
 
         Raises ValueError (bad input, naming the field), AdapterNotFound, EngineNotReady,
         EngineOverloaded, EngineShuttingDown or EngineDeadError."""
@@ -418,7 +422,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self.num_requests_added += 1
         self._adds.append(_PendingAdd(request_id, prompt, params, arrival_time, future,
-                                      lora_request))
+                                      lora_request, cache_salt))
         self._wake.set()
         try:
             await future
