@@ -49,6 +49,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# tokens per request, 1-2-5 steps as vLLM's request_prompt_tokens (there up to max_model_len)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000,
+                       50_000, 100_000, 200_000, 500_000, 1_000_000)
+
 # seconds filling one step's grammar masks: ~70 us a sequence, more for big batches
 GRAMMAR_MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                         0.1, 0.25, 0.5, 1.0)
@@ -102,6 +106,13 @@ SPECS = (
     _Spec("queue", Histogram, "quire:request_queue_time_seconds",
           ("vllm:request_queue_time_seconds",), "Arrival to first scheduling.",
           REQUEST_BUCKETS),
+    _Spec("prompt_tokens_cached", Counter, "quire:prompt_tokens_cached",
+          ("vllm:prompt_tokens_cached",), "Prompt tokens served from the prefix cache, over "
+          "finished requests."),
+    # vLLM has no per-request histogram of this figure, only the counter above
+    _Spec("cached_tokens", Histogram, "quire:request_prompt_cached_tokens", (),
+          "Prompt tokens of a request served from the prefix cache (usage's "
+          "prompt_tokens_details.cached_tokens).", TOKEN_COUNT_BUCKETS),
     _Spec("structured_requests", Counter, "quire:structured_output_requests", (),
           "Requests with a grammar (response_format, guided_*, tool_choice required or "
           "named)."),
@@ -211,12 +222,17 @@ class ServerMetrics:
         self._cache_info.labels(*values).set(1)
 
     def record_finished(self, output: RequestOutput) -> None:
-        """One count per finished sequence of a finished request (aborts and errors too)."""
+        """One count per finished sequence of a finished request (aborts and errors too), and
+        its cached prompt tokens, if it was ever scheduled."""
         if self.model_name is None:
             return
         for c in output.outputs:
             for child in self._reason(c.finish_reason or "abort"):
                 child.inc()
+        if output.metrics.first_scheduled_time is not None:
+            for child in self._children["cached_tokens"]:
+                child.observe(output.num_cached_tokens)
+            self._inc("prompt_tokens_cached", output.num_cached_tokens)
 
     def record_disconnect(self) -> None:
         self.client_disconnects.inc()

@@ -266,9 +266,11 @@ class AsyncLLMEngine:
     # --- requests ------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it (between two steps).
-        lora_request: one of `lora_adapters`, or None for the base model.
+        lora_request: one of `lora_adapters`, or None for the base model. cache_salt: see
+        LLMEngine.add_request.
 
         Raises ValueError (bad input, naming the field), AdapterNotFound, EngineNotReady,
         EngineOverloaded, EngineShuttingDown or EngineDeadError."""
@@ -287,7 +289,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self.num_requests_added += 1
         self._commands.put(AddRequest(request_id, prompt, params, arrival_time, lora_request,
-                                      future))
+                                      future, cache_salt))
         try:
             await future
         except asyncio.CancelledError:

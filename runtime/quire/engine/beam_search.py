@@ -143,6 +143,7 @@ class BeamSearchGroup:
         self._next_id += 1
         child.token_ids = list(parent.token_ids)
         child.beam_group = self
+        child.cache_salt, child.long_rope = parent.cache_salt, parent.long_rope  # same chain keys
         if parent.structured is not None:  # guided: the beam gets its own grammar state
             child.structured = parent.structured.fork()
         scheduler.fork(parent, child)

@@ -28,6 +28,7 @@ from quire.engine.beam_search import (
     advance_beam_groups,
     num_blocks_for_beam_search,
 )
+from quire.engine.block_hash import check_cache_salt
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
@@ -184,10 +185,14 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None,
+                    cache_salt: str | None = None) -> str:
         """Validate and queue one request; raises ValueError naming what is wrong.
-        lora_request: the adapter it runs with (read on first use); None: the base model."""
+        lora_request: the adapter it runs with (read on first use); None: the base model.
+        cache_salt: requests share prefix-cache blocks only with requests of the same salt
+        (None shares with None)."""
         params = params or SamplingParams()
+        check_cache_salt(cache_salt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.group_of(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -206,6 +211,7 @@ class LLMEngine:
                 self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
                 sample_index=i)
             tag_request(seq, adapter)
+            seq.cache_salt = cache_salt
             if seq_params.seed is not None and not seq_params.greedy:
                 seq.generator = self.sampler.make_generator(seq_params.seed)
             seqs.append(seq)

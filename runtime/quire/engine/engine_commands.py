@@ -42,17 +42,20 @@ class AddRequest(Command):
     arrival_time: float
     lora_request: LoRARequest | None
     future: asyncio.Future
+    cache_salt: str | None = None   # keeps its KV blocks apart from other salts' (tenants)
     error: Exception | None = None  # why the engine refused it (after run)
 
     def run(self, engine) -> None:
+        salt = {} if self.cache_salt is None else {"cache_salt": self.cache_salt}
         try:
             if self.lora_request is None:
-                engine.add_request(self.request_id, self.prompt, self.params, self.arrival_time)
+                engine.add_request(self.request_id, self.prompt, self.params, self.arrival_time,
+                                   **salt)
             elif engine.get_lora(self.lora_request.name) != self.lora_request:
                 raise AdapterNotFound(self.lora_request.name)  # unloaded since it was picked
             else:
                 engine.add_request(self.request_id, self.prompt, self.params,
-                                   self.arrival_time, lora_request=self.lora_request)
+                                   self.arrival_time, lora_request=self.lora_request, **salt)
         except (ValueError, AdapterNotFound) as e:
             self.error = e
         except Exception as e:  # noqa: BLE001 - one odd request must not stop the loop

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
+from quire.engine.block_hash import MAX_CACHE_SALT_CHARS
 from quire.entrypoints.errors import OpenAIError, bad_request, param_of
 from quire.sampling_params import MAX_LOGPROBS, MAX_SEED, RequestOutputKind, SamplingParams
 from quire.structured.params import GuidedDecodingParams
@@ -107,6 +108,15 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# --- prefix-cache isolation, on /v1/completions, /v1/chat/completions and /generate ------
+class CacheSaltField(_Request):
+    """vLLM's cache_salt: requests share prefix-cache blocks only with requests of the same
+    salt (a tenant's own secret keeps its prompts' KV from other tenants)."""
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+        description=f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+
+
 # --- structured output, on /v1/completions and /v1/chat/completions -----------------------
 class StructuredOutputFields(_Request):
     """OpenAI's response_format and vLLM's extra-body spellings; request_formats.py checks
@@ -130,7 +140,7 @@ STRUCTURED_OUTPUT_FIELDS = tuple(StructuredOutputFields.model_fields)
 
 
 # --- /v1/completions ------------------------------------------------------------------------
-class CompletionRequest(SamplingFields, StructuredOutputFields):
+class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
@@ -206,7 +216,7 @@ class ChatMessage(_Request):
         return n + len(self.name or "") + len(self.tool_call_id or "")
 
 
-class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
+class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField):
     model: str | None = None
     messages: list[ChatMessage] = Field(
         description="a non-empty list of {'role', 'content'} messages")
@@ -231,7 +241,7 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
 
 
 # --- /generate (vLLM's simple API) ----------------------------------------------------------
-class GenerateRequest(SamplingFields):
+class GenerateRequest(SamplingFields, CacheSaltField):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # no extras
     model: str | None = None
     prompt: str | list[int] = Field(description="a string or a list of token ids")
@@ -257,15 +267,24 @@ class DetokenizeRequest(_Request):
 
 
 # --- responses ------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int | None = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(
+            cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):

@@ -80,7 +80,8 @@ async def chat_completions(request: Request):
     if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers (harmony's) are special tokens
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await serving.submit(request_id, [prompt], params, renames, lora)
+    streams = await serving.submit(request_id, [prompt], params, renames, lora,
+                                   cache_salt=req.cache_salt)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -102,10 +103,11 @@ async def chat_completions(request: Request):
                                                   tool_calls=tool_calls),
             logprobs=chat_logprobs(c, params.logprobs),
             finish_reason=finish_reason, stop_reason=c.stop_reason))
-    serving.log_done(request_id, completion_tokens)
+    serving.log_done(request_id, completion_tokens, out.num_cached_tokens)
     return json_response(ChatCompletionResponse(
         id=request_id, model=model, choices=choices,
-        usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens)))
+        usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens,
+                           out.num_cached_tokens)))
 
 
 class ChatChunks:
