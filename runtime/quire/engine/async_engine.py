@@ -37,6 +37,7 @@ from quire.lora.request import LoRARequest
 from quire.lora.stats import lora_stats
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
+from quire.validation import QuireValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -407,12 +408,13 @@ class AsyncLLMEngine:
         """Queue a request and wait until the engine accepted it (between two steps).
         lora_request: one of `lora_adapters`, or None for the base model.
 
-        Raises ValueError (bad input, naming the field), AdapterNotFound, EngineNotReady,
+        Raises QuireValidationError (bad input, naming the field), AdapterNotFound, EngineNotReady,
         EngineOverloaded, EngineShuttingDown or EngineDeadError."""
         arrival_time = time.time() if arrival_time is None else arrival_time
         self._check_admission()
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise QuireValidationError("request_id",
+                                       f"request_id {request_id!r} is already in use", request_id)
         future = asyncio.get_running_loop().create_future()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
