@@ -62,6 +62,7 @@ from quire.lora.request import LoRARequest
 from quire.lora.stats import lora_stats
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
+from quire.validation import QuireValidationError
 
 __all__ = [
     "AdapterExists", "AdapterNotFound", "AsyncLLMEngine", "EngineDeadError", "EngineNotReady",
@@ -272,7 +273,7 @@ class AsyncLLMEngine:
         lora_request: one of `lora_adapters`, or None for the base model. cache_salt: see
         LLMEngine.add_request.
 
-        Raises ValueError (bad input, naming the field), AdapterNotFound, EngineNotReady,
+        Raises QuireValidationError (bad input, naming the field), AdapterNotFound, EngineNotReady,
         EngineOverloaded, EngineShuttingDown or EngineDeadError."""
         arrival_time = time.time() if arrival_time is None else arrival_time
         refusal = self._lifecycle.request_refusal()
@@ -283,7 +284,8 @@ class AsyncLLMEngine:
                 f"the server's queue is full ({self.max_queue_len} requests waiting); "
                 "retry later")
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise QuireValidationError("request_id",
+                                       f"request_id {request_id!r} is already in use", request_id)
         future = asyncio.get_running_loop().create_future()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream

@@ -32,6 +32,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from quire.validation import QuireValidationError
+
 MAX_CACHE_SALT_CHARS = 1024
 _DOMAIN = b"quire/kv-block-hash/v1\0"
 _packers: dict[int, struct.Struct] = {}
@@ -103,8 +105,10 @@ def check_cache_salt(salt: object) -> None:
     if salt is None:
         return
     if not isinstance(salt, str):
-        raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+        raise QuireValidationError(
+            "cache_salt", f"cache_salt must be a string, got {type(salt).__name__}", salt)
     if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt must be a non-empty string of at most "
-                         f"{MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+        raise QuireValidationError(
+            "cache_salt", f"cache_salt must be a non-empty string of at most "
+            f"{MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
 

@@ -13,6 +13,7 @@ from quire.engine.engine import LLMEngine, PromptType
 from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
+from quire.validation import QuireValidationError
 
 Message = dict[str, str]
 
@@ -48,8 +49,9 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
-                             f"{len(prompts)} prompts; give one, or one per prompt")
+            raise QuireValidationError(
+                "sampling_params", f"sampling_params has {len(sampling_params)} entries for "
+                f"{len(prompts)} prompts; give one, or one per prompt")
         loras = _per_prompt(lora_request, LoRARequest, len(prompts), "lora_request")
         salts = _per_prompt(cache_salt, str, len(prompts), "cache_salt")
         ids = []
@@ -97,7 +99,9 @@ class LLM:
             return render_chat_prompt(self.tokenizer, messages, tools, chat_template,
                                       add_generation_prompt)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+            raise QuireValidationError(
+                "chat_template", "this model's tokenizer has no chat template; pass "
+                "chat_template")
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True,
             chat_template=chat_template, return_dict=False)
@@ -141,6 +145,6 @@ def _per_prompt(value, one: type, n: int, name: str) -> list:
         return [value] * n
     values = list(value)
     if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries for {n} prompts; give one, "
-                         f"or one per prompt")
+        raise QuireValidationError(name, f"{name} has {len(values)} entries for {n} prompts; "
+                                   "give one, or one per prompt")
     return values

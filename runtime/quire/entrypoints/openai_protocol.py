@@ -4,7 +4,8 @@ the errors the server answers with.
 Requests are parsed strictly from the raw JSON (no "5" for 5, no 1.5 for an integer, no
 Infinity or NaN), and every problem becomes an OpenAIError: HTTP 400 naming the parameter, in
 OpenAI's error shape. Ranges are checked once, by SamplingParams and the engine, whose
-ValueErrors name the field; the server's own bounds (list lengths, sizes) are in limits.py.
+QuireValidationErrors carry the field; the server's own bounds (list lengths, sizes) are in
+limits.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from quire.engine.block_hash import MAX_CACHE_SALT_CHARS
-from quire.entrypoints.errors import OpenAIError, bad_request, param_of
+from quire.entrypoints.errors import OpenAIError, bad_request, invalid_input
 from quire.sampling_params import MAX_LOGPROBS, MAX_SEED, RequestOutputKind, SamplingParams
 from quire.structured.params import GuidedDecodingParams
 
@@ -80,28 +81,27 @@ class SamplingFields(_Request):
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         stream: bool, max_n: int | None = None,
-                        guided_decoding: GuidedDecodingParams | None = None) -> SamplingParams:
-        """SamplingParams, or OpenAIError 400 naming the parameter that is out of range."""
+                        guided_decoding: GuidedDecodingParams | None = None,
+                        renames: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams, or OpenAIError 400 naming the parameter that is out of range
+        (`renames`: SamplingParams' names this endpoint's request spells otherwise)."""
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise bad_request(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}",
                               "seed")
         if max_n is not None and isinstance(self.n, int) and self.n > max_n:
             raise bad_request(f"n must be <= {max_n} (this server's --max-num-seqs), "
                               f"got {self.n}", "n")
-        values = {k: getattr(self, k) for k in (
-            "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-            "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-            "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens")}
-        values = {k: v for k, v in values.items() if v is not None}
+        values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs,
                                   output_kind=kind, guided_decoding=guided_decoding)
         except ValueError as e:
-            raise bad_request(str(e), param_of(str(e), SAMPLING_PARAM_NAMES)) from None
+            raise invalid_input(e, renames) from None
 
 
-SAMPLING_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt"}
+# every field above goes to SamplingParams under its own name (a test holds them to that)
+SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 
 
 class StreamOptions(_Request):

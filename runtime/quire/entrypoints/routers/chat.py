@@ -18,7 +18,7 @@ from quire.entrypoints.chat_reasoning import (
     split_answer,
 )
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
-from quire.entrypoints.errors import OpenAIError, bad_request, renamed
+from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.logprobs import chat_logprobs
 from quire.entrypoints.openai_protocol import (
@@ -67,12 +67,9 @@ async def chat_completions(request: Request):
         raise bad_request("tool_choice 'required' or a named function constrains the answer "
                           "already; it can't be combined with response_format or guided_* "
                           "fields", "tool_choice")
-    try:
-        params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                     stream=req.stream, max_n=info.max_num_seqs,
-                                     guided_decoding=tools.guided or guided)
-    except OpenAIError as e:
-        raise renamed(e, renames) from None
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                 stream=req.stream, max_n=info.max_num_seqs,
+                                 guided_decoding=tools.guided or guided, renames=renames)
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
