@@ -4,7 +4,7 @@
     y = kernel(x)          # (x.float() @ dequant(W).T).to(x.dtype), x [M, K]
 
 In order of preference (benchmarks/quant_kernels.py prints each one's us/call and GB/s):
-1. the native CPU kernels (attention/cpu_kernels/quant_matmul.py: AVX-512 VNNI / AVX2), on
+1. the native CPU kernels (native/quant_matmul.py: AVX-512 VNNI / AVX2), on
    the canonical fp32 scales, so exact wherever the format promises it;
 2. torch's own weight-only ops (_weight_int8pack_mm per output channel,
    _weight_int4pack_mm_for_cpu group-wise). They take their scales (and zeros) in the
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def native():
     """The native kernel module when it is built and usable here, else None."""
     try:
-        from quire.attention.cpu_kernels import quant_matmul
+        from quire.native import quant_matmul
     except ImportError:
         return None
     try:
