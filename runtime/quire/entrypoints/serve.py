@@ -167,10 +167,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from quire.entrypoints.uvicorn_server import QuireServer, uvicorn_config
     from quire.metrics import ServerMetrics
 
+    tls = tls_from(ns)  # before the model loads: a bad certificate fails at once
     if ns.malloc_arena_max > 0:
         memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
     args = engine_args_from(ns, ns.model)
-    tls = tls_from(ns)  # before the model loads: a bad certificate fails at once
     allow_runtime_lora = runtime_lora_allowed(ns)
     names = served_names(ns)
     limits = limits_from(ns)

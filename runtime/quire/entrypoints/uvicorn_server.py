@@ -22,7 +22,8 @@ GRACEFUL_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for open connections afte
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str, access_log: bool,
-                   limits: ServerLimits, tls: ServerTLS = ServerTLS()) -> uvicorn.Config:
+                   limits: ServerLimits, tls: ServerTLS | None = None) -> uvicorn.Config:
+    tls = tls or ServerTLS()
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT, lifespan="on", log_config=None,
