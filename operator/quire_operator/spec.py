@@ -17,6 +17,7 @@ from . import names, quantity
 from .adapter_spec import AdapterSpec, LoraSpec, lora_modules_in, parse_adapters, parse_lora
 from .router_spec import RouterSpec, ScaleToZeroSpec, parse_router_spec, parse_scale_to_zero
 from .spec_error import SpecError
+from .tls_spec import TLSSpec, parse_tls
 
 __all__ = ["SpecError"]  # re-exported: callers import it from here
 
@@ -24,7 +25,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # Flags the operator sets itself: the probes, the Service, the drain and the GPU request depend on them.
-MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size")
+MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size",
+                 "--ssl-certfile", "--ssl-keyfile")
 # spec.parallelism.tensor: worker processes per pod, one per GPU; the bound of resources.gpus.
 MAX_TENSOR_PARALLEL = 16
 
@@ -107,6 +109,7 @@ class LLMSpec:
     scale_to_zero: ScaleToZeroSpec = field(default_factory=ScaleToZeroSpec)
     adapters: tuple[AdapterSpec, ...] = ()
     lora: LoraSpec = field(default_factory=LoraSpec)
+    tls: TLSSpec = field(default_factory=TLSSpec)
 
 
 def check_name(name: str) -> None:
@@ -147,6 +150,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         pdb_max_unavailable=pdb.integer("maxUnavailable", 1, minimum=0),
         autoscaling=_parse_autoscaling(scaling),
         router=parse_router_spec(raw),
+        tls=parse_tls(raw),
     )
     parsed = replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router))
     return _with_lora(parsed, spec)
@@ -241,7 +245,8 @@ def _parse_runtime(runtime: _Reader) -> RuntimeSpec:
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
-            raise SpecError(runtime.path + ".extraArgs", f"{flag} is set by the operator; use the spec field instead")
+            where = "spec.tls" if flag.startswith("--ssl-") else "the spec field"
+            raise SpecError(runtime.path + ".extraArgs", f"{flag} is set by the operator; use {where} instead")
     return RuntimeSpec(
         dtype=runtime.choice("dtype", DTYPES),
         max_model_len=runtime.integer("maxModelLen", None, minimum=1),
