@@ -56,8 +56,9 @@ API_CALLS: tuple[ApiCall, ...] = (
     ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
     ApiCall("", "events", ("create",), "Events on state changes and failures"),
     ApiCall("", "secrets", ("get",),
-            "only the Secret named by spec.runtime.apiKeySecret, when spec.adapters is set: the runtime "
-            "requires that key on its adapter endpoints"),
+            "only the Secrets an LLMDeployment names: spec.runtime.apiKeySecret, when spec.adapters is set (the "
+            "runtime requires that key on its adapter endpoints), and spec.tls.secretName (its CA verifies the "
+            "pods the operator scrapes and calls over HTTPS)"),
     ApiCall("coordination.k8s.io", "leases", ("get", "create", "patch"),
             "leader election: only the replica holding the Lease acts", scope="own"),
 )

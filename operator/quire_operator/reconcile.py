@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from . import names, status
@@ -30,6 +31,7 @@ from .drift import drift_of, patch_for
 from .gateway_children import gateway_child_names, gateway_children
 from .keda_children import desired_scaled_object, keda_child_names
 from .kube import ApiError, Kube
+from .pod_tls import with_trust_key
 from .router_children import desired_router_service, router_child_names, router_children
 from .spec import LLMSpec, SpecError, check_name, parse_spec
 from .status import Blocked
@@ -122,6 +124,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce:
         except SpecError as e:
             _block(kube, body, Blocked(status.INVALID_SPEC, str(e)), announce)
             return
+        spec = _with_router_trust(kube, namespace, spec)
         try:
             deployment = _apply_children(kube, namespace, owner_of(body), spec, default_image, announce)
         except ChildRejected as e:
@@ -188,6 +191,15 @@ def _apply_optional(kube: Kube, namespace: str, wanted: list[dict], possible: li
     for kind, child_name in possible:
         if (kind, child_name) not in have:
             _delete_child(kube, namespace, kind, child_name, announce, why)
+
+
+def _with_router_trust(kube: Kube, namespace: str, spec: LLMSpec) -> LLMSpec:
+    """With spec.tls and the router: which of the Secret's files the router verifies replicas with
+    (its ca.crt, else tls.crt). The periodic resync follows a Secret that gains or loses ca.crt."""
+    if not (spec.tls.enabled and spec.router.enabled):
+        return spec
+    tls = with_trust_key(kube, namespace, spec.tls)
+    return replace(spec, tls=tls, router=replace(spec.router, tls=tls))
 
 
 def _delete_child(kube: Kube, namespace: str, kind: str, name: str, announce: Announce, why: str) -> None:

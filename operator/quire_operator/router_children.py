@@ -22,6 +22,7 @@ import kopf
 from . import names
 from .gateway_spec import EXT_PROC_PORT_NAME
 from .router_spec import RouterSpec
+from .tls_spec import backend_tls_args, server_tls_args, tls_volume, with_https
 
 ROUTER_LABEL = "quire.dev/router"
 ROUTER_PORT = 8080
@@ -69,7 +70,7 @@ def router_args(name: str, spec: RouterSpec) -> list[str]:
             args += ["--model", f"{names.MODELS_MOUNT}/{spec.model_source}"]
         elif spec.model_source:
             args += ["--model", spec.model_source]
-    return args
+    return args + server_tls_args(spec.tls) + backend_tls_args(spec.tls)
 
 
 def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image: str) -> dict:
@@ -83,9 +84,9 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
             [{"name": EXT_PROC_PORT_NAME, "containerPort": spec.ext_proc_port, "protocol": "TCP"}]
             if spec.ext_proc_port is not None else [])],
         # Always ready: with no replica it holds requests, which is its job during scale-up.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": ROUTER_PORT_NAME},
+        "readinessProbe": {"httpGet": with_https({"path": "/ready", "port": ROUTER_PORT_NAME}, spec.tls),
                            "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT_NAME},
+        "livenessProbe": {"httpGet": with_https({"path": "/health", "port": ROUTER_PORT_NAME}, spec.tls),
                           "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
@@ -94,12 +95,15 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
     if spec.backend_api_key_secret:  # only for its own reads of the replicas' /v1/models (LoRA)
         secret, key = spec.backend_api_key_secret
         container["env"] = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
-    volumes = []
+    volumes, mounts = [], []
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model_pvc_claim, "readOnly": True}})
-        container["volumeMounts"] = [{"name": "model", "mountPath": names.MODELS_MOUNT,
-                                      "readOnly": True}]
+        mounts.append({"name": "model", "mountPath": names.MODELS_MOUNT, "readOnly": True})
+    tls_volumes, tls_mounts = tls_volume(spec.tls)  # spec.tls's Secret
+    volumes, mounts = volumes + tls_volumes, mounts + tls_mounts
+    if mounts:
+        container["volumeMounts"] = mounts
     pod_spec = {
         "serviceAccountName": router_name(name),
         "containers": [container],
@@ -121,7 +125,8 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
             "template": {
                 "metadata": {"labels": router_labels(name), "annotations": {
                     "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
-                    "prometheus.io/path": "/metrics"}},
+                    "prometheus.io/path": "/metrics",
+                    **({"prometheus.io/scheme": "https"} if spec.tls.enabled else {})}},
                 "spec": pod_spec,
             },
         },

@@ -18,6 +18,7 @@ from .adapter_spec import AdapterSpec, LoraSpec, lora_modules_in, parse_adapters
 from .gateway_spec import EXT_PROC_PORT, GatewaySpec, parse_gateway_spec
 from .router_spec import RouterSpec, ScaleToZeroSpec, parse_router_spec, parse_scale_to_zero
 from .spec_error import SpecError
+from .tls_spec import TLSSpec, parse_tls
 
 __all__ = ["SpecError"]  # re-exported: callers import it from here
 
@@ -27,7 +28,8 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # Who scales: the operator's own autoscaler, or a KEDA ScaledObject it writes (keda_children.py).
 AUTOSCALING_PROVIDERS = ("builtin", "keda")
 # Flags the operator sets itself: the probes, the Service, the drain and the GPU request depend on them.
-MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size")
+MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size",
+                 "--ssl-certfile", "--ssl-keyfile")
 # spec.parallelism.tensor: worker processes per pod, one per GPU; the bound of resources.gpus.
 MAX_TENSOR_PARALLEL = 16
 
@@ -118,6 +120,7 @@ class LLMSpec:
     adapters: tuple[AdapterSpec, ...] = ()
     lora: LoraSpec = field(default_factory=LoraSpec)
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    tls: TLSSpec = field(default_factory=TLSSpec)
 
 
 def check_name(name: str) -> None:
@@ -158,6 +161,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         pdb_max_unavailable=pdb.integer("maxUnavailable", 1, minimum=0),
         autoscaling=_parse_autoscaling(scaling),
         router=parse_router_spec(raw),
+        tls=parse_tls(raw),
     )
     gateway = parse_gateway_spec(raw, router_enabled=parsed.router.enabled)
     router = replace(parsed.router, ext_proc_port=EXT_PROC_PORT) if gateway.inference_pool else parsed.router
@@ -255,7 +259,8 @@ def _parse_runtime(runtime: _Reader) -> RuntimeSpec:
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
-            raise SpecError(runtime.path + ".extraArgs", f"{flag} is set by the operator; use the spec field instead")
+            where = "spec.tls" if flag.startswith("--ssl-") else "the spec field"
+            raise SpecError(runtime.path + ".extraArgs", f"{flag} is set by the operator; use {where} instead")
     return RuntimeSpec(
         dtype=runtime.choice("dtype", DTYPES),
         max_model_len=runtime.integer("maxModelLen", None, minimum=1),
