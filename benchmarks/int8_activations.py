@@ -73,7 +73,7 @@ def speed(rows: int, rounds: int) -> None:
 def one_shape(lib: ctypes.CDLL, name: str, n: int, k: int, rows: int, rounds: int) -> None:
     import torch
 
-    from quire.attention.cpu_kernels import quant_matmul as qm
+    from quire.native import quant_matmul as qm
     groups = k // 32
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     s = (torch.rand(n, groups) * 0.01 + 0.001).half().float()

@@ -3,7 +3,7 @@ weight bytes read per second, beside the float paths (fp32 F.linear, bf16 oneDNN
 
 Every kernel that runs here is timed: `dequant` (dequantize once, fp32 matmul), torch's
 `_weight_int8pack_mm` (per channel) and `_weight_int4pack_mm_for_cpu` (group 32), and the
-native kernels (attention/cpu_kernels/quant_matmul.py) when they are built. GB/s counts the
+native kernels (native/quant_matmul.py) when they are built. GB/s counts the
 weight's bytes in its own format (what a decode step must stream), not the activations.
 
     python benchmarks/quant_kernels.py [--m 1 8 32 512] [--threads 2]

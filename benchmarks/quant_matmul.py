@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 matmul on the CPU: Quire's native kernels (cpu_kernels/quant_matmul)
+"""Weight-only int8 / int4 matmul on the CPU: Quire's native kernels (native/quant_matmul)
 against torch's own (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) and dense F.linear, on
 SmolLM2-135M's shapes, with the machine's measured read bandwidth as the bound to read the
 decode (small M) figures against.
@@ -177,7 +177,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from quire.attention.cpu_kernels import quant_matmul as qm
+    from quire.native import quant_matmul as qm
     if qm._library(args.march) is None:
         raise SystemExit("quant_matmul.cpp did not build here (no compiler?)")
     dtype = getattr(torch, args.dtype)

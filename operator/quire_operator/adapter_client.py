@@ -8,16 +8,17 @@
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from .scrape import pod_opener, pod_url
+
 # Loading reads the adapter's weights from disk and packs them: allow longer than a scrape.
 LIST_TIMEOUT_SECONDS = 5.0
 LOAD_TIMEOUT_SECONDS = 60.0
-# Pod IPs are reached directly: an HTTP(S)_PROXY in the operator's environment must not apply.
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class AdapterApiError(Exception):
@@ -30,12 +31,12 @@ class AdapterApiError(Exception):
 
 
 class RuntimeAdapters:
-    """One replica's adapter endpoints."""
+    """One replica's adapter endpoints; `tls`: it speaks HTTPS, verified with this (spec.tls)."""
 
-    def __init__(self, ip: str, port: int, api_key: str | None = None) -> None:
-        host = f"[{ip}]" if ":" in ip else ip
-        self.base = f"http://{host}:{port}"
+    def __init__(self, ip: str, port: int, api_key: str | None = None, tls: ssl.SSLContext | None = None) -> None:
+        self.base = pod_url(ip, port, "", tls)
         self.api_key = api_key
+        self._opener = pod_opener(tls)  # pod IPs: no proxy
 
     def loaded(self) -> dict[str, str]:
         """Adapter name → the path it was loaded from ("root"), for every adapter the replica serves."""
@@ -62,7 +63,7 @@ class RuntimeAdapters:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
         try:
-            with _opener.open(request, timeout=timeout) as response:
+            with self._opener.open(request, timeout=timeout) as response:
                 return response.read().decode("utf-8", errors="replace")
         except urllib.error.HTTPError as e:
             raise AdapterApiError(e.code, _reason(e.read().decode("utf-8", errors="replace"))) from e

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from .adapter_client import AdapterApiError, RuntimeAdapters
 from .adapter_spec import AdapterSpec
 from .kube import ApiError, Kube
+from .pod_tls import TLSTrustError, client_context
 from .scaling import PodRef
 from .scrape import MAX_PARALLEL_SCRAPES
 from .spec import LLMSpec
@@ -161,14 +162,15 @@ def sync_adapters(kube: Kube, namespace: str, name: str, spec: LLMSpec, pods: It
         return announced
     managed = (obj.get("status") or {}).get("managedAdapters") or []
     try:
+        tls = client_context(kube, namespace, spec.tls)
+    except (ApiError, TLSTrustError) as e:
+        return _cannot_ask(namespace, name, "cannot verify the replicas' HTTPS certificates (spec.tls), so no "
+                                            f"replica can be asked to load adapters: {e}", announced, announce)
+    try:
         api_key = read_api_key(kube, namespace, spec.runtime.api_key_secret)
     except (ApiError, KeyError, ValueError) as e:
-        problem = ("AdapterSyncFailed", f"cannot read the API key of spec.runtime.apiKeySecret, so no replica "
-                                        f"can be asked to load adapters: {e}")
-        if problem not in announced:
-            announce("Warning", *problem)
-        log.warning("%s/%s: %s", namespace, name, problem[1])
-        return frozenset({problem})
+        return _cannot_ask(namespace, name, "cannot read the API key of spec.runtime.apiKeySecret, so no replica "
+                                            f"can be asked to load adapters: {e}", announced, announce)
 
     # Pods not started with --allow-runtime-lora (the old ones, while LoRA's rollout runs) are
     # no replicas of an adapter: they go away.
@@ -177,7 +179,7 @@ def sync_adapters(kube: Kube, namespace: str, name: str, spec: LLMSpec, pods: It
     desired = spec.adapters
 
     def one(pod: PodRef) -> ReplicaOutcome:
-        return sync_replica(RuntimeAdapters(pod.ip, spec.port, api_key), pod.name, desired, managed)
+        return sync_replica(RuntimeAdapters(pod.ip, spec.port, api_key, tls), pod.name, desired, managed)
 
     outcomes: list[ReplicaOutcome] = []
     if ready:
@@ -189,6 +191,15 @@ def sync_adapters(kube: Kube, namespace: str, name: str, spec: LLMSpec, pods: It
               "managedAdapters": still_managed(desired, managed, outcomes, left_out)}
     update_status(kube, namespace, name, lambda _: fields)
     return _announce(outcomes, rows, spec.lora.sync_interval_seconds, announced, announce)
+
+
+def _cannot_ask(namespace: str, name: str, message: str, announced: frozenset, announce: Announce) -> frozenset:
+    """No replica can be called: said once in a Warning (until it clears), logged every time."""
+    problem = ("AdapterSyncFailed", message)
+    if problem not in announced:
+        announce("Warning", *problem)
+    log.warning("%s/%s: %s", namespace, name, message)
+    return frozenset({problem})
 
 
 def _announce(outcomes: Sequence[ReplicaOutcome], rows: Sequence[Mapping], interval: int,

@@ -45,11 +45,20 @@ API_CALLS: tuple[ApiCall, ...] = (
             "never called: the router's Role grants it, and RBAC lets one grant only what one holds"),
     ApiCall("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete"),
             "the optional PDB; watched (by label) for drift"),
+    # Kinds of optional CRDs: not watched (kopf would stall on a kind the cluster lacks); the
+    # periodic resync repairs their drift. Deleted when the spec stops asking for them.
+    ApiCall("inference.networking.k8s.io", "inferencepools", ("get", "create", "patch", "delete"),
+            "spec.gateway.inferencePool: the runtime pods as a Gateway API Inference Extension pool"),
+    ApiCall("gateway.networking.k8s.io", "httproutes", ("get", "create", "patch", "delete"),
+            "spec.gateway.httpRoute: attaches the InferencePool to the Gateways named"),
+    ApiCall("keda.sh", "scaledobjects", ("get", "create", "patch", "delete"),
+            "spec.autoscaling.provider keda: KEDA scales the LLMDeployment through /scale"),
     ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
     ApiCall("", "events", ("create",), "Events on state changes and failures"),
     ApiCall("", "secrets", ("get",),
-            "only the Secret named by spec.runtime.apiKeySecret, when spec.adapters is set: the runtime "
-            "requires that key on its adapter endpoints"),
+            "only the Secrets an LLMDeployment names: spec.runtime.apiKeySecret, when spec.adapters is set (the "
+            "runtime requires that key on its adapter endpoints), and spec.tls.secretName (its CA verifies the "
+            "pods the operator scrapes and calls over HTTPS)"),
     ApiCall("coordination.k8s.io", "leases", ("get", "create", "patch"),
             "leader election: only the replica holding the Lease acts", scope="own"),
 )

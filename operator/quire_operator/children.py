@@ -88,7 +88,7 @@ def desired_pdb(owner: Mapping[str, Any], spec: LLMSpec) -> dict | None:
 
 def endpoint(owner: Mapping[str, Any], spec: LLMSpec) -> str:
     meta = owner["metadata"]
-    return f"http://{meta['name']}.{meta['namespace']}.svc:{spec.port}"
+    return f"{spec.tls.scheme}://{meta['name']}.{meta['namespace']}.svc:{spec.port}"
 
 
 def desired_hash(obj: Mapping[str, Any]) -> str:

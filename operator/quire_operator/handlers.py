@@ -27,6 +27,7 @@ from .adapter_sync import sync_adapters
 from .defaults import default_image
 from .housekeeping import Housekeeping, Key, Polled
 from .kube import ApiError, kube, load_config
+from .pod_tls import TLSTrustError, client_context
 from .reconcile import Announce, reconcile, repair
 from .router_children import ROUTER_LABEL, ROUTER_PORT_NAME
 from .scaling import PodRef, poll
@@ -172,7 +173,8 @@ def llmdeployments(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, 
         memo["handler_context"]["context"] = contextvars.copy_context()
     try:
         parsed = parse_spec(spec)
-        poll_seconds = parsed.autoscaling.poll_interval_seconds if parsed.autoscaling.enabled else None
+        # A KEDA-scaled object is KEDA's alone: no poll, so no /scale write from here.
+        poll_seconds = parsed.autoscaling.poll_interval_seconds if parsed.autoscaling.builtin else None
         adapter_seconds = parsed.lora.sync_interval_seconds if parsed.lora.enabled else None
         adapters = parsed.adapters
     except SpecError:
@@ -196,16 +198,17 @@ def _autoscale(pods_index: kopf.Index, router_index: kopf.Index, key: Key, entry
 
     pods = list(pods_index.get(key, []))
     try:
+        tls = client_context(kube, namespace, parsed.tls)  # spec.tls: the pods speak HTTPS
         if parsed.scale_to_zero.enabled:
             # The 0 <-> 1 edge first; the load autoscaler only while replicas run and it did not scale.
             zero = poll_zero(kube, namespace, name, parsed, list(router_index.get(key, [])),
-                             sum(p.ready for p in pods), time.time(), announce)
+                             sum(p.ready for p in pods), time.time(), announce, tls)
             if zero.scaled or zero.current == 0:
                 faster = POLL_SECONDS_AT_ZERO if zero.decision.replicas == 0 else None
                 return Polled(history, faster)
         return poll(kube, namespace, name, parsed.autoscaling, parsed.port, pods,
-                    history, time.time(), announce, warn).history
-    except ApiError as e:
+                    history, time.time(), announce, warn, tls).history
+    except (ApiError, TLSTrustError) as e:
         log.warning("%s/%s: autoscaler poll failed, the next poll retries: %s", namespace, name, e)
         return history
 

@@ -6,7 +6,9 @@ import math
 
 from . import names
 from .adapter_spec import ADAPTERS_MOUNT, adapter_claims, claim_volume_name, lora_flags
+from .gateway_children import gateway_runtime_args
 from .spec import LLMSpec, RuntimeSpec
+from .tls_spec import server_tls_args, tls_volume, with_https
 
 # How often the startup probe asks /health while the model loads.
 STARTUP_PERIOD_SECONDS = 10
@@ -44,6 +46,8 @@ def server_args(spec: LLMSpec) -> list[str]:
     # LoRA's switch and limits only: the adapters themselves are loaded through the API, so
     # editing spec.adapters never changes (and never rolls) the pods.
     args += lora_flags(spec.lora)
+    args += gateway_runtime_args(spec)
+    args += server_tls_args(spec.tls)
     args += list(spec.runtime.extra_args)
     return args
 
@@ -122,12 +126,13 @@ def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
         volume = claim_volume_name(claim)
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTERS_MOUNT}/{claim}", "readOnly": True})
-    return volumes, mounts
+    tls_volumes, tls_mounts = tls_volume(spec.tls)  # spec.tls's Secret
+    return volumes + tls_volumes, mounts + tls_mounts
 
 
 def _probes(spec: LLMSpec) -> dict:
     def http_get(path: str) -> dict:
-        return {"path": path, "port": names.PORT_NAME}
+        return with_https({"path": path, "port": names.PORT_NAME}, spec.tls)
 
     return {
         # /health answers while the engine loop lives; loading a model may take many minutes.
@@ -167,6 +172,7 @@ def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(spec.port),
         "prometheus.io/path": "/metrics",
+        **({"prometheus.io/scheme": "https"} if spec.tls.enabled else {}),
         **spec.pod_annotations,
     }
     pod_spec = {

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from . import names, status
@@ -27,7 +28,10 @@ from .children import (
     with_hash,
 )
 from .drift import drift_of, patch_for
+from .gateway_children import gateway_child_names, gateway_children
+from .keda_children import desired_scaled_object, keda_child_names
 from .kube import ApiError, Kube
+from .pod_tls import with_trust_key
 from .router_children import desired_router_service, router_child_names, router_children
 from .spec import LLMSpec, SpecError, check_name, parse_spec
 from .status import Blocked
@@ -46,7 +50,14 @@ KINDS = {
     "ServiceAccount": ("", "v1", "serviceaccounts"),
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    # Kinds of other projects' CRDs, written only when the spec asks (spec.gateway, KEDA).
+    "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
+    "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
 }
+# Which install each of those kinds needs: its creation answering 404 means the CRD is missing.
+INSTALLED_BY = {"InferencePool": "the Gateway API Inference Extension CRDs",
+                "HTTPRoute": "the Gateway API CRDs", "ScaledObject": "KEDA"}
 # 4xx answers that say "not now" rather than "never": a race with another writer, or throttling.
 TRANSIENT_CLIENT_ERRORS = (404, 408, 409, 429)
 _KEEP = object()  # "leave the reported blocking problem as it is"
@@ -65,8 +76,8 @@ def _lock_for(namespace: str, name: str) -> threading.RLock:
 class ChildRejected(Exception):
     """The API server refused a child for good (a 4xx other than TRANSIENT_CLIENT_ERRORS)."""
 
-    def __init__(self, kind: str, name: str, error: ApiError) -> None:
-        super().__init__(f"the API server rejected the {kind} {name!r}: {error}")
+    def __init__(self, kind: str, name: str, error: ApiError, hint: str = "") -> None:
+        super().__init__(f"the API server rejected the {kind} {name!r}: {error}{hint}")
         self.error = error
 
 
@@ -94,6 +105,9 @@ def apply(kube: Kube, namespace: str, desired: dict) -> tuple[str, dict]:
         log.debug("%s/%s: the %s differs in %s", namespace, name, kind, drift)
         return action, kube.patch(group, version, plural, namespace, name, patch_for(live, desired))
     except ApiError as e:
+        if e.status == 404 and kind in INSTALLED_BY:
+            # Not a race: the kind itself is unknown. The periodic resync retries it.
+            raise ChildRejected(kind, name, e, f" (is {INSTALLED_BY[kind]} installed?)") from e
         if is_permanent(e):
             raise ChildRejected(kind, name, e) from e
         raise
@@ -110,6 +124,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce:
         except SpecError as e:
             _block(kube, body, Blocked(status.INVALID_SPEC, str(e)), announce)
             return
+        spec = _with_router_trust(kube, namespace, spec)
         try:
             deployment = _apply_children(kube, namespace, owner_of(body), spec, default_image, announce)
         except ChildRejected as e:
@@ -158,7 +173,33 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
         _apply_announced(kube, namespace, pdb, announce)
     else:
         _delete_child(kube, namespace, "PodDisruptionBudget", name, announce, "spec.podDisruptionBudget is off")
+    # After the router's Service, which the InferencePool names as its endpoint picker.
+    _apply_optional(kube, namespace, gateway_children(owner, spec), gateway_child_names(name), announce,
+                    "spec.gateway does not ask for it")
+    scaled_object = desired_scaled_object(owner, spec)
+    _apply_optional(kube, namespace, [scaled_object] if scaled_object else [], keda_child_names(name),
+                    announce, "spec.autoscaling.provider is not keda")
     return deployment
+
+
+def _apply_optional(kube: Kube, namespace: str, wanted: list[dict], possible: list[tuple[str, str]],
+                    announce: Announce, why: str) -> None:
+    """Apply what the spec asks for; delete what it could ask for but does not (any more)."""
+    for child in wanted:
+        _apply_announced(kube, namespace, child, announce)
+    have = {(child["kind"], child["metadata"]["name"]) for child in wanted}
+    for kind, child_name in possible:
+        if (kind, child_name) not in have:
+            _delete_child(kube, namespace, kind, child_name, announce, why)
+
+
+def _with_router_trust(kube: Kube, namespace: str, spec: LLMSpec) -> LLMSpec:
+    """With spec.tls and the router: which of the Secret's files the router verifies replicas with
+    (its ca.crt, else tls.crt). The periodic resync follows a Secret that gains or loses ca.crt."""
+    if not (spec.tls.enabled and spec.router.enabled):
+        return spec
+    tls = with_trust_key(kube, namespace, spec.tls)
+    return replace(spec, tls=tls, router=replace(spec.router, tls=tls))
 
 
 def _delete_child(kube: Kube, namespace: str, kind: str, name: str, announce: Announce, why: str) -> None:

@@ -20,7 +20,9 @@ from typing import Any
 import kopf
 
 from . import names
+from .gateway_spec import EXT_PROC_PORT_NAME
 from .router_spec import RouterSpec
+from .tls_spec import backend_tls_args, server_tls_args, tls_volume, with_https
 
 ROUTER_LABEL = "quire.dev/router"
 ROUTER_PORT = 8080
@@ -60,13 +62,15 @@ def router_args(name: str, spec: RouterSpec) -> list[str]:
             "--k8s-service", headless_service_name(name), "--backend-port-name", names.PORT_NAME,
             "--routing", spec.routing, "--max-pending", str(spec.max_pending),
             "--hold-timeout", f"{spec.hold_timeout_seconds:g}"]
+    if spec.ext_proc_port is not None:  # spec.gateway.inferencePool: the pool's endpoint picker
+        args += ["--ext-proc-port", str(spec.ext_proc_port)]
     if spec.routing == "prefix-aware":  # it tokenizes prompts as the replicas do
         args += ["--block-size", str(spec.block_size)]
         if spec.model_pvc_claim and spec.model_source:
             args += ["--model", f"{names.MODELS_MOUNT}/{spec.model_source}"]
         elif spec.model_source:
             args += ["--model", spec.model_source]
-    return args
+    return args + server_tls_args(spec.tls) + backend_tls_args(spec.tls)
 
 
 def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image: str) -> dict:
@@ -76,11 +80,13 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
         "image": spec.image or image,
         "command": ["quire"],
         "args": router_args(name, spec),
-        "ports": [{"name": ROUTER_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": ROUTER_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}, *(
+            [{"name": EXT_PROC_PORT_NAME, "containerPort": spec.ext_proc_port, "protocol": "TCP"}]
+            if spec.ext_proc_port is not None else [])],
         # Always ready: with no replica it holds requests, which is its job during scale-up.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": ROUTER_PORT_NAME},
+        "readinessProbe": {"httpGet": with_https({"path": "/ready", "port": ROUTER_PORT_NAME}, spec.tls),
                            "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT_NAME},
+        "livenessProbe": {"httpGet": with_https({"path": "/health", "port": ROUTER_PORT_NAME}, spec.tls),
                           "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
@@ -89,12 +95,15 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
     if spec.backend_api_key_secret:  # only for its own reads of the replicas' /v1/models (LoRA)
         secret, key = spec.backend_api_key_secret
         container["env"] = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
-    volumes = []
+    volumes, mounts = [], []
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model_pvc_claim, "readOnly": True}})
-        container["volumeMounts"] = [{"name": "model", "mountPath": names.MODELS_MOUNT,
-                                      "readOnly": True}]
+        mounts.append({"name": "model", "mountPath": names.MODELS_MOUNT, "readOnly": True})
+    tls_volumes, tls_mounts = tls_volume(spec.tls)  # spec.tls's Secret
+    volumes, mounts = volumes + tls_volumes, mounts + tls_mounts
+    if mounts:
+        container["volumeMounts"] = mounts
     pod_spec = {
         "serviceAccountName": router_name(name),
         "containers": [container],
@@ -116,7 +125,8 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
             "template": {
                 "metadata": {"labels": router_labels(name), "annotations": {
                     "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
-                    "prometheus.io/path": "/metrics"}},
+                    "prometheus.io/path": "/metrics",
+                    **({"prometheus.io/scheme": "https"} if spec.tls.enabled else {})}},
                 "spec": pod_spec,
             },
         },
@@ -135,7 +145,11 @@ def desired_router_service(owner: Mapping[str, Any], spec: RouterSpec) -> dict:
             "type": "ClusterIP",
             "selector": router_selector_labels(name),
             "ports": [{"name": ROUTER_PORT_NAME, "port": spec.runtime_port,
-                       "targetPort": ROUTER_PORT_NAME, "protocol": "TCP"}],
+                       "targetPort": ROUTER_PORT_NAME, "protocol": "TCP"}, *(
+                # the InferencePool's endpointPickerRef names this Service and port
+                [{"name": EXT_PROC_PORT_NAME, "port": spec.ext_proc_port,
+                  "targetPort": EXT_PROC_PORT_NAME, "protocol": "TCP"}]
+                if spec.ext_proc_port is not None else [])],
         },
     }, owner)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .spec_error import SpecError
+from .tls_spec import TLSSpec, parse_tls
 
 ROUTING_POLICIES = ("round-robin", "least-load", "prefix-aware")
 DEFAULT_BLOCK_SIZE = 16  # the runtime's default (EngineArgs.block_size)
@@ -46,6 +47,11 @@ class RouterSpec:
     # spec.runtime.apiKeySecret when LoRA is on: the router reads the replicas' /v1/models with
     # it, to send an adapter's requests to the replicas that have it loaded.
     backend_api_key_secret: tuple[str, str] | None = None
+    # spec.gateway.inferencePool: the router also serves Envoy ext_proc here, as the pool's
+    # endpoint picker (gateway_children.py).
+    ext_proc_port: int | None = None
+    # spec.tls: the router serves HTTPS with the Secret and verifies the replicas with its CA.
+    tls: TLSSpec = TLSSpec()
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ def parse_router_spec(raw_spec: Mapping[str, Any] | None) -> RouterSpec:
                         maximum=256),
         image=_string(router, "image") or _string(spec, "image"),
         image_pull_policy=_string(spec, "imagePullPolicy"),
+        tls=parse_tls(spec),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -42,20 +43,21 @@ def policy_of(spec: AutoscalingSpec) -> Policy:
     )
 
 
-def sample_pods(pods: Iterable[PodRef], port: int) -> list[PodSample]:
+def sample_pods(pods: Iterable[PodRef], port: int, tls: ssl.SSLContext | None = None) -> list[PodSample]:
     pods = list(pods)
-    scraped = scrape_all([p.ip for p in pods if p.ready and p.ip], port)
+    scraped = scrape_all([p.ip for p in pods if p.ready and p.ip], port, tls)
     return [PodSample(ready=p.ready and bool(p.ip), metrics=scraped.get(p.ip) if p.ready and p.ip else None,
                       name=p.name) for p in pods]
 
 
 def poll(kube: Kube, namespace: str, name: str, spec: AutoscalingSpec, port: int, pods: Iterable[PodRef],
          history: Sequence[Recommendation] | None, now: float,
-         announce: Callable[[str, str], None], announce_warning: Callable[[str, str], None]) -> Decision:
-    """Returns the decision; its history is what the next poll needs."""
+         announce: Callable[[str, str], None], announce_warning: Callable[[str, str], None],
+         tls: ssl.SSLContext | None = None) -> Decision:
+    """Returns the decision; its history is what the next poll needs. `tls`: the pods speak HTTPS."""
     # The replica count from /scale, not from the watched body, which may lag our own last change.
     current = kube.get_scale(namespace, name).get("spec", {}).get("replicas", 0)
-    decision = autoscaler.decide(current, sample_pods(pods, port), policy_of(spec), history, now)
+    decision = autoscaler.decide(current, sample_pods(pods, port, tls), policy_of(spec), history, now)
     if decision.changes(current):
         kube.set_replicas(namespace, name, decision.replicas)
         log.info("%s/%s: scaled %d → %d (%s, signal %s): %s", namespace, name, current, decision.replicas,

@@ -15,16 +15,21 @@ from typing import Any
 
 from . import names, quantity
 from .adapter_spec import AdapterSpec, LoraSpec, lora_modules_in, parse_adapters, parse_lora
+from .gateway_spec import EXT_PROC_PORT, GatewaySpec, parse_gateway_spec
 from .router_spec import RouterSpec, ScaleToZeroSpec, parse_router_spec, parse_scale_to_zero
 from .spec_error import SpecError
+from .tls_spec import TLSSpec, parse_tls
 
 __all__ = ["SpecError"]  # re-exported: callers import it from here
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Who scales: the operator's own autoscaler, or a KEDA ScaledObject it writes (keda_children.py).
+AUTOSCALING_PROVIDERS = ("builtin", "keda")
 # Flags the operator sets itself: the probes, the Service, the drain and the GPU request depend on them.
-MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size")
+MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size",
+                 "--ssl-certfile", "--ssl-keyfile")
 # spec.parallelism.tensor: worker processes per pod, one per GPU; the bound of resources.gpus.
 MAX_TENSOR_PARALLEL = 16
 
@@ -84,6 +89,13 @@ class AutoscalingSpec:
     scale_down_stabilization_seconds: int = 300
     max_scale_up_step: int = 4
     poll_interval_seconds: int = 15
+    provider: str = "builtin"
+    keda_prometheus_address: str | None = None  # where KEDA's Prometheus triggers query
+
+    @property
+    def builtin(self) -> bool:
+        """Whether the operator's own autoscaler scales (KEDA's object is left to KEDA)."""
+        return self.enabled and self.provider == "builtin"
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,8 @@ class LLMSpec:
     scale_to_zero: ScaleToZeroSpec = field(default_factory=ScaleToZeroSpec)
     adapters: tuple[AdapterSpec, ...] = ()
     lora: LoraSpec = field(default_factory=LoraSpec)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    tls: TLSSpec = field(default_factory=TLSSpec)
 
 
 def check_name(name: str) -> None:
@@ -147,8 +161,12 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         pdb_max_unavailable=pdb.integer("maxUnavailable", 1, minimum=0),
         autoscaling=_parse_autoscaling(scaling),
         router=parse_router_spec(raw),
+        tls=parse_tls(raw),
     )
-    parsed = replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router))
+    gateway = parse_gateway_spec(raw, router_enabled=parsed.router.enabled)
+    router = replace(parsed.router, ext_proc_port=EXT_PROC_PORT) if gateway.inference_pool else parsed.router
+    parsed = replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router), gateway=gateway,
+                     router=router)
     return _with_lora(parsed, spec)
 
 
@@ -241,7 +259,8 @@ def _parse_runtime(runtime: _Reader) -> RuntimeSpec:
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
-            raise SpecError(runtime.path + ".extraArgs", f"{flag} is set by the operator; use the spec field instead")
+            where = "spec.tls" if flag.startswith("--ssl-") else "the spec field"
+            raise SpecError(runtime.path + ".extraArgs", f"{flag} is set by the operator; use {where} instead")
     return RuntimeSpec(
         dtype=runtime.choice("dtype", DTYPES),
         max_model_len=runtime.integer("maxModelLen", None, minimum=1),
@@ -276,6 +295,8 @@ def _parse_autoscaling(scaling: _Reader) -> AutoscalingSpec:
         scale_down_stabilization_seconds=scaling.integer("scaleDownStabilizationSeconds", 300, minimum=0, maximum=3600),
         max_scale_up_step=scaling.integer("maxScaleUpStep", 4, minimum=1),
         poll_interval_seconds=scaling.integer("pollIntervalSeconds", 15, minimum=1, maximum=3600),
+        provider=scaling.choice("provider", AUTOSCALING_PROVIDERS) or "builtin",
+        keda_prometheus_address=_prometheus_address(scaling),
     )
     if enabled and parsed.max_replicas is None:
         raise SpecError(scaling.path + ".maxReplicas", "is required when autoscaling is enabled")
@@ -283,6 +304,18 @@ def _parse_autoscaling(scaling: _Reader) -> AutoscalingSpec:
         raise SpecError(scaling.path + ".minReplicas",
                         f"{parsed.min_replicas} is greater than maxReplicas {parsed.max_replicas}")
     return parsed
+
+
+def _prometheus_address(scaling: _Reader) -> str | None:
+    keda = scaling.section("keda")
+    address = keda.string("prometheusAddress")
+    if address is None and scaling.raw.get("provider") == "keda":
+        raise SpecError(keda.path + ".prometheusAddress", "is required when autoscaling.provider is keda "
+                                                          "(the Prometheus server KEDA's triggers query)")
+    if address is not None and not re.match(r"^https?://[^\s/]+(/\S*)?$", address):
+        raise SpecError(keda.path + ".prometheusAddress",
+                        f"{address!r} is not an http:// or https:// URL of a Prometheus server")
+    return address
 
 
 class _Reader:

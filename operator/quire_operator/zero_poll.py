@@ -12,6 +12,7 @@ through /scale, as the load autoscaler's do. Status keeps, under `scaleToZero`:
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,12 +52,13 @@ class ZeroPoll:
         return self.decision.replicas != self.current
 
 
-def router_signal(router_pods: Iterable[PodRef]) -> RouterSignal | None:
-    """All ready router pods' figures together; None if there is none, or one did not answer."""
+def router_signal(router_pods: Iterable[PodRef], tls: ssl.SSLContext | None = None) -> RouterSignal | None:
+    """All ready router pods' figures together; None if there is none, or one did not answer.
+    `tls`: the router pods speak HTTPS (spec.tls)."""
     ready = [p for p in router_pods if p.ready and p.ip]
 
     def signal(pod: PodRef) -> RouterSignal | None:
-        text = fetch(pod.ip, pod.port or ROUTER_PORT)
+        text = fetch(pod.ip, pod.port or ROUTER_PORT, tls=tls)
         try:
             return None if text is None else router_signal_from_metrics(text)
         except ValueError as e:
@@ -70,9 +72,10 @@ def router_signal(router_pods: Iterable[PodRef]) -> RouterSignal | None:
 
 
 def poll_zero(kube: Kube, namespace: str, name: str, spec: LLMSpec, router_pods: Iterable[PodRef],
-              ready_replicas: int, now: float, announce: Callable[[str, str], None]) -> ZeroPoll:
+              ready_replicas: int, now: float, announce: Callable[[str, str], None],
+              tls: ssl.SSLContext | None = None) -> ZeroPoll:
     current = kube.get_scale(namespace, name).get("spec", {}).get("replicas", 0)
-    signal = router_signal(router_pods)
+    signal = router_signal(router_pods, tls)
     assert spec.autoscaling.max_replicas is not None  # parse_spec: required with autoscaling on
     decision = decide_scale_to_zero(current_replicas=current, ready_replicas=ready_replicas, signal=signal,
                                     now=now, idle_window_seconds=spec.scale_to_zero.idle_window_seconds,

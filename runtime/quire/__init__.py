@@ -6,8 +6,9 @@ from quire.entrypoints.llm import LLM
 from quire.lora.request import LoRARequest
 from quire.outputs import CompletionOutput, Logprob, RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
+from quire.validation import QuireValidationError
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
-           "CompletionOutput", "Logprob", "LoRARequest", "__version__"]
+           "CompletionOutput", "Logprob", "LoRARequest", "QuireValidationError", "__version__"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from quire.validation import check_int, check_number
+from quire.validation import QuireValidationError, check_int, check_number
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
@@ -91,16 +91,19 @@ class EngineArgs:
         _choice("device", self.device, DEVICES)
         _choice("quantization", self.quantization, QUANTIZATIONS)
         if self.quantization_group_size not in QUANT_GROUP_SIZES:
-            raise ValueError(f"quantization_group_size must be one of "
-                             f"{', '.join(map(str, QUANT_GROUP_SIZES))}; got "
-                             f"{self.quantization_group_size!r}")
+            raise QuireValidationError(
+                "quantization_group_size", f"quantization_group_size must be one of "
+                f"{', '.join(map(str, QUANT_GROUP_SIZES))}; got {self.quantization_group_size!r}",
+                self.quantization_group_size)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_int("seed", self.seed, lo=0)
         check_int("block_size", self.block_size, lo=1)
         if self.block_size & (self.block_size - 1) or not 1 <= self.block_size <= 256:
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+            raise QuireValidationError(
+                "block_size", f"block_size must be a power of two in [1, 256], got "
+                f"{self.block_size}", self.block_size)
         check_int("max_num_seqs", self.max_num_seqs, lo=1)
         if self.max_num_batched_tokens is not None:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
@@ -113,13 +116,17 @@ class EngineArgs:
             f = self.kv_cache_memory_fraction
             check_number("kv_cache_memory_fraction", f, lo=0.0, hi=1.0, what="in (0, 1]")
             if f == 0:
-                raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f!r}")
+                raise QuireValidationError(
+                    "kv_cache_memory_fraction",
+                    f"kv_cache_memory_fraction must be in (0, 1], got {f!r}", f)
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, lo=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
         _check_lora(self)
         if self.preemption_mode == "swap" and self.swap_space == 0:
-            raise ValueError("swap_space must be > 0 bytes when preemption_mode is 'swap'")
+            raise QuireValidationError(
+                "swap_space", "swap_space must be > 0 bytes when preemption_mode is 'swap'",
+                self.swap_space)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -128,27 +135,33 @@ class EngineArgs:
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        raise QuireValidationError(
+            name, f"{name} must be one of {', '.join(allowed)}; got {value!r}", value)
 
 
 def _check_lora(args: EngineArgs) -> None:
     if not isinstance(args.enable_lora, bool):
-        raise ValueError(f"enable_lora must be a boolean, got {args.enable_lora!r}")
+        raise QuireValidationError(
+            "enable_lora", f"enable_lora must be a boolean, got {args.enable_lora!r}",
+            args.enable_lora)
     check_int("max_loras", args.max_loras, lo=1)
     check_int("max_lora_rank", args.max_lora_rank, lo=1)
     if args.max_cpu_loras is not None:
         check_int("max_cpu_loras", args.max_cpu_loras, lo=1)
         if args.max_cpu_loras < args.max_loras:
-            raise ValueError(f"max_cpu_loras must be >= max_loras ({args.max_loras}), "
-                             f"got {args.max_cpu_loras}")
+            raise QuireValidationError(
+                "max_cpu_loras", f"max_cpu_loras must be >= max_loras ({args.max_loras}), "
+                f"got {args.max_cpu_loras}", args.max_cpu_loras)
     if args.lora_modules is not None:
         if not isinstance(args.lora_modules, dict) or not all(
                 isinstance(k, str) and k and isinstance(v, str) and v
                 for k, v in args.lora_modules.items()):
-            raise ValueError(f"lora_modules must map adapter names to PEFT folders "
-                             f"({{name: path}}), got {args.lora_modules!r}")
+            raise QuireValidationError(
+                "lora_modules", f"lora_modules must map adapter names to PEFT folders "
+                f"({{name: path}}), got {args.lora_modules!r}", args.lora_modules)
         if args.lora_modules and not args.enable_lora:
-            raise ValueError("lora_modules needs enable_lora=True")
+            raise QuireValidationError("lora_modules", "lora_modules needs enable_lora=True")
     if args.enable_lora and args.tensor_parallel_size > 1:
         # the adapters' slot mapping is prepared on rank 0 only; the workers would not see it
-        raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")
+        raise QuireValidationError(
+            "enable_lora", "enable_lora is not supported with tensor_parallel_size > 1 yet")

@@ -13,6 +13,12 @@ once it is unloaded and nothing uses it), and alongside them, whatever `compat`,
 `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` (names
 comma-joined, value the time of the update), which LoRA-aware routers and endpoint pickers
 read; unlike vLLM, only the current label set is exported, not one series per set ever seen.
+
+With `compat="vllm"` the server also exports what the Gateway API Inference Extension's
+endpoint picker reads besides the queue and KV figures: `vllm:lora_requests_info` even with
+LoRA off (max_lora "0", no adapters: the picker treats a missing family as a failed scrape), and
+`vllm:cache_config_info{block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching}` (value
+1; num_gpu_blocks is the KV block pool's size, on a CPU too), for prefix-aware scoring.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from quire.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 COMPAT_CHOICES = ("none", "vllm")
+# vllm:cache_config_info's labels (vLLM's names) besides model_name
+CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # vLLM's buckets, so histograms line up on shared dashboards.
@@ -40,6 +48,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# tokens per request, 1-2-5 steps as vLLM's request_prompt_tokens (there up to max_model_len)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000,
+                       50_000, 100_000, 200_000, 500_000, 1_000_000)
 
 # seconds filling one step's grammar masks: ~70 us a sequence, more for big batches
 GRAMMAR_MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -94,6 +106,13 @@ SPECS = (
     _Spec("queue", Histogram, "quire:request_queue_time_seconds",
           ("vllm:request_queue_time_seconds",), "Arrival to first scheduling.",
           REQUEST_BUCKETS),
+    _Spec("prompt_tokens_cached", Counter, "quire:prompt_tokens_cached",
+          ("vllm:prompt_tokens_cached",), "Prompt tokens served from the prefix cache, over "
+          "finished requests."),
+    # vLLM has no per-request histogram of this figure, only the counter above
+    _Spec("cached_tokens", Histogram, "quire:request_prompt_cached_tokens", (),
+          "Prompt tokens of a request served from the prefix cache (usage's "
+          "prompt_tokens_details.cached_tokens).", TOKEN_COUNT_BUCKETS),
     _Spec("structured_requests", Counter, "quire:structured_output_requests", (),
           "Requests with a grammar (response_format, guided_*, tool_choice required or "
           "named)."),
@@ -103,10 +122,19 @@ SPECS = (
 )
 
 
-class ServerMetrics:
-    """Metric families exist from construction; samples appear once `bind(model_name)`."""
+def cache_config_labels(block_size: int, cache_dtype: str, enable_prefix_caching: bool) -> dict[str, str]:
+    """vllm:cache_config_info's labels that are known before the engine sizes its pool."""
+    return {"block_size": str(block_size), "cache_dtype": cache_dtype,
+            "enable_prefix_caching": str(bool(enable_prefix_caching))}
 
-    def __init__(self, compat: str = "none") -> None:
+
+class ServerMetrics:
+    """Metric families exist from construction; samples appear once `bind(model_name)`.
+
+    cache_config: `cache_config_labels(...)` of the engine, for vllm:cache_config_info (exported
+    with compat="vllm" once the first snapshot gives the pool's size)."""
+
+    def __init__(self, compat: str = "none", cache_config: dict[str, str] | None = None) -> None:
         if compat not in COMPAT_CHOICES:
             raise ValueError(f"metrics_compat must be one of {', '.join(COMPAT_CHOICES)}; "
                              f"got {compat!r}")
@@ -117,6 +145,13 @@ class ServerMetrics:
         self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
         self.compat = compat
         self._lora: _LoRAMetrics | None = None  # made on the first snapshot with LoRA on
+        # vLLM's LoRA info: from the start with compat="vllm", else with LoRA's first snapshot
+        self._lora_info = _LoRAInfo(self.registry) if compat == "vllm" else None
+        self._cache_config = dict(cache_config or {})
+        self._cache_info = (Gauge("vllm:cache_config_info", "Information of the KV cache's configuration.",
+                                  ("model_name", *CACHE_INFO_LABELS), registry=self.registry)
+                            if compat == "vllm" else None)
+        self._cache_info_labels: tuple[str, ...] | None = None
         # the server's own figure (not the engine's): clients that went away mid-request
         self.client_disconnects = Counter(
             "quire:client_disconnects", "Requests whose client went away before the answer "
@@ -137,6 +172,8 @@ class ServerMetrics:
                                             for f in self._families[spec.key]]
         for reason in ("stop", "length", "abort", "error"):  # present at 0 from the start
             self._reason(reason)
+        if self._lora_info is not None and self._lora_info.labels is None:
+            self._lora_info.set("0", "", "")  # LoRA off until a snapshot says otherwise
 
     def _reason(self, reason: str) -> list:
         return [f.labels(model_name=self.model_name, finished_reason=reason)
@@ -160,8 +197,12 @@ class ServerMetrics:
         self._inc("structured_requests", ev.structured_requests)
         if snap.lora is not None:
             if self._lora is None:
-                self._lora = _LoRAMetrics(self.registry, self.model_name)
+                if self._lora_info is None:
+                    self._lora_info = _LoRAInfo(self.registry)
+                self._lora = _LoRAMetrics(self.registry, self.model_name, self._lora_info)
             self._lora.record(snap.lora)
+        if self._cache_info is not None:
+            self._record_cache_info(snap.blocks_total)
         for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),
                             ("e2e", ev.e2e_latency), ("queue", ev.queue_time),
                             ("grammar_mask", ev.grammar_mask_time)):
@@ -170,13 +211,28 @@ class ServerMetrics:
                     for child in self._children[key]:
                         child.observe(max(0.0, v))
 
+    def _record_cache_info(self, num_blocks: int) -> None:
+        labels = {**self._cache_config, "num_gpu_blocks": str(num_blocks)}
+        values = (self.model_name, *(labels.get(key, "") for key in CACHE_INFO_LABELS))
+        if values == self._cache_info_labels:
+            return
+        if self._cache_info_labels is not None:
+            self._cache_info.remove(*self._cache_info_labels)
+        self._cache_info_labels = values
+        self._cache_info.labels(*values).set(1)
+
     def record_finished(self, output: RequestOutput) -> None:
-        """One count per finished sequence of a finished request (aborts and errors too)."""
+        """One count per finished sequence of a finished request (aborts and errors too), and
+        its cached prompt tokens, if it was ever scheduled."""
         if self.model_name is None:
             return
         for c in output.outputs:
             for child in self._reason(c.finish_reason or "abort"):
                 child.inc()
+        if output.metrics.first_scheduled_time is not None:
+            for child in self._children["cached_tokens"]:
+                child.observe(output.num_cached_tokens)
+            self._inc("prompt_tokens_cached", output.num_cached_tokens)
 
     def record_disconnect(self) -> None:
         self.client_disconnects.inc()
@@ -199,8 +255,25 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class _LoRAInfo:
+    """vllm:lora_requests_info: one series, the current label set, valued at its update time."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.gauge = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                           ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                           registry=registry)
+        self.labels: tuple[str, str, str] | None = None
+
+    def set(self, max_lora: str, waiting: str, running: str) -> None:
+        labels = (max_lora, waiting, running)
+        if self.labels is not None and labels != self.labels:
+            self.gauge.remove(*self.labels)
+        self.labels = labels
+        self.gauge.labels(*labels).set(time.time())
+
+
 class _LoRAMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, info: _LoRAInfo) -> None:
         self.model_name = model_name
         self.loaded = Gauge("quire:lora_adapters_loaded", "LoRA adapters loaded (servable).",
                             ("model_name",), registry=registry).labels(model_name=model_name)
@@ -211,10 +284,7 @@ class _LoRAMetrics:
             for key in ("running", "waiting")}
         self.adapters: set[str] = set()  # the adapter label values exported
         # vLLM's name with or without compat="vllm": routers read it for LoRA affinity
-        self.info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                          ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
-                          registry=registry)
-        self.info_labels: tuple[str, str, str] | None = None
+        self.info = info
 
     def record(self, stats) -> None:
         """stats: quire.lora.stats.LoRAStats."""
@@ -229,9 +299,5 @@ class _LoRAMetrics:
                 stats.running.get(name, 0))
             self.by_adapter["waiting"].labels(self.model_name, name).set(
                 stats.waiting.get(name, 0))
-        labels = (str(stats.max_loras), ",".join(sorted(stats.waiting)),
-                  ",".join(sorted(stats.running)))
-        if self.info_labels is not None and labels != self.info_labels:
-            self.info.remove(*self.info_labels)
-        self.info_labels = labels
-        self.info.labels(*labels).set(time.time())
+        self.info.set(str(stats.max_loras), ",".join(sorted(stats.waiting)),
+                      ",".join(sorted(stats.running)))

@@ -132,6 +132,10 @@ def test_service_monitor_selects_the_runtime_services():
     assert monitor["spec"]["endpoints"] == [{"port": names.PORT_NAME, "path": "/metrics", "interval": "15s",
                                              "scrapeTimeout": "10s"}]
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    # The KEDA ScaledObject's queries select pods by these labels (keda_children.py).
+    from quire_operator.keda_children import POD_LABEL, ROUTER_POD_LABEL
+    assert [label.replace(".", "_").replace("/", "_") for label in monitor["spec"]["podTargetLabels"]] == [
+        POD_LABEL, ROUTER_POD_LABEL]
 
 
 @pytest.mark.parametrize("values, key", [

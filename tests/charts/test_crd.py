@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from quire_operator import names, quantity
+from quire_operator import names, quantity, tls_spec
 from quire_operator.spec import MAX_TENSOR_PARALLEL, SpecError, check_name, parse_spec
 
 from chart_render import CHART, CRD_FILE
@@ -128,6 +128,10 @@ GOOD = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment", "metadata":
     {"parallelism": {"tensor": 0}},
     {"parallelism": {"tensor": 17}},
     {"parallelism": {"shmSize": "2GB"}},
+    {"tls": {}},  # secretName is required
+    {"tls": {"secretName": ""}},
+    {"tls": {"secretName": "Chat_TLS"}},
+    {"tls": {"secretName": "a" * 254}},
 ])
 def test_broken_resources_are_rejected(spec):
     resource = copy.deepcopy(GOOD)
@@ -157,6 +161,7 @@ REFUSED_BECAUSE = {
     "adapter-name-upper-case.yaml": "does not match",
     "shm-size-zero.yaml": "must be greater than 0",
     "tensor-32.yaml": "is greater than the maximum",
+    "tls-secret-name-upper-case.yaml": "does not match",
     "zero-without-router.yaml": "autoscaling.minReplicas 0 (scale to zero) needs router.enabled",
 }
 
@@ -186,7 +191,7 @@ def test_every_cel_rule_parses_and_has_a_message():
     found = list(crd_rules.rules(schema_of(CRD)))
     assert {path for path, _, _ in found} == {".spec", ".spec.resources.cpu", ".spec.resources.memory",
                                               ".spec.parallelism.shmSize", ".spec.autoscaling",
-                                              ".spec.adapters[]"}
+                                              ".spec.adapters[]", ".spec.gateway"}
     for path, rule, _ in found:
         crd_rules.compile_rule(rule["rule"])  # raises on a syntax error
         assert rule["message"], path
@@ -290,3 +295,25 @@ def test_crd_patterns_are_the_operators():
     assert (tensor["minimum"], tensor["maximum"]) == (1, MAX_TENSOR_PARALLEL)
     name = schema_of(CRD)["properties"]["metadata"]["properties"]["name"]
     assert (name["pattern"], name["maxLength"]) == (names.DNS1035_PATTERN, names.MAX_NAME_LENGTH)
+    secret = spec["tls"]["properties"]["secretName"]
+    assert (secret["pattern"], secret["maxLength"]) == (tls_spec.SECRET_NAME_PATTERN, tls_spec.MAX_SECRET_NAME_LENGTH)
+
+
+@pytest.mark.parametrize("tls, allowed", [
+    ({"secretName": "chat-tls"}, True),
+    ({"secretName": "chat.tls.example"}, True),
+    ({"secretName": "-chat"}, False),
+    ({"secretName": "chat-tls."}, False),
+    ({"secretName": "Chat"}, False),
+    ({}, False),
+])
+def test_the_crd_and_the_operator_agree_on_spec_tls(tls, allowed):
+    resource = copy.deepcopy(GOOD)
+    resource["spec"]["tls"] = tls
+    assert (crd_rules.violations(resource, CRD) == []) is allowed
+    try:
+        parse_spec(resource["spec"])
+        operator_allows = True
+    except SpecError:
+        operator_allows = False
+    assert operator_allows is allowed

@@ -1,5 +1,6 @@
 """The runtime's import graph and the engine's sealed boundaries, read from the source (ast):
-no import cycles; the engine's bookkeeping imports no tensors and nothing from worker/;
+no import cycles, lazy imports (inside functions, under try/with/if) included; the engine's
+bookkeeping imports no tensors and nothing from worker/, not even lazily;
 only engine.py (which assembles the pieces) imports the worker, and only its public names;
 nobody outside the KV-cache manager touches block tables or changes the block pool, and
 nobody outside the scheduler changes its queues."""
@@ -7,6 +8,7 @@ nobody outside the scheduler changes its queues."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -30,40 +32,57 @@ def sources() -> dict[str, ast.Module]:
     return {module_name(p): ast.parse(p.read_text(), str(p)) for p in ROOT.rglob("*.py")}
 
 
-def module_level_imports(tree: ast.Module) -> list[tuple[str, list[str]]]:
-    """(module, names) imported when the module loads: not inside functions, nor under
-    `if TYPE_CHECKING:`."""
+def every_import(tree: ast.Module, module: str, package: bool) -> list[tuple[str, list[str],
+                                                                            int, str | None]]:
+    """(module, names, line, enclosing function or None) of every import that can run: at
+    module level and lazy ones (in functions and methods, under try/with/if/loops); only
+    `if TYPE_CHECKING:` bodies are left out. Relative imports are resolved against `module`
+    (a package's own name where `package`)."""
     found = []
+    base = module.split(".") if package else module.split(".")[:-1]
 
-    def visit(nodes):
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.extend((a.name, []) for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.append((node.module, [a.name for a in node.names]))
-            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-                visit(node.body + node.orelse)
-            elif isinstance(node, (ast.Try, ast.With)):
-                visit(node.body)
-    visit(tree.body)
+    def visit(node, scope, lazy):
+        function = ".".join(scope) if lazy else None
+        if isinstance(node, ast.Import):
+            found.extend((a.name, [], node.lineno, function) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                prefix = base[:len(base) - node.level + 1]
+                target = ".".join(prefix + ([target] if target else []))
+            found.append((target, [a.name for a in node.names], node.lineno, function))
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            children = node.orelse
+        else:
+            children = list(ast.iter_child_nodes(node))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope = scope + [node.name]
+            lazy = lazy or not isinstance(node, ast.ClassDef)
+        for child in children:
+            visit(child, scope, lazy)
+    visit(tree, [], False)
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph() -> dict[str, dict[str, str]]:
+    """module -> {module it imports: where and how (for the failure message)}."""
     trees = sources()
     graph = {}
     for mod, tree in trees.items():
-        edges = set()
-        for target, names in module_level_imports(tree):
+        package = (ROOT.parent / mod.replace(".", "/") / "__init__.py").exists()
+        edges: dict[str, str] = {}
+        for target, names, line, function in every_import(tree, mod, package):
             for candidate in [f"{target}.{n}" for n in names] + [target]:
                 if candidate in trees and candidate != mod:
-                    edges.add(candidate)
+                    how = f"lazily, inside {function}()" if function else "at module level"
+                    path = mod.replace(".", "/") + ("/__init__.py" if package else ".py")
+                    edges.setdefault(candidate, f"{path}:{line} imports {candidate} {how}")
                     break
         graph[mod] = edges
     return graph
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+def find_cycle(graph: dict[str, Iterable[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -84,11 +103,36 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def describe_cycle(graph: dict[str, dict[str, str]], cycle: list[str]) -> str:
+    return "\n".join(["import cycle: " + " -> ".join(cycle)]
+                     + [f"  {graph[a][b]}" for a, b in zip(cycle, cycle[1:])])
+
+
 def test_the_runtime_import_graph_has_no_cycles():
     graph = import_graph()
     assert len(graph) > 30 and "quire.engine.scheduler" in graph
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert cycle is None, describe_cycle(graph, cycle)
+
+
+def test_lazy_imports_count_and_type_checking_ones_do_not():
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "import a\n"
+        "if TYPE_CHECKING:\n"
+        "    from b import B\n"
+        "try:\n"
+        "    import c\n"
+        "except ImportError:\n"
+        "    import d\n"
+        "class K:\n"
+        "    def m(self):\n"
+        "        with x:\n"
+        "            from . import e\n"
+        "        from ..f import g\n")
+    found = {(t, line, fn) for t, _, line, fn in every_import(tree, "p.q.mod", package=False)}
+    assert found == {("typing", 1, None), ("a", 2, None), ("c", 6, None), ("d", 8, None),
+                     ("p.q", 12, "K.m"), ("p.f", 13, "K.m")}
 
 
 def test_a_cycle_would_be_found():
@@ -99,7 +143,7 @@ def test_a_cycle_would_be_found():
 @pytest.mark.parametrize("name", BOOKKEEPING)
 def test_engine_bookkeeping_imports_no_tensors_and_no_worker(name):
     tree = sources()[f"quire.engine.{name}"]
-    for target, _ in module_level_imports(tree):
+    for target, _, _, _ in every_import(tree, f"quire.engine.{name}", package=False):
         assert not target.startswith(("torch", "numpy", "quire.worker", "quire.models",
                                       "quire.attention")), (
             f"quire/engine/{name}.py imports {target}: the scheduler side is plain Python "

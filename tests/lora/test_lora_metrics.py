@@ -67,3 +67,20 @@ def test_without_vllm_compat_lora_requests_info_is_the_one_vllm_name():
     assert {n for n in names if n.startswith("vllm:")} == {"vllm:lora_requests_info"}
     assert list(series(m, "vllm:lora_requests_info")) == [
         (("max_lora", "1"), ("running_lora_adapters", "a"), ("waiting_lora_adapters", ""))]
+
+
+def test_vllm_compat_exports_lora_info_and_cache_config_from_the_start():
+    """The endpoint picker of the Gateway API Inference Extension reads both; with LoRA off the
+    info says so (max_lora 0) instead of missing, and LoRA's first snapshot replaces that set."""
+    m = ServerMetrics("vllm", cache_config={"block_size": "32", "cache_dtype": "auto",
+                                            "enable_prefix_caching": "True"})
+    m.bind("base")
+    m.record(snapshot(None), StepEvents())
+    assert list(series(m, "vllm:lora_requests_info")) == [
+        (("max_lora", "0"), ("running_lora_adapters", ""), ("waiting_lora_adapters", ""))]
+    assert series(m, "vllm:cache_config_info") == {
+        (("block_size", "32"), ("cache_dtype", "auto"), ("enable_prefix_caching", "True"),
+         ("model_name", "base"), ("num_gpu_blocks", "10")): 1.0}
+    m.record(snapshot(LoRAStats(2, ("a",), {}, {})), StepEvents())
+    assert list(series(m, "vllm:lora_requests_info")) == [
+        (("max_lora", "2"), ("running_lora_adapters", ""), ("waiting_lora_adapters", ""))]

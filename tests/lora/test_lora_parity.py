@@ -81,6 +81,30 @@ def test_same_prompt_under_two_adapters_shares_no_blocks(tiny_llama, adapters):
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
 
 
+def test_cache_salt_combines_with_the_adapter(tiny_llama, adapters):
+    """LLM.generate(cache_salt=...): a block is shared only under the same adapter and the
+    same salt; the engine's cached-free blocks count one prompt's blocks per (adapter, salt)."""
+    llm = make_llm(tiny_llama, kv_cache_memory=16 << 20)
+    a = lora_requests(adapters)["a"]
+    prompt = random_prompts(lengths=[80], seed=13)[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    pool = llm.engine.kv_manager.pool
+
+    def cached(lora, salt):
+        return llm.generate([prompt], params, use_tqdm=False, lora_request=lora,
+                            cache_salt=salt)[0].num_cached_tokens
+
+    runs = [(None, "t1"), (None, "t1"), (None, "t2"), (None, None), (a, "t1"), (a, "t1"),
+            (a, None), (a, "t2")]
+    assert [cached(lora, salt) for lora, salt in runs] == [0, 64, 0, 0, 0, 64, 0, 0]
+    assert pool.num_used_blocks == 0
+    assert pool.num_cached_free == 6 * 5  # six (adapter, salt) pairs, 5 full blocks each
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([prompt], params, use_tqdm=False, cache_salt="")
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([prompt, prompt], params, use_tqdm=False, cache_salt=["t1"])
+
+
 def test_adapter_removed_and_added_again_does_not_reuse_its_old_blocks(tiny_llama, adapters):
     """A new registration (perhaps new weights at the same path) starts a new hash chain."""
     llm = make_llm(tiny_llama, kv_cache_memory=16 << 20)

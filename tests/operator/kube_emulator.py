@@ -193,7 +193,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.register("", "v1", "pods", ResourceType("Pod", status_subresource=True))
         self.register("", "v1", "services", ResourceType("Service", status_subresource=True))
         self.register("", "v1", "events", ResourceType("Event"))
-        self.register("", "v1", "secrets", ResourceType("Secret"))  # spec.runtime.apiKeySecret
+        self.register("", "v1", "secrets", ResourceType("Secret"))  # spec.runtime.apiKeySecret, spec.tls
         self.register("apps", "v1", "deployments", ResourceType(
             "Deployment", status_subresource=True,
             scale_paths=(".spec.replicas", ".status.replicas", "")))

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import foreign_crds
 import kubernetes
 import pytest
 import requests
@@ -142,6 +143,7 @@ def _setup(emulator: Any) -> None:
     crd = yaml.safe_load(CRD_PATH.read_text())
     emulator.register_builtins()
     emulator.register_crd(crd)
+    foreign_crds.install(emulator)  # GIE, Gateway API and KEDA are installed, and validate
 
 
 @pytest.fixture

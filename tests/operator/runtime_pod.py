@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -153,12 +154,21 @@ def _handler(engine: FakeEngine | FixedMetrics | FixedRouterMetrics) -> type[Bas
 
 
 class RuntimePod:
-    def __init__(self, ip: str, port: int, engine: FakeEngine | FixedMetrics | FixedRouterMetrics | None = None) -> None:
+    """`tls`: (certificate, key) files: the pod speaks HTTPS, as `quire serve --ssl-*` does."""
+
+    def __init__(self, ip: str, port: int, engine: FakeEngine | FixedMetrics | FixedRouterMetrics | None = None,
+                 tls: tuple[str, str] | None = None) -> None:
         self.ip, self.port = ip, port
-        self.url = f"http://{ip}:{port}"
+        self.url = f"{'https' if tls else 'http'}://{ip}:{port}"
         self.engine = engine or FakeEngine()
         self._server = ThreadingHTTPServer((ip, port), _handler(self.engine))
         self._server.daemon_threads = True
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            # The handshake happens in each request's own thread, not in the accept loop.
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"pod-{ip}", daemon=True)
         self._thread.start()
 
@@ -257,9 +267,10 @@ def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
 
 
 @contextmanager
-def fixed_metrics_pod(ip: str, port: int, waiting: float, kv_usage: float) -> Iterator[RuntimePod]:
+def fixed_metrics_pod(ip: str, port: int, waiting: float, kv_usage: float,
+                      tls: tuple[str, str] | None = None) -> Iterator[RuntimePod]:
     """A stand-in pod that always exports these two gauges (for scraping, not for serving)."""
-    pod = RuntimePod(ip, port, FixedMetrics(waiting, kv_usage))
+    pod = RuntimePod(ip, port, FixedMetrics(waiting, kv_usage), tls)
     try:
         yield pod
     finally:

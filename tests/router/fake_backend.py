@@ -7,7 +7,7 @@ each naming this replica, so a test can tell who answered. /metrics exports the 
 names: `quire:num_requests_running` is the number of streams open now (a client that goes away
 closes its stream, so the figure drops), the queue and KV usage are whatever POST /control set.
 A request whose prompt contains "__die__" kills the process after the second chunk. GET /seen
-lists the prompts received.
+lists the prompts received. `--ssl-certfile` and `--ssl-keyfile` make it an HTTPS replica.
 """
 
 from __future__ import annotations
@@ -115,5 +115,8 @@ if __name__ == "__main__":
     parser.add_argument("--name", required=True)
     parser.add_argument("--chunks", type=int, default=5)
     parser.add_argument("--interval", type=float, default=0.05)
+    parser.add_argument("--ssl-certfile", default=None)  # HTTPS, as `quire serve` takes it
+    parser.add_argument("--ssl-keyfile", default=None)
     parser.parse_args(namespace=ARGS)
-    uvicorn.run(build(), host=ARGS.host, port=ARGS.port, log_level="warning")
+    uvicorn.run(build(), host=ARGS.host, port=ARGS.port, log_level="warning",
+                ssl_certfile=ARGS.ssl_certfile, ssl_keyfile=ARGS.ssl_keyfile)

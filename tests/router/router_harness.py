@@ -15,9 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import requests
+import urllib3
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -47,9 +49,13 @@ class Proc:
     `ready_path` to answer 200, and stops it (SIGTERM, then SIGKILL) on the way out."""
 
     def __init__(self, name: str, cmd: list[str], host: str, port: int,
-                 ready_path: str = "/health", env: dict | None = None) -> None:
+                 ready_path: str = "/health", env: dict | None = None,
+                 scheme: str = "http", verify: object = True,
+                 cert: tuple[str, str] | None = None) -> None:
         self.name, self.cmd, self.ready_path = name, cmd, ready_path
-        self.url = f"http://{host}:{port}"
+        self.url = f"{scheme}://{host}:{port}"
+        self.verify = verify  # requests' verify for an https:// process: a CA file
+        self.cert = cert  # and a client certificate, if it requires one
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"quire-router-{name}-",
                                                suffix=".log", delete=False)
@@ -78,7 +84,10 @@ class Proc:
             raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n"
                                  f"{self.log_tail()}")
         try:
-            return requests.get(self.url + self.ready_path, timeout=2).status_code == 200
+            with warnings.catch_warnings():  # verify=False: urllib3 would warn on every poll
+                warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+                return requests.get(self.url + self.ready_path, timeout=2, verify=self.verify,
+                                    cert=self.cert).status_code == 200
         except requests.RequestException:
             return False
 
@@ -115,23 +124,35 @@ def with_suppressed_unlink(path: str) -> None:
         pass
 
 
-def fake_backend(name: str, host: str, chunks: int = 5, interval: float = 0.05) -> Proc:
+def fake_backend(name: str, host: str, chunks: int = 5, interval: float = 0.05,
+                 tls: tuple[str, str] | None = None) -> Proc:
+    """`tls`: (certificate, key) files, for an HTTPS replica."""
     port = free_port(host)
+    https = ["--ssl-certfile", tls[0], "--ssl-keyfile", tls[1]] if tls else []
     return Proc(f"fake-{name}", [sys.executable, str(HERE / "fake_backend.py"), "--host", host,
                                  "--port", str(port), "--name", name, "--chunks", str(chunks),
-                                 "--interval", str(interval)], host, port)
+                                 "--interval", str(interval), *https], host, port,
+                # Its readiness only: the certificate may name no address it listens on.
+                scheme="https" if tls else "http", verify=not tls)
 
 
-def router(*args: str, host: str = "127.0.0.20", ready_path: str = "/health") -> Proc:
+def router(*args: str, host: str = "127.0.0.20", ready_path: str = "/health",
+           ca: str | None = None) -> Proc:
+    """`ca`: the router serves HTTPS (its --ssl-* flags are in `args`); checked with this CA."""
     port = free_port(host)
     return Proc("router", [sys.executable, "-m", "quire.router", "--host", host, "--port",
-                           str(port), "--scrape-interval", "0.2", *args], host, port, ready_path)
+                           str(port), "--scrape-interval", "0.2", *args], host, port, ready_path,
+                scheme="https" if ca else "http", verify=ca or True)
 
 
-def quire_serve(name: str, host: str, *args: str) -> Proc:
+def quire_serve(name: str, host: str, *args: str, ca: str | None = None,
+                cert: tuple[str, str] | None = None) -> Proc:
+    """`ca`: it serves HTTPS (its --ssl-* flags are in `args`), checked with this CA; `cert`:
+    the client certificate its readiness polls present."""
     port = free_port(host)
     return Proc(f"serve-{name}", [sys.executable, "-m", "quire.entrypoints.cli", "serve", *args,
-                                  "--host", host, "--port", str(port)], host, port, "/ready")
+                                  "--host", host, "--port", str(port)], host, port, "/ready",
+                scheme="https" if ca else "http", verify=ca or True, cert=cert)
 
 
 class InProcessRouter:

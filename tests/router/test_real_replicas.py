@@ -101,3 +101,20 @@ def test_vllm_metric_names_serve_an_external_endpoint_picker(replicas):
     stream.close()
     wait_until(lambda: value(pod, "vllm:num_requests_running") == 0, 60, "the abort")
     assert value(pod, "vllm:num_requests_waiting") == 0
+
+
+def labels_of(url: str, name: str) -> list[dict]:
+    return [s.labels for s in families(url)[name].samples]
+
+
+def test_endpoint_picker_reads_the_cache_config_and_lora_info(replicas):
+    """GIE's model-server protocol also reads vllm:cache_config_info (block_size, for prefix
+    scoring) and vllm:lora_requests_info, which must be there with LoRA off too."""
+    pod = replicas[0].url
+    (cache,) = labels_of(pod, "vllm:cache_config_info")
+    assert cache["block_size"] == "16"  # the runtime's default, which these replicas use
+    assert int(cache["num_gpu_blocks"]) == value(pod, "quire:kv_cache_blocks_total") > 0
+    assert cache["enable_prefix_caching"] == "True" and cache["cache_dtype"] == "auto"
+    assert value(pod, "vllm:cache_config_info") == 1
+    (lora,) = labels_of(pod, "vllm:lora_requests_info")
+    assert lora == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}

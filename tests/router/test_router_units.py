@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from quire.engine import block_pool
+from quire.engine import block_hash
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.router import prompt_hashing
@@ -16,21 +16,25 @@ from quire.router.discovery_k8s import ready_urls
 from quire.router.load_scraper import parse_load
 from quire.router.policies import LeastLoad, PrefixAware, RoundRobin, make_policy
 from quire.router.prefix_index import PrefixIndex
-from quire.router.prompt_hashing import block_hashes
+from quire.router.prompt_hashing import block_hashes, request_keys
 
 
 def test_block_hashes_are_the_engines_own():
-    assert prompt_hashing.hash_block_tokens is block_pool.hash_block_tokens  # imported, not copied
+    assert prompt_hashing.extend_block_hashes is block_hash.extend_block_hashes  # not copied
     tokens = list(range(1000, 1000 + 70))
     manager = KVCacheManager(BlockPool(8, enable_caching=True), block_size=16)
-    request = SimpleNamespace(block_hashes=[], token_ids=tokens, cache_salt=None,
-                              client_request_id="r")  # base model: no salt
+    request = SimpleNamespace(block_hashes=[], token_ids=tokens, cache_salt="t", lora=None,
+                              long_rope=False, client_request_id="r")
     manager._extend_hashes(request, len(tokens) // 16)
-    assert block_hashes(tokens, 16) == request.block_hashes
+    assert block_hashes(tokens, 16, request_keys({"cache_salt": "t"})) == request.block_hashes
     assert len(block_hashes(tokens, 16)) == 4  # full blocks only
     assert block_hashes(tokens[:15], 16) == []
     # Chained: the same block after a different prefix hashes differently.
     assert block_hashes([1] * 16 + [2] * 16, 16)[1] != block_hashes([3] * 16 + [2] * 16, 16)[1]
+    # Salted: another cache_salt, or none, or another model, is another chain.
+    assert len({tuple(block_hashes(tokens, 16, request_keys(body))) for body in (
+        {}, {"cache_salt": "t"}, {"cache_salt": "u"}, {"model": "sql"},
+        {"model": "sql", "cache_salt": "t"})}) == 5
 
 
 def test_prefix_index_longest_match_and_lru_bound():

@@ -230,6 +230,29 @@ def test_an_adapters_requests_are_routed_and_never_match_the_base_models_prefix(
         assert (decisions(r, "prefix_miss"), decisions(r, "prefix_hit")) == (2, 2)
 
 
+def test_salted_requests_are_kept_apart(tokenizer_model, replicas):
+    """cache_salt seeds the router's hash chain as it does the engine's: the same prompt under
+    another salt (or none) is no prefix hit, under the same salt it is, in chat too."""
+    a, b = replicas["a"], replicas["b"]
+    with router("--routing", "prefix-aware", "--model", tokenizer_model, "--backend", a.url,
+                "--backend", b.url) as r:
+        prompt = "You are the billing assistant of a small bakery in the old town. " * 6
+        salts = ["tenant-a", "tenant-b", "tenant-a", None, "tenant-b", None]
+        answers = [completion(r, prompt, max_tokens=2,
+                              **({} if salt is None else {"cache_salt": salt}))
+                   for salt in salts]
+        assert [x.status_code for x in answers] == [200] * len(salts)
+        backends = [x.json()["backend"] for x in answers]
+        assert backends[2] == backends[0] and backends[4] == backends[1] \
+            and backends[5] == backends[3]
+        assert (decisions(r, "prefix_miss"), decisions(r, "prefix_hit")) == (3, 3)
+        chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+        for salt in ("tenant-a", "tenant-c", "tenant-a"):
+            requests.post(r.url + "/v1/chat/completions", json={**chat, "cache_salt": salt},
+                          timeout=60).raise_for_status()
+        assert (decisions(r, "prefix_miss"), decisions(r, "prefix_hit")) == (5, 4)
+
+
 def test_a_request_for_an_adapter_goes_to_the_replicas_that_have_it_loaded(replicas):
     a, b, c = replicas["a"], replicas["b"], replicas["c"]
     requests.post(b.url + "/control", json={"models": ["fake", "sql"]}, timeout=5)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from quire import LLM, SamplingParams
 from quire.attention import cpu_kernels
+from quire.native import loader
 
 from attention_reference import OPTIONS, check, options
 from runtime_helpers import assert_no_blocks_in_use, random_prompts
@@ -35,9 +36,9 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
 
 _FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
 # every build this CPU can run: native, then each ISA build it can execute, named for the CPU
-# feature it needs (cpu_kernels.ISA_BUILDS: "scalar" the plain C++ path, "avx2" the path of a
+# feature it needs (loader.ISA_BUILDS: "scalar" the plain C++ path, "avx2" the path of a
 # CPU without AVX-512, "avx512", "avx512_bf16", "amx")
-MARCHES = ["native", *cpu_kernels.isa_builds()]
+MARCHES = ["native", *loader.isa_builds()]
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -75,58 +76,16 @@ def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, mon
     expected = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("QUIRE_CPU_KERNELS", "0")
     cpu_kernels._library.cache_clear()
-    cpu_kernels.load_library.cache_clear()
+    loader.load_library.cache_clear()
     try:
         fallback = LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory=8 << 20)
         assert not cpu_kernels.native_decode_supported(torch.zeros(1), torch.zeros(1))
         got = [o.outputs[0].token_ids for o in fallback.generate(prompts, params, use_tqdm=False)]
     finally:
         cpu_kernels._library.cache_clear()
-        cpu_kernels.load_library.cache_clear()
+        loader.load_library.cache_clear()
     assert got == expected
     assert_no_blocks_in_use(fallback)
-
-
-def test_a_cached_build_that_does_not_load_is_built_again(tmp_path):
-    """A kernel library cut short in the cache (a partial copy of a shared cache, a full
-    disk) is rebuilt once, with a warning, instead of sending every run to the torch path.
-    Both loads run in processes of their own: dlopen would hand this one the library it has
-    mapped already, and truncating a library a process has mapped kills it (SIGBUS)."""
-    import glob
-    import subprocess
-    import sys
-    probe = ("import logging, sys; logging.basicConfig(level=logging.WARNING); "
-             "from quire.attention import cpu_kernels; "
-             "sys.exit(cpu_kernels.load_library('fused_ops.cpp') is None)")
-
-    def load():
-        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                              env={**os.environ, "QUIRE_CACHE_DIR": str(tmp_path)}, timeout=120)
-
-    first = load()
-    assert first.returncode == 0 and "does not load" not in first.stderr, first.stderr[-2000:]
-    (built,) = glob.glob(str(tmp_path / "kernels" / "fused_ops-*.so"))
-    whole = os.path.getsize(built)
-    with open(built, "r+b") as f:
-        f.truncate(100)
-    again = load()
-    assert again.returncode == 0 and "does not load" in again.stderr, again.stderr[-2000:]
-    assert os.path.getsize(built) == whole
-
-
-def test_quire_cache_dir_means_the_same_to_the_kernel_and_the_loader(monkeypatch, tmp_path):
-    import os
-
-    from quire.models.loader import cache_root
-    home = os.path.expanduser("~")
-    monkeypatch.delenv("QUIRE_CACHE_DIR", raising=False)
-    assert cpu_kernels._cache_dir().startswith(cache_root()) and cache_root().startswith(home)
-    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path))
-    assert cpu_kernels._cache_dir().startswith(cache_root()) and cache_root() == str(tmp_path)
-    monkeypatch.setenv("QUIRE_CACHE_DIR", "")  # off: nothing persistent, anywhere
-    assert cache_root() is None
-    uncached = cpu_kernels._cache_dir()
-    assert not uncached.startswith(home) and uncached == cpu_kernels._cache_dir()
 
 
 @pytest.mark.parametrize("march", MARCHES)

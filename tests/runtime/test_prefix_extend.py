@@ -11,17 +11,18 @@ import pytest
 import torch
 
 from quire import LLM, SamplingParams
-from quire.attention import cpu_kernels, paged_extend
+from quire.attention import paged_extend
 from quire.attention.base import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend
+from quire.native import loader
 
 from attention_reference import OPTIONS, check, options
 from runtime_helpers import assert_no_blocks_in_use
 
 BS = 16
 # native, then each ISA build this CPU can run, named for the CPU feature it needs
-# (cpu_kernels.ISA_BUILDS: "scalar" plain C++, "avx2" without AVX-512, "avx512", ...)
-MARCHES = ["native", *cpu_kernels.isa_builds()]
+# (loader.ISA_BUILDS: "scalar" plain C++, "avx2" without AVX-512, "avx512", ...)
+MARCHES = ["native", *loader.isa_builds()]
 
 
 def _step(dtype, window=None, heads=6, kv_heads=2, head_dim=64, decodes=(40,),

@@ -1,4 +1,4 @@
-"""The native int8 / int4 weight-only matmul (cpu_kernels/quant_matmul) against
+"""The native int8 / int4 weight-only matmul (native/quant_matmul) against
 dequantize-then-matmul in float64, on every build this CPU can run (ids: native, then each
 ISA named for the CPU feature it needs: scalar, avx2, avx512, avx512_bf16, amx), plus its
 torch path where the library can't be built. On each build a row of y has the same bits
@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quire.attention import cpu_kernels
-from quire.attention.cpu_kernels import quant_matmul as qm
+from quire.native import loader
+from quire.native import quant_matmul as qm
 
 U32 = 2.0 ** -24
 # (M, N, K): odd M, M above the kernel's row tile, N not a multiple of the 16-row block
@@ -107,9 +107,9 @@ def _x(m, k, dtype, seed):
 
 with open("/proc/cpuinfo") as _f:
     _FLAGS = _f.read()
-# this CPU's own build, then every ISA build it can execute (cpu_kernels.ISA_BUILDS: an
+# this CPU's own build, then every ISA build it can execute (loader.ISA_BUILDS: an
 # AVX-512 CPU runs the AVX2 and plain C++ paths too, with AMX all of them)
-BUILDS = ["native", *cpu_kernels.isa_builds()]
+BUILDS = ["native", *loader.isa_builds()]
 # the vector path each build takes (no AMX path: an AMX build runs the AVX512-BF16 one)
 ISA_PATHS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512",
              "avx512_bf16": "avx512-bf16", "amx": "avx512-bf16"}
@@ -330,13 +330,13 @@ def test_without_the_library_the_torch_path_gives_the_same_results(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setenv("QUIRE_CPU_KERNELS", "0")
             qm._library.cache_clear()
-            cpu_kernels.load_library.cache_clear()
+            loader.load_library.cache_clear()
             assert not qm.available() and qm.isa() is None
             y4 = qm.int4_linear(x, qm.pack_int4(qweight, scales, zeros, 32))
             y8 = qm.int8_linear(x, qm.pack_int8(q8, s8, 128))
     finally:
         qm._library.cache_clear()
-        cpu_kernels.load_library.cache_clear()
+        loader.load_library.cache_clear()
     _assert_within_bound(y4, x, *_int4_exact(qweight, scales, zeros, 32))
     _assert_within_bound(y8, x, *_int8_exact(q8, s8, 128))
     assert qm.available()

@@ -166,8 +166,9 @@ def test_multibyte_characters_are_never_split(smollm):
     ("include_stop_str_in_output", None),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as e:
         SamplingParams(**{field: value})
+    assert e.value.field == field
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
@@ -178,14 +179,18 @@ def test_min_tokens_above_max_tokens_is_rejected():
 def test_bad_requests_are_rejected_and_nothing_else_is_lost(tiny):
     engine = tiny.engine
     engine.add_request("good", [5, 6, 7], SamplingParams(temperature=0, max_tokens=5))
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="token ids") as e:
         engine.add_request("bad-ids", [5, 10**9], SamplingParams())
-    with pytest.raises(ValueError, match="max_tokens"):
+    assert e.value.field == "prompt"
+    with pytest.raises(ValueError, match="max_tokens") as e:
         engine.add_request("too-long", [5] * 10, SamplingParams(max_tokens=10**6))
-    with pytest.raises(ValueError, match="prompt"):
+    assert e.value.field == "max_tokens"
+    with pytest.raises(ValueError, match="prompt") as e:
         engine.add_request("empty", [], SamplingParams())
-    with pytest.raises(ValueError, match="already in use"):
+    assert e.value.field == "prompt"
+    with pytest.raises(ValueError, match="already in use") as e:
         engine.add_request("good", [5], SamplingParams())
+    assert e.value.field == "request_id"
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

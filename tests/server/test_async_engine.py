@@ -1,9 +1,12 @@
 """AsyncLLMEngine in-process, over a scripted stand-in for LLMEngine: one request's failure
-stays its own, aborts reach the engine, and the loop's death reaches everyone."""
+stays its own, aborts reach the engine (after the add they follow), the loop's death reaches
+everyone, and each lifecycle state refuses what it should (and the probes say so)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from types import SimpleNamespace
 
@@ -14,9 +17,12 @@ from quire.engine.async_engine import (
     EngineDeadError,
     EngineNotReady,
     EngineOverloaded,
+    EngineShuttingDown,
+    EngineState,
     RequestFailed,
 )
 from quire.engine.stats import EngineSnapshot, StepEvents
+from quire.entrypoints.routers import probes
 from quire.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
 
@@ -179,3 +185,213 @@ def test_queue_limit_and_not_ready():
         with pytest.raises(EngineNotReady):
             await ae.add_request("a", "a", DELTA)
     asyncio.run(not_started())
+
+
+LONG = SamplingParams(max_tokens=1000, output_kind=RequestOutputKind.DELTA)
+
+
+class HeldEngine(ScriptedEngine):
+    """Records what reaches the engine, in order; while `release` is clear, a step waits in
+    the worker thread (and says so with `held`), so commands queued meanwhile are run as one
+    batch when it is set."""
+
+    def __init__(self, max_running: int = 8, abort_raises: bool = False) -> None:
+        super().__init__(max_running)
+        self.calls: list[tuple[str, str]] = []
+        self.release, self.held = threading.Event(), threading.Event()
+        self.release.set()
+        self.abort_raises = abort_raises
+
+    def add_request(self, request_id, prompt, params, arrival_time=None):
+        self.calls.append(("add", request_id))
+        return super().add_request(request_id, prompt, params, arrival_time)
+
+    def abort_request(self, ids):
+        self.calls.extend(("abort", rid) for rid in ids)
+        if self.abort_raises:
+            raise RuntimeError("abort bug")
+        super().abort_request(ids)
+
+    def step(self):
+        if not self.release.is_set():
+            self.held.set()
+            assert self.release.wait(60)
+        return super().step()
+
+    async def hold(self) -> None:
+        """Until a step is waiting in the worker thread."""
+        self.held.clear()
+        self.release.clear()
+        await _until(self.held.is_set)
+        assert self.held.is_set()
+
+
+async def _probes(ae) -> tuple[int, int, str | None]:
+    """(/health status, /ready status, /ready's reason), as a kubelet would see them."""
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(engine=ae)))
+    health, ready = await probes.health(request), await probes.ready(request)
+    reason = json.loads(ready.body)["reason"] if hasattr(ready, "status_code") else None
+    return (getattr(health, "status_code", 200), getattr(ready, "status_code", 200), reason)
+
+
+def test_commands_reach_the_engine_in_the_order_they_were_queued():
+    """An add, the abort of that request and another add, queued during one step, reach the
+    engine in that order: the aborted request ends as aborted, the other runs."""
+    engine = HeldEngine()
+
+    async def body(ae, fatal):
+        running = await ae.add_request("a", "a", LONG)
+        await engine.hold()
+        x = asyncio.ensure_future(ae.add_request("x", "x", LONG))
+        await asyncio.sleep(0)  # x's add is queued
+        ae.abort("x")
+        y = asyncio.ensure_future(ae.add_request("y", "y", DELTA))
+        await asyncio.sleep(0)
+        engine.release.set()
+        x_outputs = [out async for out in await x]
+        assert x_outputs[-1].outputs[0].finish_reason == "abort"
+        assert await _text(await y) == "ttttt"
+        assert engine.calls == [("add", "a"), ("add", "x"), ("abort", "x"), ("add", "y")]
+        running.abort()
+    run(body, engine)
+
+
+def test_an_add_in_the_batch_that_kills_the_loop_gets_engine_dead():
+    engine = HeldEngine(abort_raises=True)
+
+    async def body(ae, fatal):
+        aborted = await ae.add_request("a", "a", LONG)
+        running = await ae.add_request("b", "b", LONG)
+        await engine.hold()
+        late = asyncio.ensure_future(ae.add_request("x", "x", DELTA))
+        await asyncio.sleep(0)
+        aborted.abort()  # the engine's abort raises: the loop dies
+        engine.release.set()
+        with pytest.raises(EngineDeadError, match="abort bug"):
+            await asyncio.wait_for(late, 30)  # (bounds a hang)
+        with pytest.raises(EngineDeadError, match="abort bug"):
+            async for _ in running:
+                pass
+        assert ae.state is EngineState.DEAD and len(fatal) == 1
+    run(body, engine)
+
+
+def test_loading_refuses_then_ready_admits_then_stopped_refuses():
+    loading = threading.Event()
+
+    def slow_load():
+        assert loading.wait(60)
+        return ScriptedEngine()
+
+    async def main():
+        ae = AsyncLLMEngine(engine_factory=slow_load)
+        await ae.start()
+        assert ae.state is EngineState.LOADING
+        assert await _probes(ae) == (200, 503, "loading the model")
+        with pytest.raises(EngineNotReady):
+            await ae.add_request("a", "a", DELTA)
+        with pytest.raises(EngineNotReady):
+            await ae.add_lora("x", "/nowhere")
+        loading.set()
+        await ae.wait_ready()
+        assert ae.state is EngineState.READY and ae.ready
+        assert await _probes(ae) == (200, 200, None)
+        assert await _text(await ae.add_request("a", "a", DELTA)) == "ttttt"
+        await ae.shutdown()
+        assert ae.state is EngineState.STOPPED and not ae.ready and ae.alive
+        assert await _probes(ae) == (200, 503, "shutting down")
+        with pytest.raises(EngineShuttingDown):
+            await ae.add_request("b", "b", DELTA)
+        with pytest.raises(EngineShuttingDown):
+            await ae.add_lora("x", "/nowhere")
+    asyncio.run(main())
+
+
+def test_shutdown_while_loading_stops_without_waiting_for_the_load():
+    never = threading.Event()
+
+    async def main():
+        ae = AsyncLLMEngine(engine_factory=lambda: never.wait(60))
+        await ae.start()
+        await ae.shutdown()
+        assert ae.state is EngineState.STOPPED
+        await ae.wait_ready()  # the wait ends; nothing failed
+        with pytest.raises(EngineShuttingDown):
+            await ae.add_request("a", "a", DELTA)
+    asyncio.run(main())
+    never.set()
+
+
+def test_draining_refuses_new_work_and_lets_admitted_requests_finish():
+    engine = HeldEngine()
+
+    async def main():
+        ae = AsyncLLMEngine(engine_factory=lambda: engine)
+        await ae.start()
+        await ae.wait_ready()
+        admitted = await ae.add_request("a", "a", DELTA)
+        await engine.hold()
+        drain = asyncio.ensure_future(ae.drain(timeout=60))
+        await asyncio.sleep(0)
+        assert ae.state is EngineState.DRAINING and not ae.ready
+        assert await _probes(ae) == (200, 503, "shutting down")
+        with pytest.raises(EngineShuttingDown):
+            await ae.add_request("b", "b", DELTA)
+        with pytest.raises(EngineShuttingDown):
+            await ae.add_lora("x", "/nowhere")
+        engine.release.set()
+        assert await _text(admitted) == "ttttt"  # ran to its end, not aborted
+        await asyncio.wait_for(drain, 30)
+        assert engine.aborted == [] and ae.state is EngineState.DRAINING
+        await ae.shutdown()
+        assert ae.state is EngineState.STOPPED
+    asyncio.run(main())
+
+
+def test_drain_past_its_timeout_aborts_what_is_left():
+    engine = ScriptedEngine()
+
+    async def body(ae, fatal):
+        stream = await ae.add_request("a", "a", LONG)
+        await ae.drain(timeout=0)
+        outputs = [out async for out in stream]
+        assert outputs[-1].outputs[0].finish_reason == "abort"
+        assert engine.aborted == ["a"] and ae.idle
+    run(body, engine)
+
+
+def test_dead_refuses_everything_and_stays_dead_after_shutdown():
+    async def main():
+        fatal = []
+        ae = AsyncLLMEngine(engine_factory=ScriptedEngine, on_fatal=fatal.append)
+        await ae.start()
+        await ae.wait_ready()
+        await ae.add_request("c", "crash", DELTA)
+        await _until(lambda: ae.state is EngineState.DEAD)
+        health, ready, reason = await _probes(ae)
+        assert (health, ready) == (503, 503) and "scheduler bug" in reason
+        with pytest.raises(EngineDeadError, match="scheduler bug"):
+            await ae.add_request("d", "d", DELTA)
+        with pytest.raises(EngineDeadError, match="scheduler bug"):
+            await ae.add_lora("x", "/nowhere")
+        await ae.shutdown()
+        assert ae.state is EngineState.DEAD and "scheduler bug" in ae.fatal_error
+        assert len(fatal) == 1
+    asyncio.run(main())
+
+
+def test_a_failed_load_is_dead():
+    def broken():
+        raise OSError("no such model")
+
+    async def main():
+        fatal = []
+        ae = AsyncLLMEngine(engine_factory=broken, on_fatal=fatal.append)
+        await ae.start()
+        with pytest.raises(EngineDeadError, match="loading the model failed.*no such model"):
+            await ae.wait_ready()
+        assert ae.state is EngineState.DEAD and len(fatal) == 1
+        assert (await _probes(ae))[:2] == (503, 503)
+        await ae.shutdown()
+        assert ae.state is EngineState.DEAD
+    asyncio.run(main())

@@ -23,7 +23,7 @@ from quire.attention.base import AttentionMetadata
 @functools.cache
 def _library(march: str = "native"):
     """quire_paged_extend; `march` other than native (tests) builds for an older CPU."""
-    lib = cpu_kernels.load_library("paged_decode.cpp", march)
+    lib = cpu_kernels.paged_decode_library(march)
     if lib is None:
         return None
     fn = lib.quire_paged_extend
@@ -42,7 +42,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 @functools.cache
 def _tiled(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
            march: str = "native") -> bool:
-    lib = cpu_kernels.load_library("paged_decode.cpp", march)
+    lib = cpu_kernels.paged_decode_library(march)
     return lib is not None and bool(lib.quire_paged_extend_tiled(
         num_heads, num_kv_heads, head_dim, block_size))
 

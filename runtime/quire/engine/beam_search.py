@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from quire.engine.request import Request, RequestStatus
 from quire.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from quire.validation import check_int, check_number
+from quire.validation import QuireValidationError, check_int, check_number
 
 MAX_BEAM_WIDTH = 10  # 2 x width candidates per beam come from the top-20 logprobs
 
@@ -37,12 +37,15 @@ class BeamSearchParams:
         check_number("length_penalty", self.length_penalty, lo=-math.inf, hi=None,
                      what="a number")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise QuireValidationError(
+                "ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}",
+                self.ignore_eos)
         from quire.structured import GuidedDecodingParams
         if self.guided_decoding is not None and not isinstance(self.guided_decoding,
                                                                GuidedDecodingParams):
-            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
-                             f"got {self.guided_decoding!r}")
+            raise QuireValidationError("guided_decoding",
+                                       f"guided_decoding must be a GuidedDecodingParams, "
+                                       f"got {self.guided_decoding!r}", self.guided_decoding)
 
 
 def num_blocks_for_beam_search(prompt_len: int, params: BeamSearchParams,
@@ -143,6 +146,7 @@ class BeamSearchGroup:
         self._next_id += 1
         child.token_ids = list(parent.token_ids)
         child.beam_group = self
+        child.cache_salt, child.long_rope = parent.cache_salt, parent.long_rope  # same chain keys
         if parent.structured is not None:  # guided: the beam gets its own grammar state
             child.structured = parent.structured.fork()
         scheduler.fork(parent, child)

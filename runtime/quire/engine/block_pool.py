@@ -9,7 +9,7 @@ Public interface:
     allocate(n) -> blocks       n blocks with ref_cnt 1 (evicts cached-free ones, LRU first)
     touch(blocks)               one more reference each (a prefix hit or a fork)
     free(blocks)                one reference less each; at 0 the block joins the free queue
-    cache_block(block, hash)    register a full block under its chained hash
+    cache_block(block, hash)    register a full block under its chained hash (block_hash.py)
     get_cached_block(hash)      the block holding that content, or None
     uncache(blocks)             forget hashes whose contents can't be trusted
     reset_prefix_cache()
@@ -31,15 +31,12 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block is identified by its tokens *and* everything before them."""
-    return hash((parent_hash, token_ids))
+        h = self.block_hash
+        short = h.hex()[:12] if isinstance(h, bytes) else h  # a digest's head is enough to tell
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={short})"
 
 
 class BlockPool:
@@ -52,7 +49,7 @@ class BlockPool:
         # Front = next to hand out. Uncached blocks go to the front, cached ones to the back,
         # so a cached prefix survives as long as there is anything else to give.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[bytes, KVBlock] = {}
         self.num_cached_free = 0  # free blocks that still hold a reusable prefix
         self.num_evictions = 0
 
@@ -69,7 +66,7 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
     # --- ownership -----------------------------------------------------------------------
@@ -113,7 +110,7 @@ class BlockPool:
                 self.num_cached_free += 1
 
     # --- prefix cache --------------------------------------------------------------------
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         if block.block_hash is not None:
             return
         if block_hash in self._cached:  # same content already cached under another block

@@ -28,6 +28,7 @@ from quire.engine.beam_search import (
     advance_beam_groups,
     num_blocks_for_beam_search,
 )
+from quire.engine.block_hash import check_cache_salt
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
@@ -43,7 +44,7 @@ from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import default_step_budget, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
 from quire.structured.manager import StructuredOutputManager
-from quire.validation import check_int
+from quire.validation import QuireValidationError, check_int
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
 from quire.worker.model_builder import build_model
 from quire.worker.model_runner import ModelRunner
@@ -128,8 +129,9 @@ class LLMEngine:
         if self.args.max_model_len is None:
             return limit
         if self.args.max_model_len > limit and cfg.rope_scaling is None:
-            raise ValueError(f"max_model_len must be <= {limit} (the model's context length), "
-                             f"got {self.args.max_model_len}")
+            raise QuireValidationError(
+                "max_model_len", f"max_model_len must be <= {limit} (the model's context "
+                f"length), got {self.args.max_model_len}", self.args.max_model_len)
         return self.args.max_model_len
 
     def _allocate_kv_cache(self, cfg: ModelConfig) -> KVCache:
@@ -139,8 +141,9 @@ class LLMEngine:
                            self.args.kv_cache_memory_fraction)
         num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {budget} bytes holds no block; one block of "
-                             f"{self.block_size} tokens needs {per_block} bytes")
+            raise QuireValidationError(
+                "kv_cache_memory", f"kv_cache_memory of {budget} bytes holds no block; one "
+                f"block of {self.block_size} tokens needs {per_block} bytes", budget)
         cache = KVCache(cfg.num_layers, num_blocks, self.block_size,
                         self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype, self.device)
         tokens = num_blocks * self.block_size
@@ -157,8 +160,9 @@ class LLMEngine:
                                     self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype)
         num_host_blocks = self.args.swap_space // per_block
         if num_host_blocks < 1:
-            raise ValueError(f"swap_space of {self.args.swap_space} bytes holds no block; one "
-                             f"block needs {per_block} bytes")
+            raise QuireValidationError(
+                "swap_space", f"swap_space of {self.args.swap_space} bytes holds no block; one "
+                f"block needs {per_block} bytes", self.args.swap_space)
         host = KVCache(cfg.num_layers, num_host_blocks, self.block_size,
                        self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype,
                        torch.device("cpu"), pin_memory=self.device.type == "cuda")
@@ -184,16 +188,21 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
-        """Validate and queue one request; raises ValueError naming what is wrong.
-        lora_request: the adapter it runs with (read on first use); None: the base model."""
+                    lora_request: LoRARequest | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Validate and queue one request; raises QuireValidationError naming the field.
+        lora_request: the adapter it runs with (read on first use); None: the base model.
+        cache_salt: requests share prefix-cache blocks only with requests of the same salt
+        (None shares with None)."""
         params = params or SamplingParams()
+        check_cache_salt(cache_salt)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.group_of(request_id) is not None:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise _in_use(request_id)
         if params.n > self.args.max_num_seqs:
-            raise ValueError(f"n must be <= max_num_seqs ({self.args.max_num_seqs}): the n "
-                             f"samples run side by side; got {params.n}")
+            raise QuireValidationError(
+                "n", f"n must be <= max_num_seqs ({self.args.max_num_seqs}): the n samples run "
+                f"side by side; got {params.n}", params.n)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         adapter = None if lora_request is None else self._adapters().resolve(lora_request)
@@ -206,6 +215,7 @@ class LLMEngine:
                 self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
                 sample_index=i)
             tag_request(seq, adapter)
+            seq.cache_salt = cache_salt
             if seq_params.seed is not None and not seq_params.greedy:
                 seq.generator = self.sampler.make_generator(seq_params.seed)
             seqs.append(seq)
@@ -223,38 +233,47 @@ class LLMEngine:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
+                raise QuireValidationError(
+                    "prompt", "prompt dict must hold 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt).input_ids
             if not ids:
-                raise ValueError("prompt must not be empty")
+                raise QuireValidationError("prompt", "prompt must not be empty", prompt)
             return prompt, list(ids)
         if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+            raise QuireValidationError(
+                "prompt", "prompt must be a non-empty string or a non-empty list of token ids",
+                prompt)
         vocab = self.model_config.vocab_size
         for t in prompt:
-            check_int("prompt token ids", t, lo=0, hi=vocab - 1, what=f"integers in [0, {vocab})")
+            check_int("prompt token ids", t, lo=0, hi=vocab - 1, what=f"integers in [0, {vocab})",
+                      field="prompt")
         return None, list(prompt)
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = min(self.max_model_len, self.capacity_tokens)
         if prompt_len >= limit:
-            raise ValueError(
+            raise QuireValidationError(
+                "prompt",
                 f"prompt is {prompt_len} tokens; this model's context is {self.max_model_len} "
                 f"tokens and the KV cache holds {self.capacity_tokens}, so prompts must be "
                 f"shorter than {limit} tokens")
         if params.max_tokens is None:
             return limit - prompt_len
         if prompt_len + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise QuireValidationError(
+                "max_tokens",
                 f"max_tokens is too large: this model's maximum context length is "
                 f"{self.max_model_len} tokens, and the prompt has {prompt_len}, so max_tokens "
-                f"must be <= {self.max_model_len - prompt_len}, got {params.max_tokens}")
+                f"must be <= {self.max_model_len - prompt_len}, got {params.max_tokens}",
+                params.max_tokens)
         if prompt_len + params.max_tokens > self.capacity_tokens:
-            raise ValueError(
+            raise QuireValidationError(
+                "max_tokens",
                 f"max_tokens is too large: the KV cache holds {self.capacity_tokens} tokens "
                 f"and the prompt has {prompt_len}, so max_tokens must be <= "
-                f"{self.capacity_tokens - prompt_len}, got {params.max_tokens}")
+                f"{self.capacity_tokens - prompt_len}, got {params.max_tokens}",
+                params.max_tokens)
         return params.max_tokens
 
     def add_beam_search(self, request_id: str | None, prompt: PromptType,
@@ -263,19 +282,22 @@ class LLMEngine:
         comes from step() when it finishes."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.beam_groups or self.output_processor.group_of(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise _in_use(request_id)
         if params.beam_width > self.args.max_num_seqs:
-            raise ValueError(f"beam_width must be <= max_num_seqs ({self.args.max_num_seqs}), "
-                             f"got {params.beam_width}")
+            raise QuireValidationError(
+                "beam_width", f"beam_width must be <= max_num_seqs ({self.args.max_num_seqs}), "
+                f"got {params.beam_width}", params.beam_width)
         if params.beam_width > self.args.max_num_batched_tokens:
-            raise ValueError(f"beam_width must be <= max_num_batched_tokens "
-                             f"({self.args.max_num_batched_tokens}): the beams decode in one "
-                             f"step; got {params.beam_width}")
+            raise QuireValidationError(
+                "beam_width", f"beam_width must be <= max_num_batched_tokens "
+                f"({self.args.max_num_batched_tokens}): the beams decode in one step; got "
+                f"{params.beam_width}", params.beam_width)
         text, token_ids = self._tokenize(prompt)
         self._max_tokens(len(token_ids), SamplingParams(max_tokens=params.max_tokens))
         need = num_blocks_for_beam_search(len(token_ids), params, self.block_size)
         if need > self.kv_manager.num_blocks:  # the beams' tails are not shared: count each
-            raise ValueError(
+            raise QuireValidationError(
+                "beam_width",
                 f"beam_width x max_tokens is too large for the KV cache: {params.beam_width} "
                 f"beams of a {len(token_ids)}-token prompt and max_tokens {params.max_tokens} "
                 f"can hold {need} blocks of {self.block_size} tokens at once, and the cache has "
@@ -336,7 +358,8 @@ class LLMEngine:
 
     def _adapters(self) -> EngineAdapters:
         if self.lora is None:
-            raise ValueError("lora_request needs an engine with enable_lora=True")
+            raise QuireValidationError("lora_request",
+                                       "lora_request needs an engine with enable_lora=True")
         return self.lora
 
     def has_unfinished_requests(self) -> bool:
@@ -451,3 +474,8 @@ class LLMEngine:
             prefix_queries=self.kv_manager.prefix_queries,
             prefix_hits=self.kv_manager.prefix_hits,
         )
+
+
+def _in_use(request_id: str) -> QuireValidationError:
+    return QuireValidationError("request_id", f"request_id {request_id!r} is already in use",
+                                request_id)

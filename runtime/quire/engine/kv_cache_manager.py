@@ -22,18 +22,21 @@ Public interface (`seq` is a Request: one sequence):
     steps      step_done(), step_failed()              a failed step un-caches its blocks
                step_dropped()                          so do sequences dropped from a step
 
-Sharing: full blocks are registered under a chained hash of their tokens when allocated. With
-prefix caching on, any sequence can hit them, and they stay cached after they are freed.
-With it off, the hash chain is salted with the client request id, so only the sequences of one
-client request (a beam group or n > 1 samples coming back from preemption) share blocks, and
-nothing outlives its owners.
+Sharing: full blocks are registered under a chained hash of their tokens when allocated
+(block_hash.py: SHA-256, each block hashed once, when it fills). The chain is seeded with the
+sequence's extra keys: its LoRA adapter, its client's cache_salt, the LongRoPE long table, so
+blocks under different keys never match. With prefix caching on, any sequence with the same
+keys can hit them, and they stay cached after they are freed. With it off, the client request
+id is a key too, so only the sequences of one client request (a beam group or n > 1 samples
+coming back from preemption) share blocks, and nothing outlives its owners.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from quire.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from quire.engine.block_hash import NO_EXTRA_KEYS, ExtraKeys, extend_block_hashes
+from quire.engine.block_pool import BlockPool, KVBlock
 from quire.engine.request import Request
 
 
@@ -104,13 +107,17 @@ class KVCacheManager:
             self.prefix_hits += num_hit_tokens
 
     def _extend_hashes(self, seq: Request, num_full_blocks: int) -> None:
-        hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        salt = (seq.cache_salt if self.enable_caching  # an adapter salts its chain
-                else hash(("client", seq.client_request_id, seq.cache_salt)))
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else salt
-            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        if len(seq.block_hashes) < num_full_blocks:  # only the first block needs the keys
+            keys = self.extra_keys(seq) if not seq.block_hashes else NO_EXTRA_KEYS
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size,
+                                num_full_blocks, keys)
+
+    def extra_keys(self, seq: Request) -> ExtraKeys:
+        """What seeds the sequence's hash chain besides its tokens."""
+        return ExtraKeys(
+            adapter=None if seq.lora is None else seq.lora.key, cache_salt=seq.cache_salt,
+            long_rope=seq.long_rope,
+            client_request=None if self.enable_caching else seq.client_request_id)
 
     # --- growth ----------------------------------------------------------------------------
     def allocate_slots(self, seq: Request, num_new_tokens: int,

@@ -77,12 +77,15 @@ class Request:
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         self.pending_siblings: list[Request] = []  # (n > 1) forked when the prompt is done
-        self.block_hashes: list[int] = []       # chained hashes of this request's full blocks
+        self.block_hashes: list[bytes] = []     # chained hashes of this request's full blocks
         self.num_preemptions = 0
         self.beam_group = None  # the BeamSearchGroup this sequence is a beam of, if any
         self.structured = None  # its GrammarState under guided decoding (quire/structured)
         self.lora = None        # the AdapterHandle it computes with (quire/lora); None: base
-        self.cache_salt = None  # seeds its block-hash chain: blocks of other salts never match
+        # with the adapter, these seed its block-hash chain (block_hash.ExtraKeys): blocks
+        # under other keys never match
+        self.cache_salt: str | None = None  # the client's cache_salt (tenant isolation)
+        self.long_rope = False  # its K/V use LongRoPE's long table (scheduler.py)
         # speculative decoding: the tokens proposed for its next step (verified there, never
         # part of token_ids until accepted), and its proposer's per-sequence state
         self.spec_token_ids: list[int] = []

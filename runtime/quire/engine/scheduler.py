@@ -56,7 +56,7 @@ class Scheduler:
         if self.lora_admission is not None:  # its adapter stays until it ends
             self.lora_admission.hold(seq)
         if self.rope_switch_length and seq.num_tokens >= self.rope_switch_length:
-            seq.cache_salt = ("long rope", seq.cache_salt)
+            seq.long_rope = True
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -272,8 +272,7 @@ class Scheduler:
             logger.debug("preempted %s by %s", seq.request_id, kind)
 
     def _crosses_rope_switch(self, seq: Request) -> bool:
-        long = isinstance(seq.cache_salt, tuple) and seq.cache_salt[:1] == ("long rope",)
-        return seq.num_tokens == self.rope_switch_length and not long
+        return seq.num_tokens == self.rope_switch_length and not seq.long_rope
 
     def _recompute_for_rope(self, unit: list[Request], out: SchedulerOutput) -> None:
         """The unit's K/V were rotated with the short table: recompute them all with the long
@@ -283,7 +282,7 @@ class Scheduler:
             self.kv_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.block_hashes = []
-            seq.cache_salt = ("long rope", seq.cache_salt)
+            seq.long_rope = True
             seq.status = RequestStatus.WAITING
             self.waiting.appendleft(seq)
             out.preempted.append(seq)

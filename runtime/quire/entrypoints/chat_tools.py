@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quire.entrypoints.errors import bad_request, param_of
+from quire.entrypoints.errors import bad_request, invalid_input
 from quire.entrypoints.limits import check_count, check_schema_bytes
 from quire.entrypoints.openai_protocol import (
     DeltaToolCall,
@@ -82,12 +82,8 @@ def _grammar(tokenizer, tools, choice, parallel: bool, family: str,
         check_schema_bytes("tools", tools, max_schema_bytes)
     try:
         return tool_choice_guided_decoding(tools, choice, parallel, family)
-    except ValueError as e:  # "tools[2].function..." / "tool_choice ..." / a schema's error
-        message = str(e)
-        param = param_of(message, {"tools", "tool_choice"})
-        if param is None:  # a parameters schema the grammar library refused
-            param, message = "tools", f"tools: a function's parameters schema: {message}"
-        raise bad_request(message, param) from None
+    except ValueError as e:  # its errors carry tools or tool_choice
+        raise invalid_input(e) from None
 
 
 # --- answers ----------------------------------------------------------------------------

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import typing
 from typing import NamedTuple
 
 from quire.config import EngineArgs
+from quire.validation import QuireValidationError
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
@@ -58,16 +58,11 @@ def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         values["lora_modules"] = lora_modules_dict(values["lora_modules"])
     try:
         return EngineArgs(**values)
-    except ValueError as e:
-        raise ValueError(_name_flag(str(e), values)) from None
-
-
-def _name_flag(message: str, fields) -> str:
-    """"max_loras must be ..." -> "--max-loras: max_loras must be ..." (the field first)."""
-    m = re.match(r"'?([a-z_]+)'?\b", message)
-    if m and m.group(1) in fields:
-        return f"--{m.group(1).replace('_', '-')}: {message}"
-    return message
+    except QuireValidationError as e:
+        if e.field not in values:  # not a flag's fault
+            raise
+        flag = "--" + e.field.replace("_", "-")
+        raise QuireValidationError(e.field, f"{flag}: {e}", e.value) from None
 
 
 class LoRAModule(NamedTuple):
@@ -113,7 +108,9 @@ def lora_modules_dict(modules: list[LoRAModule]) -> dict[str, str]:
     out: dict[str, str] = {}
     for m in modules:
         if m.name in out:
-            raise ValueError(f"--lora-modules: the adapter name {m.name!r} is given twice")
+            raise QuireValidationError(
+                "lora_modules", f"--lora-modules: the adapter name {m.name!r} is given twice",
+                m.name)
         out[m.name] = m.path
     return out
 

@@ -1,9 +1,10 @@
 """The errors the server answers with, in OpenAI's shape, and the one mapping from engine
-exceptions to HTTP answers (so "the engine is dead" is 503 wherever it is noticed)."""
+exceptions to HTTP answers (so "the engine is dead" is 503 wherever it is noticed).
+
+Bad input's `param` is the field a QuireValidationError carries, never read out of a message:
+a plain ValueError answers 400 with param null."""
 
 from __future__ import annotations
-
-import re
 
 from quire.engine.async_engine import (
     AdapterNotFound,
@@ -13,6 +14,7 @@ from quire.engine.async_engine import (
     EngineShuttingDown,
     RequestFailed,
 )
+from quire.validation import field_of
 
 RETRY_AFTER_QUEUE_FULL = "1"     # seconds: the queue moves every step
 RETRY_AFTER_LOADING = "5"        # seconds: a model load takes a while
@@ -46,16 +48,15 @@ def server_busy(message: str) -> OpenAIError:
                        {"Retry-After": RETRY_AFTER_QUEUE_FULL})
 
 
-_FIRST_WORD = re.compile(r"^'?([a-z_]+)'?\b")
-
-
-def param_of(message: str, known: set[str]) -> str | None:
-    """The parameter a library ValueError names ("temperature must be >= 0, ...")."""
-    m = _FIRST_WORD.match(message)
-    return m.group(1) if m and m.group(1) in known else None
-
-
-ENGINE_PARAMS = {"prompt", "max_tokens", "request_id", "n"}
+def invalid_input(e: ValueError, renames: dict[str, str] | None = None) -> OpenAIError:
+    """The 400 for a library's ValueError, naming the field it carries as this endpoint's
+    request calls it (`renames`, e.g. chat's prompt -> messages: the message is prefixed with
+    the request's name, as the library's text names its own)."""
+    param, message = field_of(e), str(e)
+    if renames and param in renames:
+        param = renames[param]
+        message = f"{param}: {message}"
+    return bad_request(message, param)
 
 
 def engine_error(e: BaseException, renames: dict[str, str] | None = None) -> OpenAIError:
@@ -65,7 +66,7 @@ def engine_error(e: BaseException, renames: dict[str, str] | None = None) -> Ope
     if isinstance(e, AdapterNotFound):
         return model_not_found(e.name)
     if isinstance(e, ValueError):
-        return renamed(bad_request(str(e), param_of(str(e), ENGINE_PARAMS)), renames)
+        return invalid_input(e, renames)
     if isinstance(e, EngineOverloaded):
         return OpenAIError(503, str(e), "server_error", None, "queue_full",
                            {"Retry-After": RETRY_AFTER_QUEUE_FULL})
@@ -92,11 +93,3 @@ def engine_dead(reason: str) -> OpenAIError:
     """The one answer once the engine loop has died: the pod is going away, retry elsewhere."""
     return OpenAIError(503, f"the engine has failed: {reason}", "server_error", None,
                        "engine_dead")
-
-
-def renamed(e: OpenAIError, renames: dict[str, str] | None) -> OpenAIError:
-    """Name the parameter as this endpoint's request calls it (chat: prompt -> messages)."""
-    if renames and e.param in renames:
-        e.param = renames[e.param]
-        e.message = f"{e.param}: {e.message}"
-    return e

@@ -13,6 +13,7 @@ from quire.engine.engine import LLMEngine, PromptType
 from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
+from quire.validation import QuireValidationError
 
 Message = dict[str, str]
 
@@ -35,24 +36,30 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 cache_salt: str | Sequence[str | None] | None = None,
                  ) -> list[RequestOutput]:
         """Outputs in input order. `prompts`: a string, a list of token ids, a dict with
         'prompt' or 'prompt_token_ids', or a list of those. `lora_request`: one adapter for
-        all prompts, or one (or None: the base model) per prompt."""
+        all prompts, or one (or None: the base model) per prompt. `cache_salt`: likewise one
+        string or one per prompt; prompts share prefix-cache blocks only with prompts of the
+        same salt (RequestOutput.num_cached_tokens says how many prompt tokens were hits)."""
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
-                             f"{len(prompts)} prompts; give one, or one per prompt")
-        loras = _per_prompt_loras(lora_request, len(prompts))
+            raise QuireValidationError(
+                "sampling_params", f"sampling_params has {len(sampling_params)} entries for "
+                f"{len(prompts)} prompts; give one, or one per prompt")
+        loras = _per_prompt(lora_request, LoRARequest, len(prompts), "lora_request")
+        salts = _per_prompt(cache_salt, str, len(prompts), "cache_salt")
         ids = []
         try:
-            for prompt, params, lora in zip(prompts, sampling_params, loras):
+            for prompt, params, lora, salt in zip(prompts, sampling_params, loras, salts):
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(self.engine.add_request(None, prompt, params, lora_request=lora))
+                ids.append(self.engine.add_request(None, prompt, params, lora_request=lora,
+                                                   cache_salt=salt))
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             while self.engine.has_unfinished_requests():
@@ -72,16 +79,17 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             cache_salt: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
         tokenizer's chat template. `tools`: OpenAI function tools the template is given
         (assistant tool_calls and role 'tool' messages render too); parse the replies with
-        quire.entrypoints.tool_calls."""
+        quire.entrypoints.tool_calls. `cache_salt`: as in generate()."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt,
                                                                  chat_template, tools)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, cache_salt=cache_salt)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None,
@@ -91,7 +99,9 @@ class LLM:
             return render_chat_prompt(self.tokenizer, messages, tools, chat_template,
                                       add_generation_prompt)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+            raise QuireValidationError(
+                "chat_template", "this model's tokenizer has no chat template; pass "
+                "chat_template")
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True,
             chat_template=chat_template, return_dict=False)
@@ -129,11 +139,12 @@ def _as_list(prompts) -> list:
     return list(prompts)
 
 
-def _per_prompt_loras(lora_request, n: int) -> list:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * n
-    loras = list(lora_request)
-    if len(loras) != n:
-        raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts; give one, "
-                         f"or one per prompt")
-    return loras
+def _per_prompt(value, one: type, n: int, name: str) -> list:
+    """A value given once for every prompt, or a list of one per prompt."""
+    if value is None or isinstance(value, one):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise QuireValidationError(name, f"{name} has {len(values)} entries for {n} prompts; "
+                                   "give one, or one per prompt")
+    return values

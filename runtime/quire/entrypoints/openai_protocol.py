@@ -4,7 +4,8 @@ the errors the server answers with.
 Requests are parsed strictly from the raw JSON (no "5" for 5, no 1.5 for an integer, no
 Infinity or NaN), and every problem becomes an OpenAIError: HTTP 400 naming the parameter, in
 OpenAI's error shape. Ranges are checked once, by SamplingParams and the engine, whose
-ValueErrors name the field; the server's own bounds (list lengths, sizes) are in limits.py.
+QuireValidationErrors carry the field; the server's own bounds (list lengths, sizes) are in
+limits.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from quire.entrypoints.errors import OpenAIError, bad_request, param_of
+from quire.engine.block_hash import MAX_CACHE_SALT_CHARS
+from quire.entrypoints.errors import OpenAIError, bad_request, invalid_input
 from quire.sampling_params import MAX_LOGPROBS, MAX_SEED, RequestOutputKind, SamplingParams
 from quire.structured.params import GuidedDecodingParams
 
@@ -79,32 +81,40 @@ class SamplingFields(_Request):
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         stream: bool, max_n: int | None = None,
-                        guided_decoding: GuidedDecodingParams | None = None) -> SamplingParams:
-        """SamplingParams, or OpenAIError 400 naming the parameter that is out of range."""
+                        guided_decoding: GuidedDecodingParams | None = None,
+                        renames: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams, or OpenAIError 400 naming the parameter that is out of range
+        (`renames`: SamplingParams' names this endpoint's request spells otherwise)."""
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise bad_request(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}",
                               "seed")
         if max_n is not None and isinstance(self.n, int) and self.n > max_n:
             raise bad_request(f"n must be <= {max_n} (this server's --max-num-seqs), "
                               f"got {self.n}", "n")
-        values = {k: getattr(self, k) for k in (
-            "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-            "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-            "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens")}
-        values = {k: v for k, v in values.items() if v is not None}
+        values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs,
                                   output_kind=kind, guided_decoding=guided_decoding)
         except ValueError as e:
-            raise bad_request(str(e), param_of(str(e), SAMPLING_PARAM_NAMES)) from None
+            raise invalid_input(e, renames) from None
 
 
-SAMPLING_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt"}
+# every field above goes to SamplingParams under its own name (a test holds them to that)
+SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+# --- prefix-cache isolation, on /v1/completions, /v1/chat/completions and /generate ------
+class CacheSaltField(_Request):
+    """vLLM's cache_salt: requests share prefix-cache blocks only with requests of the same
+    salt (a tenant's own secret keeps its prompts' KV from other tenants)."""
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+        description=f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
 
 
 # --- structured output, on /v1/completions and /v1/chat/completions -----------------------
@@ -130,7 +140,7 @@ STRUCTURED_OUTPUT_FIELDS = tuple(StructuredOutputFields.model_fields)
 
 
 # --- /v1/completions ------------------------------------------------------------------------
-class CompletionRequest(SamplingFields, StructuredOutputFields):
+class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
@@ -206,7 +216,7 @@ class ChatMessage(_Request):
         return n + len(self.name or "") + len(self.tool_call_id or "")
 
 
-class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
+class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField):
     model: str | None = None
     messages: list[ChatMessage] = Field(
         description="a non-empty list of {'role', 'content'} messages")
@@ -231,7 +241,7 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
 
 
 # --- /generate (vLLM's simple API) ----------------------------------------------------------
-class GenerateRequest(SamplingFields):
+class GenerateRequest(SamplingFields, CacheSaltField):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # no extras
     model: str | None = None
     prompt: str | list[int] = Field(description="a string or a list of token ids")
@@ -257,15 +267,24 @@ class DetokenizeRequest(_Request):
 
 
 # --- responses ------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int | None = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(
+            cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):

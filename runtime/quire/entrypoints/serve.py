@@ -21,6 +21,7 @@ import sys
 from quire.entrypoints.engine_args import add_engine_flags, engine_args_from, model_help
 from quire.entrypoints.limits import RESERVED_TEMPLATE_KWARGS, add_limit_flags, limits_from
 from quire.entrypoints.reasoning.registry import REASONING_PARSERS
+from quire.entrypoints.tls import add_tls_flags, tls_from
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         f"(needs --enable-lora; also on with {RUNTIME_LORA_ENV}=true); "
                         "without it they answer 404")
+    add_tls_flags(p)
     add_limit_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -163,8 +165,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from quire.entrypoints import memory
     from quire.entrypoints.api_server import build_app
     from quire.entrypoints.uvicorn_server import QuireServer, uvicorn_config
-    from quire.metrics import ServerMetrics
+    from quire.metrics import ServerMetrics, cache_config_labels
 
+    tls = tls_from(ns)  # before the model loads: a bad certificate fails at once
     if ns.malloc_arena_max > 0:
         memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
     args = engine_args_from(ns, ns.model)
@@ -172,7 +175,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     names = served_names(ns)
     limits = limits_from(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
-    metrics = ServerMetrics(ns.metrics_compat)
+    metrics = ServerMetrics(ns.metrics_compat, cache_config=cache_config_labels(
+        args.block_size, args.kv_cache_dtype, args.enable_prefix_caching))
     engine = AsyncLLMEngine(args, served_model_name=names[0] if names else None,
                             max_queue_len=ns.max_queue_len, stats=metrics)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
@@ -182,10 +186,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                     default_template_kwargs=ns.default_chat_template_kwargs,
                     allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns),
                     model_aliases=names[1:])
-    config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits)
+    config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits, tls)
     server = QuireServer(config, engine, ns.shutdown_timeout)
-    logger.info("quire serve: model %s, http://%s:%d (API key %s)",
-                args.model or "(default)", ns.host, ns.port, "on" if api_key else "off")
+    logger.info("quire serve: model %s, %s://%s:%d (API key %s, client certificates %s)",
+                args.model or "(default)", tls.scheme, ns.host, ns.port,
+                "on" if api_key else "off", ("off", "optional", "required")[tls.cert_reqs])
     if args.enable_lora:
         logger.info("LoRA on: %d adapters at start, loading at runtime %s",
                     len(args.lora_modules or {}), "on" if allow_runtime_lora else "off")

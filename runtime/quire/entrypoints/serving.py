@@ -13,6 +13,7 @@ from quire.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     EngineNotReady,
+    EngineState,
     ModelInfo,
     RequestStream,
 )
@@ -72,10 +73,11 @@ class Serving:
 
     def model_for(self, name: str | None) -> tuple[ModelInfo, LoRARequest | None]:
         """check_model, and the adapter `name` picks (None: the base model)."""
-        if self.engine.fatal_error is not None:
+        state = self.engine.state
+        if state is EngineState.DEAD:
             raise engine_error(EngineDeadError(self.engine.fatal_error))
         info = self.engine.model_info
-        if info is None or not self.engine.loaded.is_set():
+        if state is EngineState.LOADING or info is None:  # None: stopped while loading
             raise engine_error(EngineNotReady("the model is still loading"))
         if name is None or name == info.served_name or name in self.model_aliases:
             return info, None
@@ -136,13 +138,16 @@ class Serving:
     async def submit(self, request_id: str, prompts: Sequence[list[int]],
                      params: SamplingParams,
                      renames: dict[str, str] | None = None,
-                     lora_request: LoRARequest | None = None) -> list[RequestStream]:
+                     lora_request: LoRARequest | None = None,
+                     cache_salt: str | None = None) -> list[RequestStream]:
         """One engine request per prompt (token ids), all or none: if one is refused, the
-        others are aborted. lora_request: the adapter model_for picked, or None."""
+        others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
+        the request's (checked when the body was parsed)."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
         results = await asyncio.gather(
-            *(self.engine.add_request(rid, p, params, lora_request=lora_request)
+            *(self.engine.add_request(rid, p, params, lora_request=lora_request,
+                                      cache_salt=cache_salt)
               for rid, p in zip(ids, prompts)),
             return_exceptions=True)  # added in the same step; every outcome retrieved
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -155,7 +160,8 @@ class Serving:
             raise engine_error(errors[0], renames) from None
         if self.log_requests:
             for rid, prompt in zip(ids, prompts):
-                logger.info("request %s: %d prompt tokens, params=%s", rid, len(prompt),
+                logger.info("request %s: %d prompt tokens, %s, params=%s", rid, len(prompt),
+                            "cache_salt set" if cache_salt is not None else "no cache_salt",
                             params)
         return streams
 
@@ -186,9 +192,12 @@ class Serving:
         if self.metrics is not None:
             self.metrics.record_disconnect()
 
-    def log_done(self, request_id: str, completion_tokens: int) -> None:
+    def log_done(self, request_id: str, completion_tokens: int, cached_tokens: int) -> None:
+        """`cached_tokens`: prompt tokens served from the prefix cache (usage's
+        prompt_tokens_details.cached_tokens)."""
         if self.log_requests:
-            logger.info("request %s finished: %d tokens", request_id, completion_tokens)
+            logger.info("request %s finished: %d tokens, %d prompt tokens cached", request_id,
+                        completion_tokens, cached_tokens)
 
 
 async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:

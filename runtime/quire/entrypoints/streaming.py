@@ -77,12 +77,14 @@ async def sse_events(serving, request_id: str, guard: StreamGuard, n: int, fmt: 
                      include_usage: bool) -> AsyncIterator[str]:
     done: set[int] = set()
     prompt_tokens = [0] * len(guard.streams)
+    cached_tokens = [0] * len(guard.streams)
     completion_tokens = 0
     try:
         for chunk in fmt.opening():
             yield sse(chunk)
         async for p, out in merge(guard.streams):
             prompt_tokens[p] = len(out.prompt_token_ids)
+            cached_tokens[p] = out.num_cached_tokens
             for c in out.outputs:
                 i = p * n + c.index
                 if i in done:
@@ -94,8 +96,9 @@ async def sse_events(serving, request_id: str, guard: StreamGuard, n: int, fmt: 
                 if chunk is not None:
                     yield sse(chunk)
         if include_usage:
-            yield sse(fmt.usage(UsageInfo.of(sum(prompt_tokens), completion_tokens)))
-        serving.log_done(request_id, completion_tokens)
+            yield sse(fmt.usage(UsageInfo.of(sum(prompt_tokens), completion_tokens,
+                                             sum(cached_tokens))))
+        serving.log_done(request_id, completion_tokens, sum(cached_tokens))
     except (RequestFailed, EngineDeadError) as e:
         yield sse(ErrorChunk.of(engine_error(e)))
     guard.completed = True

@@ -8,9 +8,8 @@ event loop (the engine then compiles it on its own compile thread, cached by sch
 
 from __future__ import annotations
 
-from quire.entrypoints.errors import bad_request, param_of
+from quire.entrypoints.errors import invalid_input
 from quire.entrypoints.limits import check_schema_bytes
-from quire.entrypoints.openai_protocol import STRUCTURED_OUTPUT_FIELDS
 from quire.structured.params import GuidedDecodingParams
 from quire.structured.request_formats import guided_decoding_from_request
 
@@ -29,9 +28,5 @@ def _build(tokenizer, fields: dict, max_schema_bytes: int) -> GuidedDecodingPara
             check_schema_bytes(name, value, max_schema_bytes)
     try:
         return guided_decoding_from_request(fields)
-    except ValueError as e:
-        message = str(e)
-        # request_formats' messages start with the field's name; a clash names the last one
-        param = param_of(message, set(STRUCTURED_OUTPUT_FIELDS)) or [
-            f for f in fields if f != "disable_any_whitespace"][-1]
-        raise bad_request(message, param) from None
+    except ValueError as e:  # request_formats' errors carry the request's field
+        raise invalid_input(e) from None

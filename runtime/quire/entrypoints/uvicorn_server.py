@@ -1,6 +1,6 @@
-"""uvicorn, as `quire serve` runs it: a drain on SIGTERM, an exit code, and the connection
-limits (header timeout, keep-alive, header size, concurrency) that slow or hostile clients
-meet before any request reaches the app."""
+"""uvicorn, as `quire serve` runs it: a drain on SIGTERM, an exit code, HTTPS when asked
+(tls.py), and the connection limits (header timeout, keep-alive, header size, concurrency)
+that slow or hostile clients meet before any request reaches the app."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from quire.entrypoints.limits import ServerLimits
+from quire.entrypoints.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -21,14 +22,15 @@ GRACEFUL_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for open connections afte
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str, access_log: bool,
-                   limits: ServerLimits) -> uvicorn.Config:
+                   limits: ServerLimits, tls: ServerTLS | None = None) -> uvicorn.Config:
+    tls = tls or ServerTLS()
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT, lifespan="on", log_config=None,
         http=guarded_h11_protocol(limits.timeout_header, limits.max_header_bytes),
         timeout_keep_alive=limits.timeout_keep_alive,
         h11_max_incomplete_event_size=limits.max_header_bytes,
-        limit_concurrency=limits.limit_concurrency)
+        limit_concurrency=limits.limit_concurrency, **tls.uvicorn_kwargs())
 
 
 def guarded_h11_protocol(seconds: float, max_header_bytes: int) -> type[H11Protocol]:

@@ -4,7 +4,7 @@
     y = kernel(x)          # (x.float() @ dequant(W).T).to(x.dtype), x [M, K]
 
 In order of preference (benchmarks/quant_kernels.py prints each one's us/call and GB/s):
-1. the native CPU kernels (attention/cpu_kernels/quant_matmul.py: AVX-512 VNNI / AVX2), on
+1. the native CPU kernels (native/quant_matmul.py: AVX-512 VNNI / AVX2), on
    the canonical fp32 scales, so exact wherever the format promises it;
 2. torch's own weight-only ops (_weight_int8pack_mm per output channel,
    _weight_int4pack_mm_for_cpu group-wise). They take their scales (and zeros) in the
@@ -23,6 +23,7 @@ import torch
 
 from quire.layers import quant_formats as qf
 from quire.layers.quant_formats import dequantize_int4, dequantize_int8, unpack_nibbles
+from quire.layers.quant_kernel_base import Kernel
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 def native():
     """The native kernel module when it is built and usable here, else None."""
     try:
-        from quire.attention.cpu_kernels import quant_matmul
+        from quire.native import quant_matmul
     except ImportError:
         return None
     try:
@@ -38,25 +39,6 @@ def native():
     except Exception as e:  # a failed build must not stop the model from loading
         logger.warning("native quantized matmul unavailable (%s)", e)
         return None
-
-
-class Kernel:
-    name = "?"
-    owns_weights = False  # holds its own packed copy: the canonical tensors may be freed
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 weight this kernel multiplies by (tests, the transformers oracle)."""
-        raise NotImplementedError
-
-    def extra_bytes(self) -> int:
-        """Memory it holds beyond the layer's parameters (its packed or dequantized copy)."""
-        held = [getattr(self, a, None) for a in ("weight", "packed", "scales_zeros")]
-        packed = getattr(self, "packed", None)
-        held += [getattr(packed, a, None) for a in ("qweight", "scales", "offsets")]
-        return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
 
 
 _warned = False

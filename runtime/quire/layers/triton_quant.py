@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from quire.layers import quant_formats as qf
-from quire.layers.quant_kernels import Kernel
+from quire.layers.quant_kernel_base import Kernel
 
 GEMV_MAX_M = 1          # rows of x the gemv path takes (at 8 it ran 2-4x slower than at 1)
 FUSED_MAX_M = 64        # rows up to which fp16/bf16 x may take the fused tl.dot kernel
@@ -365,7 +365,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 class TritonQuantKernel(Kernel):
-    """The quant_kernels.Kernel for CUDA weights: reads the layer's canonical tensors."""
+    """The quant_kernel_base.Kernel for CUDA weights: reads the layer's canonical tensors."""
 
     def __init__(self, kind: str, qweight, scales, zeros=None) -> None:
         self.name = f"triton-{kind}"

@@ -76,6 +76,6 @@ class EngineAdapters:
 
 def tag_request(seq, handle: AdapterHandle | None) -> None:
     """The request computes with this adapter, and its prefix-cache hashes are salted with
-    the adapter's registration, so no two adapters (nor base and adapter) share KV blocks."""
+    the adapter's registration (KVCacheManager.extra_keys), so no two adapters (nor base and
+    adapter) share KV blocks."""
     seq.lora = handle
-    seq.cache_salt = None if handle is None else ("lora", handle.key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from quire.lora.request import AdapterHandle, LoRARequest
+from quire.validation import QuireValidationError
 
 
 class AdapterRegistry:
@@ -19,12 +20,14 @@ class AdapterRegistry:
         """A handle for an adapter not registered yet; raises if it clashes with one that is."""
         old = self.by_name.get(req.name)
         if old is not None:
-            raise ValueError(f"a LoRA adapter named {req.name!r} is already loaded (id "
-                             f"{old.request.id}, path {old.request.path!r}); remove it first")
+            raise QuireValidationError(
+                "lora_request", f"a LoRA adapter named {req.name!r} is already loaded (id "
+                f"{old.request.id}, path {old.request.path!r}); remove it first", req.name)
         for h in self.by_name.values():
             if h.request.id == req.id:
-                raise ValueError(f"lora_request.id {req.id} is already used by adapter "
-                                 f"{h.name!r}")
+                raise QuireValidationError(
+                    "lora_request", f"lora_request.id {req.id} is already used by adapter "
+                    f"{h.name!r}", req.id)
         return AdapterHandle(next(self._keys), req)
 
     def add(self, handle: AdapterHandle) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quire.validation import QuireValidationError
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -17,11 +19,17 @@ class LoRARequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"lora_request.name must be a non-empty string, got {self.name!r}")
+            raise QuireValidationError(
+                "lora_request", f"lora_request.name must be a non-empty string, got "
+                f"{self.name!r}", self.name)
         if isinstance(self.id, bool) or not isinstance(self.id, int) or self.id < 1:
-            raise ValueError(f"lora_request.id must be an integer >= 1, got {self.id!r}")
+            raise QuireValidationError(
+                "lora_request", f"lora_request.id must be an integer >= 1, got {self.id!r}",
+                self.id)
         if not isinstance(self.path, str) or not self.path:
-            raise ValueError(f"lora_request.path must be a non-empty string, got {self.path!r}")
+            raise QuireValidationError(
+                "lora_request", f"lora_request.path must be a non-empty string, got "
+                f"{self.path!r}", self.path)
 
 
 @dataclass(frozen=True)

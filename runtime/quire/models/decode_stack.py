@@ -1,4 +1,4 @@
-"""A decode-only step's decoder layers in one native call (cpu_kernels/decode_stack.cpp).
+"""A decode-only step's decoder layers in one native call (native/decode_stack.cpp).
 
 At batch 1 the Python path issues ~10 kernel calls per layer through ctypes, plus the views,
 splits and allocations around them: more time than reading the weights. Where every linear
@@ -20,8 +20,8 @@ import os
 import torch
 
 from quire.attention import cpu_kernels
-from quire.attention.cpu_kernels import quant_matmul
 from quire.models import fused_ops
+from quire.native import loader, quant_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ PHASES = ("input norm", "qkv_proj", "rope", "kv write", "attention", "o_proj",
 
 @functools.cache
 def _library():
-    lib = cpu_kernels.load_library("decode_stack.cpp")
+    lib = loader.load_library("decode_stack.cpp")
     if lib is None:
         return None
     fn = lib.quire_decode_stack

@@ -2,7 +2,7 @@
 SiLU-and-mul.
 
 On CPU, in float32 or bfloat16, they run the native kernels of
-quire/attention/cpu_kernels/fused_ops.cpp (one pass over the rows instead of a handful of
+quire/native/fused_ops.cpp (one pass over the rows instead of a handful of
 torch ops and their temporaries); elsewhere, or where that library could not be built, the
 torch functions below, which are the reference: the native ones are bit-identical to them
 (tests/runtime/test_fused_ops.py), and these are transformers' own operations in its order.
@@ -17,8 +17,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from quire.attention import cpu_kernels
 from quire.models.rope import rotate_half
+from quire.native import loader
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -54,7 +54,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def _native():
     """(library, vector width, Sleef exp address) or None."""
     width, exp_name = _WIDTHS.get(torch.backends.cpu.get_cpu_capability(), (0, ""))
-    lib = cpu_kernels.load_library("fused_ops.cpp") if width else None
+    lib = loader.load_library("fused_ops.cpp") if width else None
     if lib is None or not lib.quire_fused_supports_width(width):
         return None
     lib.quire_rms_norm.argtypes = [_INT, _INT, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F]

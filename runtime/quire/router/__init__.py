@@ -6,6 +6,7 @@ aborts the replica's request when the client goes away. Its parts, one job each:
 
     backends.py        the replicas known now, their scraped load and the router's in-flight count
     discovery_k8s.py   replicas from the EndpointSlices of a headless Service (watched)
+    backend_tls.py     how https:// replicas' certificates are checked
     load_scraper.py    each replica's /metrics, periodically
     prompt_hashing.py  prompt -> tokens -> chained KV-block hashes (the engine's own hash)
     prefix_index.py    which replica was sent which block hashes (bounded LRU)

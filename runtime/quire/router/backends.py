@@ -26,7 +26,7 @@ KV_USAGE_WEIGHT = 4.0
 
 @dataclass
 class Backend:
-    url: str                      # http://host:port, no trailing slash
+    url: str                      # http(s)://host:port, no trailing slash
     in_flight: int = 0            # requests this router has open on it now
     waiting: float = 0.0          # scraped quire:num_requests_waiting
     running: float = 0.0          # scraped quire:num_requests_running
@@ -60,10 +60,10 @@ class Backend:
         self.scraped_at = time.monotonic()
 
 
-def normalize_url(url: str) -> str:
+def normalize_url(url: str, scheme: str = "http") -> str:
     url = url.strip().rstrip("/")
     if "://" not in url:
-        url = "http://" + url
+        url = f"{scheme}://{url}"
     return url
 
 
@@ -71,7 +71,8 @@ class BackendSet:
     """The current replicas, keyed by URL. Replacing the set keeps the load figures and the
     in-flight counts of replicas that stay."""
 
-    def __init__(self, urls: list[str] = ()) -> None:
+    def __init__(self, urls: list[str] = (), scheme: str = "http") -> None:
+        self.scheme = scheme  # of URLs given without one
         self._backends: dict[str, Backend] = {}
         self._changed: asyncio.Event | None = None  # made lazily, on the running loop
         self.on_removed: list = []  # callbacks(url): e.g. the prefix index forgets the replica
@@ -82,14 +83,14 @@ class BackendSet:
         return list(self._backends.values())
 
     def get(self, url: str) -> Backend | None:
-        return self._backends.get(normalize_url(url))
+        return self._backends.get(normalize_url(url, self.scheme))
 
     def __len__(self) -> int:
         return len(self._backends)
 
     # --- changes -------------------------------------------------------------------------
     def replace(self, urls) -> None:
-        wanted = {normalize_url(u) for u in urls}
+        wanted = {normalize_url(u, self.scheme) for u in urls}
         for url in list(self._backends):
             if url not in wanted:
                 del self._backends[url]
@@ -105,7 +106,7 @@ class BackendSet:
         self.replace([*self._backends, url])
 
     def remove(self, url: str) -> None:
-        self.replace([u for u in self._backends if u != normalize_url(url)])
+        self.replace([u for u in self._backends if u != normalize_url(url, self.scheme)])
 
     # --- waiting for one -----------------------------------------------------------------
     def _event(self) -> asyncio.Event:

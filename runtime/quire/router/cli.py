@@ -2,7 +2,8 @@
 
 Backends: `--backend URL` (repeatable) for local use, or `--k8s-service NAME` to watch the
 EndpointSlices of the runtime pods' headless Service (in-cluster credentials, or `--kube-api`
-for a plain-HTTP API server such as a test's). `quire router` calls `add_router_parser`;
+for a plain-HTTP API server such as a test's). HTTPS: `--ssl-*` as `quire serve` takes them
+for the router's own port; `--backend-scheme https` and `--backend-ca-certs` towards replicas. `quire router` calls `add_router_parser`;
 `python -m quire.router` calls `main` and needs nothing from quire's own CLI.
 """
 
@@ -13,6 +14,7 @@ import logging
 import os
 import sys
 
+from quire.entrypoints.tls import add_tls_flags, tls_from
 from quire.router.policies import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,17 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="the API server (default: in-cluster); given, no credentials are sent")
     p.add_argument("--backend-port-name", default="http",
                    help="the EndpointSlice port to use (default: http; else the first port)")
+    p.add_argument("--backend-scheme", choices=("http", "https"), default="http",
+                   help="the scheme of replicas found through --k8s-service, and of --backend "
+                        "URLs written without one (default: http)")
+    p.add_argument("--backend-ca-certs", default=None, metavar="FILE",
+                   help="verify https:// replicas against these CA certificates (PEM) only "
+                        "(default: the public CAs)")
+    p.add_argument("--backend-check-hostname", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="check that a replica's certificate names its address; "
+                        "--no-backend-check-hostname (needs --backend-ca-certs) trusts any "
+                        "certificate from that CA, e.g. for pod IPs")
     p.add_argument("--routing", choices=POLICIES, default="least-load")
     p.add_argument("--model", default=None,
                    help="prefix-aware: the model whose tokenizer to use (a GGUF file, folder or "
@@ -57,6 +70,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--admin-api", action="store_true",
                    help="serve POST/DELETE /router/backends (add or remove replicas at runtime)")
+    add_tls_flags(p)
 
 
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
@@ -72,6 +86,7 @@ def build_state(ns: argparse.Namespace):
     """The router's parts from its flags: (state, background tasks)."""
     import httpx
 
+    from quire.router.backend_tls import backend_verify
     from quire.router.backends import BackendSet
     from quire.router.holding import Holding
     from quire.router.load_scraper import LoadScraper
@@ -86,7 +101,8 @@ def build_state(ns: argparse.Namespace):
     for name in ("max_pending", "max_retries", "prefix_cache_entries"):
         if getattr(ns, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-    backends = BackendSet(ns.backend)
+    verify = backend_verify(ns.backend_ca_certs, ns.backend_check_hostname)
+    backends = BackendSet(ns.backend, scheme=ns.backend_scheme)
     metrics = RouterMetrics()
     hasher = None
     policy = make_policy(ns.routing, PrefixIndex(max(1, ns.prefix_cache_entries)),
@@ -95,7 +111,7 @@ def build_state(ns: argparse.Namespace):
         hasher = PromptHasher(load_tokenizer(ns.model, ns.tokenizer), ns.block_size)
         backends.on_removed.append(policy.forget)
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(ns.connect_timeout, read=None, write=30.0, pool=None),
+        verify=verify, timeout=httpx.Timeout(ns.connect_timeout, read=None, write=30.0, pool=None),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
     state = RouterState(backends=backends, policy=policy, metrics=metrics, client=client,
                         holding=Holding(backends, metrics, ns.max_pending, ns.hold_timeout),
@@ -116,20 +132,22 @@ def _endpoint_slice_watch(ns, backends):
         api, headers, verify = in_cluster()
     return EndpointSliceWatch(api, ns.k8s_namespace or pod_namespace(), ns.k8s_service,
                               backends.replace, port_name=ns.backend_port_name,
-                              headers=headers, verify=verify)
+                              headers=headers, verify=verify, scheme=ns.backend_scheme)
 
 
 def cmd_router(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from quire.router.app import build_app
+    tls = tls_from(ns)
     state, background = build_state(ns)
     app = build_app(state, background, admin_api=ns.admin_api)
-    logger.info("quire router: %s routing, http://%s:%d, backends from %s", ns.routing, ns.host,
-                ns.port, f"service {ns.k8s_service}" if ns.k8s_service
+    logger.info("quire router: %s routing, %s://%s:%d, backends from %s", ns.routing, tls.scheme,
+                ns.host, ns.port, f"service {ns.k8s_service}" if ns.k8s_service
                 else ", ".join(ns.backend) or "the admin API")
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
-                access_log=False, lifespan="on", log_config=None, timeout_graceful_shutdown=5)
+                access_log=False, lifespan="on", log_config=None, timeout_graceful_shutdown=5,
+                **tls.uvicorn_kwargs())
     return 0
 
 

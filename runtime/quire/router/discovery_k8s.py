@@ -26,8 +26,9 @@ RELIST_PAUSE = 1.0
 WATCH_TIMEOUT = 300  # seconds the API server keeps one watch open
 
 
-def ready_urls(slices: dict[str, dict], port_name: str | None, default_port: int | None) -> set[str]:
-    """http://address:port of every ready, non-terminating endpoint in the slices."""
+def ready_urls(slices: dict[str, dict], port_name: str | None, default_port: int | None,
+               scheme: str = "http") -> set[str]:
+    """scheme://address:port of every ready, non-terminating endpoint in the slices."""
     urls = set()
     for s in slices.values():
         ports = s.get("ports") or []
@@ -42,7 +43,7 @@ def ready_urls(slices: dict[str, dict], port_name: str | None, default_port: int
                 continue
             for address in ep.get("addresses") or []:
                 host = f"[{address}]" if ":" in address else address
-                urls.add(f"http://{host}:{port}")
+                urls.add(f"{scheme}://{host}:{port}")
     return urls
 
 
@@ -68,7 +69,7 @@ class EndpointSliceWatch:
     def __init__(self, api_url: str, namespace: str, service: str,
                  on_change: Callable[[set[str]], None], *, port_name: str | None = "http",
                  default_port: int | None = None, headers: dict | None = None,
-                 verify: object = True) -> None:
+                 verify: object = True, scheme: str = "http") -> None:
         self.path = (f"{api_url.rstrip('/')}/apis/discovery.k8s.io/v1/namespaces/{namespace}"
                      "/endpointslices")
         self.selector = f"{SERVICE_NAME_LABEL}={service}"
@@ -76,12 +77,13 @@ class EndpointSliceWatch:
         self.port_name = port_name
         self.default_port = default_port
         self.headers = headers or {}
-        self.verify = verify
+        self.verify = verify  # the API server's certificate, not the replicas'
+        self.scheme = scheme  # the replicas'
         self.slices: dict[str, dict] = {}
         self._last: set[str] | None = None
 
     def _publish(self) -> None:
-        urls = ready_urls(self.slices, self.port_name, self.default_port)
+        urls = ready_urls(self.slices, self.port_name, self.default_port, self.scheme)
         if urls != self._last:
             self._last = urls
             self.on_change(urls)

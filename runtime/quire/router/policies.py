@@ -33,11 +33,11 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: list[Backend], hashes: list[int]) -> Choice:
+    def pick(self, candidates: list[Backend], hashes: list[bytes]) -> Choice:
         ordered = sorted(candidates, key=lambda b: b.url)
         return Choice(ordered[next(self._counter) % len(ordered)], "round_robin")
 
-    def routed(self, backend: Backend, hashes: list[int]) -> None:
+    def routed(self, backend: Backend, hashes: list[bytes]) -> None:
         pass
 
     def forget(self, url: str) -> None:
@@ -47,7 +47,7 @@ class RoundRobin:
 class LeastLoad(RoundRobin):
     name = "least-load"
 
-    def pick(self, candidates: list[Backend], hashes: list[int]) -> Choice:
+    def pick(self, candidates: list[Backend], hashes: list[bytes]) -> Choice:
         return Choice(self._least_loaded(candidates), "least_load")
 
     def _least_loaded(self, candidates: list[Backend]) -> Backend:
@@ -72,7 +72,7 @@ class PrefixAware(LeastLoad):
         mean = sum(b.load() for b in candidates) / len(candidates)
         return backend.load() > (1.0 + self.load_factor) * mean + self.load_slack
 
-    def pick(self, candidates: list[Backend], hashes: list[int]) -> Choice:
+    def pick(self, candidates: list[Backend], hashes: list[bytes]) -> Choice:
         holders, matched = self.index.longest_match(hashes, {b.url for b in candidates})
         if not matched:
             return Choice(self._least_loaded(candidates), "prefix_miss")
@@ -81,7 +81,7 @@ class PrefixAware(LeastLoad):
             return Choice(self._least_loaded(candidates), "prefix_overloaded")
         return Choice(best, "prefix_hit")
 
-    def routed(self, backend: Backend, hashes: list[int]) -> None:
+    def routed(self, backend: Backend, hashes: list[bytes]) -> None:
         self.index.record(hashes, backend.url)
 
     def forget(self, url: str) -> None:

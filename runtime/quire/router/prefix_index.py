@@ -20,7 +20,7 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._owners)
 
-    def record(self, hashes: list[int], url: str) -> None:
+    def record(self, hashes: list[bytes], url: str) -> None:
         for h in hashes:
             owners = self._owners.get(h)
             if owners is None:
@@ -31,7 +31,7 @@ class PrefixIndex:
         while len(self._owners) > self.max_entries:
             self._owners.popitem(last=False)
 
-    def longest_match(self, hashes: list[int], urls: set[str]) -> tuple[set[str], int]:
+    def longest_match(self, hashes: list[bytes], urls: set[str]) -> tuple[set[str], int]:
         """The replicas among `urls` that hold the longest run of leading blocks, and how many
         blocks that is (0 and an empty set when none holds even the first)."""
         holders, matched = set(), 0

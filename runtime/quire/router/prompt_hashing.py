@@ -1,14 +1,16 @@
 """A request body -> its prompt's token ids -> the KV-block hashes the engine will give them.
 
-The hash is the engine's own (`quire.engine.block_pool.hash_block_tokens`, chained, over full
-blocks of `block_size` tokens), so the router's notion of "this replica holds this prefix"
-is block for block the engine's prefix cache. Chat requests go through the tokenizer's chat
-template as the server does. Only the router compares these hashes with each other, so they
-need not equal the replica's own values (on Python < 3.12 hash(None) differs per process).
+The hash is the engine's own (`quire.engine.block_hash.extend_block_hashes`: SHA-256, chained,
+over full blocks of `block_size` tokens), so the router's notion of "this replica holds this
+prefix" is block for block the engine's prefix cache. Chat requests go through the tokenizer's
+chat template as the server does.
 
-The chain is salted with the request's `model`, as the engine salts it with the LoRA adapter:
-a prompt for adapter `sql` never shares KV blocks with the same prompt for the base model or
-another adapter, so the router must not count it as a prefix hit either.
+The chain is seeded with the request's `model` (as the engine seeds it with the LoRA adapter)
+and its `cache_salt` (as the engine does): a prompt for adapter `sql`, or under another
+tenant's salt, never shares KV blocks with the same prompt otherwise, so the router must not
+count it as a prefix hit either. Only the router compares these hashes with each other, so
+naming an adapter by its `model` rather than the engine's registration key is fine; a request
+with neither `model` nor adapter gets exactly the replica's own hashes.
 """
 
 from __future__ import annotations
@@ -17,20 +19,26 @@ import logging
 import os
 from typing import Any
 
-from quire.engine.block_pool import hash_block_tokens
+from quire.engine.block_hash import NO_EXTRA_KEYS, ExtraKeys, extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
 
-def block_hashes(token_ids: list[int], block_size: int, salt: Any = None) -> list[int]:
-    """One chained hash per *full* block, the way KVCacheManager hashes a prompt (`salt` seeds
-    the chain, as an adapter does in the engine)."""
-    hashes: list[int] = []
-    parent = salt
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
-        hashes.append(parent)
+def block_hashes(token_ids: list[int], block_size: int,
+                 keys: ExtraKeys = NO_EXTRA_KEYS) -> list[bytes]:
+    """One chained hash per *full* block, the way KVCacheManager hashes a prompt (`keys` seed
+    the chain, as a sequence's adapter and cache_salt do in the engine)."""
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, token_ids, block_size, len(token_ids) // block_size, keys)
     return hashes
+
+
+def request_keys(body: dict) -> ExtraKeys:
+    """The extra keys a request body names: its `model` and its `cache_salt` (strings only:
+    anything else is the replica's to refuse)."""
+    model, salt = body.get("model"), body.get("cache_salt")
+    return ExtraKeys(adapter=model if isinstance(model, str) else None,
+                     cache_salt=salt if isinstance(salt, str) and salt else None)
 
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None):
@@ -90,13 +98,12 @@ class PromptHasher:
             return list(prompt)
         return None
 
-    def hashes(self, path: str, body: Any) -> list[int]:
+    def hashes(self, path: str, body: Any) -> list[bytes]:
         try:
             tokens = self.prompt_tokens(path, body)
+            if not tokens:
+                return []
+            return block_hashes(tokens, self.block_size, request_keys(body))
         except Exception as e:  # noqa: BLE001 - a bad body is the replica's to reject
-            logger.debug("cannot tokenize the prompt for routing: %s", e)
+            logger.debug("cannot hash the prompt for routing: %s", e)
             return []
-        if not tokens:
-            return []
-        model = body.get("model") if isinstance(body, dict) else None
-        return block_hashes(tokens, self.block_size, ("model", model) if isinstance(model, str) else None)

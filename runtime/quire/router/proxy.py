@@ -179,7 +179,7 @@ class ProxyEndpoint:
         await send_error(send, 502, f"no replica could take the request (tried "
                                     f"{len(tried)})", "upstream_failed", st.retry_after)
 
-    async def _hashes(self, scope, parsed) -> list[int]:
+    async def _hashes(self, scope, parsed) -> list[bytes]:
         hasher = self.state.hasher
         if hasher is None or parsed is None:
             return []

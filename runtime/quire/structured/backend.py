@@ -22,6 +22,8 @@ import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from quire.validation import QuireValidationError
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,7 +37,8 @@ def grammar_text(params) -> str:
         try:
             return M.grammar_from_json_schema(schema, defaults=options)
         except ValueError as e:
-            raise ValueError(f"json is not a valid JSON schema: {e}") from None
+            raise QuireValidationError("json", f"json is not a valid JSON schema: {e}",
+                                       schema) from None
     if kind == "regex":
         return M.grammar_from_regex(params.regex)
     if kind == "choice":  # Lark string literals take JSON's escapes
@@ -45,7 +48,8 @@ def grammar_text(params) -> str:
 
 
 def check_grammar(params) -> None:
-    """ValueError naming what is wrong or unsupported; cached per grammar."""
+    """QuireValidationError naming the kind and what is wrong or unsupported; cached per
+    grammar."""
     with _checked_lock:
         error = _checked.get(params.key)
     if error is None:
@@ -58,7 +62,7 @@ def check_grammar(params) -> None:
             if len(_checked) > MAX_CHECKED:
                 _checked.popitem(last=False)
     if error:
-        raise ValueError(f"{params.kind}: {error}")
+        raise QuireValidationError(params.kind, f"{params.kind}: {error}")
 
 
 MAX_CHECKED = 1024
@@ -119,7 +123,7 @@ class Backend:
     def compile(self, params) -> CompiledGrammar:
         m = llguidance.LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
         if m.is_error():
-            raise ValueError(f"{params.kind}: {m.get_error()}")
+            raise QuireValidationError(params.kind, f"{params.kind}: {m.get_error()}")
         return CompiledGrammar(m)
 
     def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:

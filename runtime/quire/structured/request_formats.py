@@ -5,7 +5,8 @@ OpenAI: `response_format` = {"type": "text"} | {"type": "json_object"} |
 vLLM extra body: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (and
 `guided_whitespace_pattern`-free `disable_any_whitespace`), or the newer
 `structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}`.
-Every error is a ValueError whose message starts with the field's name (an HTTP 400).
+Every error is a QuireValidationError whose field is the request's (an HTTP 400); its message
+starts with the path inside that field.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from quire.structured.params import GuidedDecodingParams
+from quire.validation import QuireValidationError
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -24,25 +26,30 @@ def from_response_format(response_format: dict | None) -> GuidedDecodingParams |
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
-        raise ValueError(f"response_format must be an object, got {response_format!r}")
+        raise QuireValidationError("response_format", f"response_format must be an object, "
+                                   f"got {response_format!r}", response_format)
     kind = response_format.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return _build("response_format", json_object=True)
+        return _build("response_format", "response_format", json_object=True)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
-            raise ValueError("response_format.json_schema must be an object with a 'schema'")
+            raise QuireValidationError(
+                "response_format", "response_format.json_schema must be an object with a "
+                "'schema'", spec)
         schema = spec.get("schema")
         if schema is None:  # OpenAI allows a missing schema: any JSON object
-            return _build("response_format.json_schema", json_object=True)
+            return _build("response_format", "response_format.json_schema", json_object=True)
         if not isinstance(schema, dict):
-            raise ValueError(f"response_format.json_schema.schema must be an object, got "
-                             f"{type(schema).__name__}")
-        return _build("response_format.json_schema.schema", json=schema)
-    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
-                     f"got {kind!r}")
+            raise QuireValidationError(
+                "response_format", f"response_format.json_schema.schema must be an object, "
+                f"got {type(schema).__name__}", schema)
+        return _build("response_format", "response_format.json_schema.schema", json=schema)
+    raise QuireValidationError(
+        "response_format", f"response_format.type must be 'text', 'json_object' or "
+        f"'json_schema', got {kind!r}", kind)
 
 
 def from_guided_fields(body: dict[str, Any]) -> GuidedDecodingParams | None:
@@ -51,11 +58,13 @@ def from_guided_fields(body: dict[str, Any]) -> GuidedDecodingParams | None:
     if not given:
         return None
     if len(given) > 1:
-        raise ValueError(f"{sorted(given)[1]}: only one of {', '.join(GUIDED_FIELDS)} may be "
-                         f"set, got {', '.join(sorted(given))}")
+        second = sorted(given)[1]
+        raise QuireValidationError(
+            second, f"{second}: only one of {', '.join(GUIDED_FIELDS)} may be set, got "
+            f"{', '.join(sorted(given))}")
     (name, value), = given.items()
-    extra = _whitespace(body, name)
-    return _build(name, **{GUIDED_FIELDS[name]: value}, **extra)
+    extra = _whitespace(body, "disable_any_whitespace")
+    return _build(name, name, **{GUIDED_FIELDS[name]: value}, **extra)
 
 
 def from_structured_outputs(spec: dict | None) -> GuidedDecodingParams | None:
@@ -63,42 +72,52 @@ def from_structured_outputs(spec: dict | None) -> GuidedDecodingParams | None:
     if spec is None:
         return None
     if not isinstance(spec, dict):
-        raise ValueError(f"structured_outputs must be an object, got {spec!r}")
+        raise QuireValidationError("structured_outputs",
+                                   f"structured_outputs must be an object, got {spec!r}", spec)
     unknown = set(spec) - set(STRUCTURED_OUTPUT_KINDS) - {"disable_any_whitespace"}
     if unknown:
-        raise ValueError(f"structured_outputs: unsupported field(s) {sorted(unknown)}; allowed: "
-                         f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, disable_any_whitespace")
+        raise QuireValidationError(
+            "structured_outputs", f"structured_outputs: unsupported field(s) "
+            f"{sorted(unknown)}; allowed: {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+            f"disable_any_whitespace")
     kinds = {k: spec[k] for k in STRUCTURED_OUTPUT_KINDS if spec.get(k) not in (None, False)}
     if len(kinds) != 1:
-        raise ValueError(f"structured_outputs must set exactly one of "
-                         f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {sorted(kinds) or 'none'}")
-    return _build("structured_outputs", **kinds, **_whitespace(spec, "structured_outputs"))
+        raise QuireValidationError(
+            "structured_outputs", f"structured_outputs must set exactly one of "
+            f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {sorted(kinds) or 'none'}")
+    return _build("structured_outputs", "structured_outputs", **kinds,
+                  **_whitespace(spec, "structured_outputs"))
 
 
 def guided_decoding_from_request(body: dict[str, Any]) -> GuidedDecodingParams | None:
     """All of a completions / chat request body's spellings; at most one may be used."""
+    guided = next((f for f in GUIDED_FIELDS if body.get(f) is not None), "guided_*")
     found = {name: g for name, g in (
         ("response_format", from_response_format(body.get("response_format"))),
-        ("guided_*", from_guided_fields(body)),
+        (guided, from_guided_fields(body)),
         ("structured_outputs", from_structured_outputs(body.get("structured_outputs"))),
     ) if g is not None}
     if len(found) > 1:
-        raise ValueError(f"{list(found)[1]}: give structured output once, got "
-                         f"{', '.join(found)}")
+        second = list(found)[1]
+        raise QuireValidationError(
+            second, f"{second}: give structured output once, got {', '.join(found)}")
     return next(iter(found.values()), None)
 
 
 def _whitespace(body: dict, field: str) -> dict:
+    """`field`: the request's field that holds disable_any_whitespace."""
     value = body.get("disable_any_whitespace")
     if value is None:
         return {}
     if not isinstance(value, bool):
-        raise ValueError(f"disable_any_whitespace must be a boolean, got {value!r}")
+        raise QuireValidationError(field, f"disable_any_whitespace must be a boolean, got "
+                                          f"{value!r}", value)
     return {"disable_any_whitespace": value}
 
 
-def _build(field: str, **kwargs) -> GuidedDecodingParams:
+def _build(field: str, where: str, **kwargs) -> GuidedDecodingParams:
+    """`field`: the request's field the spec came in; `where`: the path inside it."""
     try:
         return GuidedDecodingParams(**kwargs)
     except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
+        raise QuireValidationError(field, f"{where}: {e}") from None

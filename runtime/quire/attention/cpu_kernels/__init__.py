@@ -1,151 +1,31 @@
-"""Native CPU kernels: plain C++ compiled on first use with the system's C++ compiler (about a
-second), cached under ~/.cache/quire/kernels (QUIRE_CACHE_DIR), called through ctypes.
-
-`load_library("name.cpp")` builds and loads any C++ source in this folder the same way (one
-cache entry per source, compiler and CPU); it returns None where there is no compiler, the
-build failed, or QUIRE_CPU_KERNELS=0, and each caller keeps a torch path for that case.
-
-Where there is no compiler the build fails once, a warning says so, and the torch backend
-keeps its pure-torch path. QUIRE_CPU_KERNELS=0 turns them off.
-"""
+"""The paged attention kernel for the CPU (paged_decode.cpp: decode, and the paged extend of
+prefill chunks that paged_extend.py wraps), built and loaded by quire.native.loader like the
+other native kernels (QUIRE_CPU_KERNELS=0 turns it off; the torch backend then keeps its
+pure-torch path)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import glob
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
-logger = logging.getLogger(__name__)
+from quire.native import loader
 
-_HERE = os.path.dirname(__file__)
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
-# Builds for named x86 vector ISAs, so tests can run each path a kernel has on a CPU that has
-# newer ones: the compiler's flags, and the /proc/cpuinfo flags a CPU needs to run the result.
-# Feature levels rather than CPU names: -march=cooperlake would also allow instructions that
-# an AMD CPU with the same vector ISA lacks.
-_V3 = ("sse2", "pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm", "avx", "avx2",
-       "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
-_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-_BF16 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
-ISA_BUILDS = {
-    "scalar": (["-march=x86-64"], ("sse2",)),
-    "avx2": (["-march=x86-64-v3"], _V3),
-    "avx512": (["-march=x86-64-v4"], _V4),
-    "avx512_bf16": (_BF16, _V4 + ("avx512_bf16", "avx512_vnni")),
-    "amx": (_BF16 + ["-mamx-tile", "-mamx-int8", "-mamx-bf16"],
-            _V4 + ("avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")),
-}
 
-
-def isa_builds() -> list[str]:
-    """The names of ISA_BUILDS this CPU can run, oldest first (none off x86)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return []
-    flags = set(line.partition(":")[2].split())
-    return [name for name, (_, needs) in ISA_BUILDS.items() if flags.issuperset(needs)]
-
-
-def _cache_dir() -> str:
-    """QUIRE_CACHE_DIR as the model loader reads it (quire.models.loader.cache_root): unset
-    means ~/.cache/quire; "" turns the cache off, so the kernel is built once per process in
-    a temporary folder that is removed at exit."""
-    root = os.environ.get("QUIRE_CACHE_DIR")
-    if root is None:
-        return os.path.join(os.path.expanduser("~"), ".cache", "quire", "kernels")
-    if root:
-        return os.path.join(root, "kernels")
-    if getattr(_cache_dir, "uncached", None) is None:
-        import atexit
-        import shutil
-        _cache_dir.uncached = tempfile.mkdtemp(prefix="quire-kernels-")
-        atexit.register(shutil.rmtree, _cache_dir.uncached, ignore_errors=True)
-    return _cache_dir.uncached
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        import platform
-        return platform.machine() + platform.processor()
-
-
-def _build(compiler: str, source_path: str, flags: list[str], rebuild: bool = False) -> str:
-    with open(source_path, "rb") as f:
-        source = f.read()
-    for header in sorted(glob.glob(os.path.join(os.path.dirname(source_path), "*.h"))):
-        with open(header, "rb") as f:  # what the sources include: a changed header rebuilds
-            source += f.read()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    # -march=native code is only good on this CPU: a cache shared by nodes keys on it too
-    key = hashlib.sha256(source + " ".join(flags).encode() + version.encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.basename(source_path))[0]
-    target = os.path.join(_cache_dir(), f"{stem}-{key}.so")
-    if rebuild and os.path.exists(target):
-        os.unlink(target)
-    if not os.path.exists(target):
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *flags, source_path, "-o", tmp], check=True,
-                           capture_output=True, text=True)
-            os.replace(tmp, target)  # atomic: concurrent builders are harmless
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
-
-
-@functools.cache
-def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
-    """The compiled library of `source` (a .cpp file in this folder), or None (see above).
-    `march` other than "native" builds for an older CPU: a name in ISA_BUILDS ("avx2": no
-    AVX-512) or any -march value, so tests can run a kernel's other paths on a machine that
-    has newer ones."""
-    if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found; %s is not built and its torch path is used", source)
-        return None
-    try:
-        arch = ISA_BUILDS[march][0] if march in ISA_BUILDS else [f"-march={march}"]
-        flags = [g for f in _FLAGS for g in (arch if f == "-march=native" else [f])]
-        source_path = os.path.join(_HERE, source)
-        path = _build(compiler, source_path, flags)
-        try:
-            return ctypes.CDLL(path)
-        except OSError as e:  # a cached build cut short or damaged: build it again, once
-            logger.warning("the cached build %s does not load (%s); building it again", path, e)
-            return ctypes.CDLL(_build(compiler, source_path, flags, rebuild=True))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("the native CPU kernels in %s could not be built; using the torch path: %s",
-                       source, detail.strip().splitlines()[-1:] or detail)
-        return None
+def paged_decode_library(march: str = "native") -> ctypes.CDLL | None:
+    """paged_decode.cpp built (loader.load_library: one copy per process and `march`), or
+    None where it does not build."""
+    return loader.load_library(SOURCE, march)
 
 
 @functools.cache
 def _library(march: str = "native"):
-    lib = load_library("paged_decode.cpp", march)
+    lib = paged_decode_library(march)
     if lib is None:
         return None
     fn = lib.quire_paged_decode

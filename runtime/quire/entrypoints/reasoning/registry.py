@@ -6,6 +6,7 @@ from quire.entrypoints.reasoning.base import ReasoningParser
 from quire.entrypoints.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from quire.entrypoints.reasoning.openai_gptoss import GptOssReasoningParser
 from quire.entrypoints.reasoning.qwen3 import Qwen3ReasoningParser
+from quire.validation import QuireValidationError
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
@@ -18,5 +19,6 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
     try:
         return REASONING_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                         f"got {name!r}") from None
+        raise QuireValidationError(
+            "reasoning_parser", f"reasoning_parser must be one of "
+            f"{', '.join(REASONING_PARSERS)}, got {name!r}", name) from None

@@ -18,7 +18,7 @@ from quire.entrypoints.chat_reasoning import (
     split_answer,
 )
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
-from quire.entrypoints.errors import OpenAIError, bad_request, renamed
+from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.logprobs import chat_logprobs
 from quire.entrypoints.openai_protocol import (
@@ -67,12 +67,9 @@ async def chat_completions(request: Request):
         raise bad_request("tool_choice 'required' or a named function constrains the answer "
                           "already; it can't be combined with response_format or guided_* "
                           "fields", "tool_choice")
-    try:
-        params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                     stream=req.stream, max_n=info.max_num_seqs,
-                                     guided_decoding=tools.guided or guided)
-    except OpenAIError as e:
-        raise renamed(e, renames) from None
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                 stream=req.stream, max_n=info.max_num_seqs,
+                                 guided_decoding=tools.guided or guided, renames=renames)
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
@@ -80,7 +77,8 @@ async def chat_completions(request: Request):
     if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers (harmony's) are special tokens
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await serving.submit(request_id, [prompt], params, renames, lora)
+    streams = await serving.submit(request_id, [prompt], params, renames, lora,
+                                   cache_salt=req.cache_salt)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -102,10 +100,11 @@ async def chat_completions(request: Request):
                                                   tool_calls=tool_calls),
             logprobs=chat_logprobs(c, params.logprobs),
             finish_reason=finish_reason, stop_reason=c.stop_reason))
-    serving.log_done(request_id, completion_tokens)
+    serving.log_done(request_id, completion_tokens, out.num_cached_tokens)
     return json_response(ChatCompletionResponse(
         id=request_id, model=model, choices=choices,
-        usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens)))
+        usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens,
+                           out.num_cached_tokens)))
 
 
 class ChatChunks:

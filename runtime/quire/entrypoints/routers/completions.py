@@ -51,7 +51,8 @@ async def completions(request: Request):
     echoes = [(p if isinstance(p, str) else await serving.pool.decode(ids)) if req.echo
               else "" for p, ids in zip(prompts, prompt_ids)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await serving.submit(request_id, prompt_ids, params, lora_request=lora)
+    streams = await serving.submit(request_id, prompt_ids, params, lora_request=lora,
+                                   cache_salt=req.cache_salt)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -64,6 +65,7 @@ async def completions(request: Request):
     except ClientDisconnected:
         return client_gone_response()
     choices, prompt_tokens, completion_tokens = [], 0, 0
+    cached_tokens = sum(out.num_cached_tokens for out in finals)
     for p, out in enumerate(finals):
         prompt_tokens += len(out.prompt_token_ids)
         for c in sorted(out.outputs, key=lambda c: c.index):
@@ -72,10 +74,10 @@ async def completions(request: Request):
                 index=p * params.n + c.index, text=echoes[p] + c.text,
                 logprobs=completion_logprobs(c, params.logprobs, 0),
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    serving.log_done(request_id, completion_tokens)
+    serving.log_done(request_id, completion_tokens, cached_tokens)
     return json_response(CompletionResponse(
         id=request_id, model=model, choices=choices,
-        usage=UsageInfo.of(prompt_tokens, completion_tokens)))
+        usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)))
 
 
 class CompletionChunks:

@@ -37,7 +37,8 @@ async def generate(request: Request):
     ids = await serving.prompt_ids(req.prompt, info)
     prefix = req.prompt if isinstance(req.prompt, str) else await serving.pool.decode(ids)
     request_id = f"gen-{uuid.uuid4().hex}"
-    streams = await serving.submit(request_id, [ids], params, lora_request=lora)
+    streams = await serving.submit(request_id, [ids], params, lora_request=lora,
+                                   cache_salt=req.cache_salt)
     if req.stream:
         guard = StreamGuard(serving, streams)
         return GuardedStreamingResponse(_chunks(serving, request_id, guard, params.n, prefix),
@@ -47,16 +48,17 @@ async def generate(request: Request):
     except ClientDisconnected:
         return client_gone_response()
     outputs = sorted(out.outputs, key=lambda c: c.index)
-    serving.log_done(request_id, sum(len(c.token_ids) for c in outputs))
+    serving.log_done(request_id, sum(len(c.token_ids) for c in outputs), out.num_cached_tokens)
     return JSONResponse({"text": [prefix + c.text for c in outputs]})
 
 
 async def _chunks(serving, request_id: str, guard: StreamGuard, n: int,
                   prefix: str) -> AsyncIterator[bytes]:
     texts = [prefix] * n
-    tokens = 0
+    tokens = cached = 0
     try:
         async for out in guard.streams[0]:
+            cached = out.num_cached_tokens
             changed = False
             for c in out.outputs:
                 tokens += len(c.token_ids)
@@ -65,7 +67,7 @@ async def _chunks(serving, request_id: str, guard: StreamGuard, n: int,
                     changed = True
             if changed or out.finished:
                 yield (json.dumps({"text": texts}, ensure_ascii=False) + "\0").encode()
-        serving.log_done(request_id, tokens)
+        serving.log_done(request_id, tokens, cached)
     except (RequestFailed, EngineDeadError) as e:
         yield (json.dumps(engine_error(e).body()) + "\0").encode()
     guard.completed = True

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 import quire
+from quire.engine.async_engine import EngineState
 from quire.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -16,22 +17,22 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 @router.get("/health")
 async def health(request: Request):
     engine = request.app.state.engine
-    if not engine.alive:
+    if engine.state is EngineState.DEAD:
         return JSONResponse({"status": "unhealthy", "error": engine.fatal_error}, 503)
     return {"status": "ok"}
+
+
+NOT_READY_REASONS = {EngineState.LOADING: "loading the model",
+                     EngineState.DRAINING: "shutting down", EngineState.STOPPED: "shutting down"}
 
 
 @router.get("/ready")
 async def ready(request: Request):
     engine = request.app.state.engine
-    if engine.ready:
+    state = engine.state
+    if state is EngineState.READY:
         return {"status": "ready", "model": engine.served_model_name}
-    if not engine.alive:
-        reason = engine.fatal_error
-    elif not engine.accepting:
-        reason = "shutting down"
-    else:
-        reason = "loading the model"
+    reason = engine.fatal_error if state is EngineState.DEAD else NOT_READY_REASONS[state]
     return JSONResponse({"status": "not ready", "reason": reason}, 503)
 
 

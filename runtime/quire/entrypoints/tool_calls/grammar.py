@@ -9,27 +9,33 @@ from __future__ import annotations
 import json
 
 from quire.structured.params import GuidedDecodingParams
+from quire.validation import QuireValidationError
 
 # compact JSON inside calls: small models given free whitespace may never close the object
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def validate_tools(tools: list[dict] | None) -> dict[str, dict]:
-    """name -> parameters schema; ValueError naming the bad entry."""
+    """name -> parameters schema; QuireValidationError (field `tools`) naming the bad
+    entry."""
     if tools is None:
         return {}
     if not isinstance(tools, list):
-        raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+        raise QuireValidationError("tools", f"tools must be a list, got {type(tools).__name__}",
+                                   tools)
     out = {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+            raise QuireValidationError(
+                "tools", f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", tool)
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+            raise QuireValidationError("tools",
+                                       f"tools[{i}].function.name must be a non-empty string")
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise QuireValidationError(
+                "tools", f"tools[{i}].function.parameters must be a JSON schema object", params)
         out[fn["name"]] = params
     return out
 
@@ -41,20 +47,23 @@ def chosen_tools(tools: list[dict] | None, tool_choice) -> dict[str, dict] | Non
     if tool_choice in (None, "none", "auto"):
         return None
     if not by_name:
-        raise ValueError("tool_choice requires tools")
+        raise QuireValidationError("tool_choice", "tool_choice requires tools", tool_choice)
     if tool_choice == "required":
         return by_name
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'function': {'name': ...}}")
+            raise QuireValidationError(
+                "tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
+                "{'type': 'function', 'function': {'name': ...}}", tool_choice)
         if name not in by_name:
-            raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
-                             f"({', '.join(by_name)})")
+            raise QuireValidationError(
+                "tool_choice", f"tool_choice names function {name!r}, which is not in tools "
+                f"({', '.join(by_name)})", tool_choice)
         return {name: by_name[name]}
-    raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, "
-                     f"got {tool_choice!r}")
+    raise QuireValidationError(
+        "tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function, "
+        f"got {tool_choice!r}", tool_choice)
 
 
 def tool_choice_guided_decoding(tools: list[dict] | None, tool_choice,
@@ -76,10 +85,21 @@ def tool_choice_guided_decoding(tools: list[dict] | None, tool_choice,
     body = f"body: %json {json.dumps(schema)}\n"
     if parser == "llama3_json":
         start = 'start: body ("; " body)*\n' if many else "start: body\n"
-        return GuidedDecodingParams(grammar=start + body)
+        return _grammar(start + body)
     if parser != "hermes":
-        raise ValueError(f"tool_choice 'required' or a named function has no grammar for "
-                         f"tool_call_parser {parser!r}; use tool_choice 'auto'")
+        raise QuireValidationError(
+            "tool_choice", f"tool_choice 'required' or a named function has no grammar for "
+            f"tool_call_parser {parser!r}; use tool_choice 'auto'", tool_choice)
     start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
     call = 'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-    return GuidedDecodingParams(grammar=start + call + body)
+    return _grammar(start + call + body)
+
+
+def _grammar(text: str) -> GuidedDecodingParams:
+    """The calls' grammar; what the grammar library refuses in it is a tool's parameters
+    schema (the rest is ours)."""
+    try:
+        return GuidedDecodingParams(grammar=text)
+    except ValueError as e:
+        raise QuireValidationError(
+            "tools", f"tools: a function's parameters schema: {e}") from None

@@ -6,6 +6,7 @@ from quire.entrypoints.tool_calls.base import ToolParser
 from quire.entrypoints.tool_calls.hermes import HermesToolParser
 from quire.entrypoints.tool_calls.llama3_json import PYTHON_TAG, Llama3JsonToolParser
 from quire.entrypoints.tool_calls.openai import OpenAIToolParser
+from quire.validation import QuireValidationError
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
@@ -18,8 +19,9 @@ def get_tool_parser(name: str) -> ToolParser:
     try:
         return TOOL_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
-                         f"got {name!r}") from None
+        raise QuireValidationError(
+            "tool_call_parser", f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+            f"got {name!r}", name) from None
 
 
 def detect_tool_parser(chat_template: str | None) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import json
 
+from quire.validation import QuireValidationError
+
 HERMES_SYSTEM = (
     "You are a function calling AI model. You may call one or more functions to assist with "
     "the user query. Here are the available tools: <tools>\n{tools}\n</tools>\n"
@@ -28,7 +30,8 @@ def render_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None
     """Token ids of the conversation through the chat template, tools included."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
-        raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+        raise QuireValidationError(
+            "chat_template", "this model's tokenizer has no chat template; pass chat_template")
     messages, kwargs = template_inputs(template, messages, tools)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                         tokenize=True, chat_template=chat_template,
@@ -39,7 +42,7 @@ def render_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None
 def template_inputs(template: str, messages: list[dict],
                     tools: list[dict] | None) -> tuple[list[dict], dict]:
     """(messages, extra template variables) for `template`: its own tool rendering when it
-    knows tools, else the Hermes-style messages. ValueError names the bad message."""
+    knows tools, else the Hermes-style messages. QuireValidationError names the bad message."""
     messages = _normalize(messages)
     if template_knows_tools(template):
         return messages, ({"tools": tools} if tools else {})
@@ -52,7 +55,8 @@ def _normalize(messages: list[dict]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"messages[{i}] must be an object with a 'role'")
+            raise QuireValidationError("messages",
+                                       f"messages[{i}] must be an object with a 'role'", m)
         m = copy.deepcopy(m)
         if m.get("content") is None:
             m["content"] = ""
@@ -62,10 +66,12 @@ def _normalize(messages: list[dict]) -> list[dict]:
                 try:
                     fn["arguments"] = json.loads(fn["arguments"] or "{}")
                 except ValueError:
-                    raise ValueError(f"messages[{i}].tool_calls: arguments must be a JSON "
-                                     f"object's text, got {fn['arguments']!r}") from None
+                    raise QuireValidationError(
+                        "messages", f"messages[{i}].tool_calls: arguments must be a JSON "
+                        f"object's text, got {fn['arguments']!r}", fn["arguments"]) from None
         if m["role"] == "tool" and not m.get("tool_call_id"):
-            raise ValueError(f"messages[{i}]: a 'tool' message needs its tool_call_id")
+            raise QuireValidationError(
+                "messages", f"messages[{i}]: a 'tool' message needs its tool_call_id")
         out.append(m)
     return out
 

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from quire.layers.quant_kernels import Kernel
+from quire.layers.quant_kernel_base import Kernel
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,10 @@
 // At batch 1 a step is ~300 short kernels; called one by one from Python (ctypes argument
 // conversion, tensor views, allocations) they cost more than the weights take to read. This
 // file adds no arithmetic of its own: it calls the very kernels the Python path calls (their
-// addresses come from the caller: fused_ops.cpp, quant_matmul.cpp, paged_decode.cpp), in the
-// same order, on the same dtypes and strides, so its output is bit-identical to that path
-// (tests/runtime/test_decode_stack.py). Only the orchestration moved.
+// addresses come from the caller: fused_ops.cpp, quant_matmul.cpp and
+// attention/cpu_kernels/paged_decode.cpp), in the same order, on the same dtypes and strides,
+// so its output is bit-identical to that path (tests/quant/test_decode_stack.py). Only the
+// orchestration moved.
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>

@@ -1,5 +1,5 @@
-// bfloat16 <-> float32 for the native kernels (each .cpp here includes it; the build cache
-// keys on this file too).
+// bfloat16 <-> float32 for the native kernels (the .cpp files here and
+// attention/cpu_kernels/paged_decode.cpp include it; the build cache keys on this file too).
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -39,7 +39,7 @@ import functools
 
 import torch
 
-from quire.attention import cpu_kernels
+from quire.native import loader
 
 ROWS = 16  # output rows per block: quant_matmul.cpp's kRows
 INT4_GROUPS = (32, 64, 128)
@@ -48,7 +48,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library(march: str = "native") -> ctypes.CDLL | None:
-    lib = cpu_kernels.load_library("quant_matmul.cpp", march)
+    lib = loader.load_library("quant_matmul.cpp", march)
     if lib is None:
         return None
     lib.quire_quant_linear.restype = ctypes.c_int
@@ -74,7 +74,7 @@ def available() -> bool:
 def isa(march: str = "native") -> str | None:
     """The vector path the library was built with ("avx512-bf16": AVX-512 plus the bfloat16
     dot product for bfloat16 x, "avx512", "avx2", "scalar"), or None. `march`: "native" or a
-    build of cpu_kernels.ISA_BUILDS (tests)."""
+    build of loader.ISA_BUILDS (tests)."""
     lib = _library(march)
     return lib.quire_quant_matmul_isa().decode() if lib is not None else None
 

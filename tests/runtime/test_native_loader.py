@@ -1,0 +1,80 @@
+"""The native kernels' builder and loader (quire.native.loader): a damaged cached build is
+rebuilt, the build cache lives where QUIRE_CACHE_DIR says, and a kernel outside its folder
+builds with the headers the kernels share."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+from quire.native import loader
+
+
+def test_a_cached_build_that_does_not_load_is_built_again(tmp_path):
+    """A kernel library cut short in the cache (a partial copy of a shared cache, a full
+    disk) is rebuilt once, with a warning, instead of sending every run to the torch path.
+    Both loads run in processes of their own: dlopen would hand this one the library it has
+    mapped already, and truncating a library a process has mapped kills it (SIGBUS)."""
+    import subprocess
+    import sys
+    probe = ("import logging, sys; logging.basicConfig(level=logging.WARNING); "
+             "from quire.native import loader; "
+             "sys.exit(loader.load_library('fused_ops.cpp') is None)")
+
+    def load():
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              env={**os.environ, "QUIRE_CACHE_DIR": str(tmp_path)}, timeout=120)
+
+    first = load()
+    assert first.returncode == 0 and "does not load" not in first.stderr, first.stderr[-2000:]
+    (built,) = glob.glob(str(tmp_path / "kernels" / "fused_ops-*.so"))
+    whole = os.path.getsize(built)
+    with open(built, "r+b") as f:
+        f.truncate(100)
+    again = load()
+    assert again.returncode == 0 and "does not load" in again.stderr, again.stderr[-2000:]
+    assert os.path.getsize(built) == whole
+
+
+def test_quire_cache_dir_means_the_same_to_the_kernel_and_the_loader(monkeypatch, tmp_path):
+    from quire.models.loader import cache_root
+    home = os.path.expanduser("~")
+    monkeypatch.delenv("QUIRE_CACHE_DIR", raising=False)
+    assert loader._cache_dir().startswith(cache_root()) and cache_root().startswith(home)
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path))
+    assert loader._cache_dir().startswith(cache_root()) and cache_root() == str(tmp_path)
+    monkeypatch.setenv("QUIRE_CACHE_DIR", "")  # off: nothing persistent, anywhere
+    assert cache_root() is None
+    uncached = loader._cache_dir()
+    assert not uncached.startswith(home) and uncached == loader._cache_dir()
+
+
+SHARED_HEADER_USER = """
+#include <cstdint>
+#include "bf16.h"
+extern "C" float quire_test_round_trip(float x) {
+  return quire_bf16::bf16_to_float(quire_bf16::float_to_bf16(x));
+}
+"""
+
+
+def test_a_kernel_in_another_folder_builds_with_the_shared_headers_once_per_source(
+        monkeypatch, tmp_path):
+    """attention/cpu_kernels/paged_decode.cpp lives outside quire/native and includes its
+    bf16.h; the cache keys on the source, not on where it lies, so copies of one source (a
+    shared cache, Quire installed elsewhere) make one build."""
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("QUIRE_CPU_KERNELS", raising=False)
+    libraries = []
+    for folder in ("one", "two"):
+        (tmp_path / folder).mkdir()
+        source = tmp_path / folder / "round_trip.cpp"
+        source.write_text(SHARED_HEADER_USER)
+        lib = loader.load_library(str(source))
+        assert lib is not None, "a source outside quire/native that includes bf16.h must build"
+        fn = lib.quire_test_round_trip
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+        libraries.append(fn)
+    assert [fn(1.0 + 2 ** -10) for fn in libraries] == [1.0, 1.0]  # rounded to bfloat16
+    assert len(glob.glob(str(tmp_path / "cache" / "kernels" / "round_trip-*.so"))) == 1
