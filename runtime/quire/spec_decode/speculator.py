@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quire.spec_decode.adaptive import SpecState
+from quire.spec_decode.spec_state import SpecState
 from quire.spec_decode.config import SpeculativeConfig
 from quire.spec_decode.ngram import propose_ngram
 
@@ -69,7 +69,7 @@ class Speculator:
             return 0
         # the last one is always the target's own token: never propose past max_tokens
         k = min(self.config.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
-        if self.rope_switch_length:  # a LongRoPE sequence recomputes at the switch: not across
+        if self.rope_switch_length and not seq.long_rope:  # it recomputes at the switch: not across
             k = min(k, self.rope_switch_length - seq.num_tokens - 1)
         return k
 

@@ -1,4 +1,6 @@
-"""Adaptive speculation: a sequence whose recent proposals are mostly rejected stops proposing
+"""A sequence's speculative-decoding state.
+
+Adaptive speculation: a sequence whose recent proposals are mostly rejected stops proposing
 for a while (a cool-down that doubles each time it fails again), so free-form text that the
 proposer can't predict costs what it costs without speculation."""
 
@@ -11,7 +13,7 @@ MAX_COOLDOWN = 256
 
 
 class SpecState:
-    """One sequence's acceptance record."""
+    """One sequence's acceptance record (and its draft model's progress)."""
 
     def __init__(self, window: int, min_rate: float) -> None:
         self.window, self.min_rate = window, min_rate
@@ -20,6 +22,10 @@ class SpecState:
         self.num_accepted = 0
         self.cooldown = 0          # steps left without proposals
         self.next_cooldown = FIRST_COOLDOWN
+        # a draft model's KV of this sequence is valid below this position, for the blocks it
+        # held at this many preemptions (draft.py)
+        self.draft_computed = 0
+        self.draft_preemptions = 0
 
     def may_propose(self) -> bool:
         if self.cooldown > 0:
