@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from . import names
+from . import names, pod_security
 from .router_spec import RouterSpec
 
 ROUTER_LABEL = "quire.dev/router"
@@ -82,28 +82,29 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
                            "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT_NAME},
                           "periodSeconds": 10, "failureThreshold": 6},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": pod_security.container_security_context(),
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    env = []
     if spec.backend_api_key_secret:  # only for its own reads of the replicas' /v1/models (LoRA)
         secret, key = spec.backend_api_key_secret
-        container["env"] = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
-    volumes = []
+        env = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
+    # the root filesystem is read-only: HOME, the caches and /tmp are emptyDirs
+    container["env"] = env + pod_security.writable_env(env)
+    volumes, mounts = pod_security.writable_volumes()
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model_pvc_claim, "readOnly": True}})
-        container["volumeMounts"] = [{"name": "model", "mountPath": names.MODELS_MOUNT,
-                                      "readOnly": True}]
+        mounts.append({"name": "model", "mountPath": names.MODELS_MOUNT, "readOnly": True})
+    container["volumeMounts"] = mounts
     pod_spec = {
         "serviceAccountName": router_name(name),
         "containers": [container],
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security.pod_security_context(fs_group=False),
         "enableServiceLinks": False,
+        "volumes": volumes,
     }
-    if volumes:
-        pod_spec["volumes"] = volumes
     return _adopted({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
