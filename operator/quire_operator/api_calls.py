@@ -45,6 +45,9 @@ API_CALLS: tuple[ApiCall, ...] = (
             "never called: the router's Role grants it, and RBAC lets one grant only what one holds"),
     ApiCall("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete"),
             "the optional PDB; watched (by label) for drift"),
+    ApiCall("networking.k8s.io", "networkpolicies", ("get", "list", "watch", "create", "patch", "delete"),
+            "with the chart's networkPolicy.enabled: who may reach the serving and router pods; "
+            "watched (by label) for drift; deleted when it (or spec.router) is turned off"),
     ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
     ApiCall("", "events", ("create",), "Events on state changes and failures"),
     ApiCall("", "secrets", ("get",),

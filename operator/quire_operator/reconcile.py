@@ -28,6 +28,7 @@ from .children import (
 )
 from .drift import drift_of, patch_for
 from .kube import ApiError, Kube
+from .network_policy import desired_network_policies, policy_names, policy_settings
 from .router_children import desired_router_service, router_child_names, router_children
 from .spec import LLMSpec, SpecError, check_name, parse_spec
 from .status import Blocked
@@ -46,6 +47,7 @@ KINDS = {
     "ServiceAccount": ("", "v1", "serviceaccounts"),
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
 }
 # 4xx answers that say "not now" rather than "never": a race with another writer, or throttling.
 TRANSIENT_CLIENT_ERRORS = (404, 408, 409, 429)
@@ -158,7 +160,22 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
         _apply_announced(kube, namespace, pdb, announce)
     else:
         _delete_child(kube, namespace, "PodDisruptionBudget", name, announce, "spec.podDisruptionBudget is off")
+    _apply_network_policies(kube, namespace, owner, spec, announce)
     return deployment
+
+
+def _apply_network_policies(kube: Kube, namespace: str, owner: dict, spec: LLMSpec,
+                            announce: Announce) -> None:
+    """The chart's networkPolicy (network_policy.py): its policies, and none left over from
+    before it (or spec.router) was turned off."""
+    policies = desired_network_policies(owner, spec, policy_settings())
+    for policy in policies:
+        _apply_announced(kube, namespace, policy, announce)
+    wanted = {policy["metadata"]["name"] for policy in policies}
+    for policy_name in policy_names(owner["metadata"]["name"]):
+        if policy_name not in wanted:
+            why = "spec.router is off" if policies else "the operator's networkPolicy is off"
+            _delete_child(kube, namespace, "NetworkPolicy", policy_name, announce, why)
 
 
 def _delete_child(kube: Kube, namespace: str, kind: str, name: str, announce: Announce, why: str) -> None:
