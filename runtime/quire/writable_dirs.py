@@ -6,9 +6,11 @@ mounts emptyDirs and points HOME, XDG_CACHE_HOME and TMPDIR at them. Elsewhere t
 defaults hold (~/.cache, /tmp).
 
 - The cache: $QUIRE_CACHE_DIR ("" turns it off), else $XDG_CACHE_HOME/quire, else
-  $HOME/.cache/quire. One that cannot be written turns the cache off for this process, with one
-  warning naming the folder and the variable to set: GGUFs are then read directly and kernels
-  are built into a temporary folder.
+  $HOME/.cache/quire. Where that cannot be written, a temporary folder of the process's own
+  stands in (removed at exit), with one warning naming the folder and the variables: each start
+  then converts its GGUF and builds its kernels again, which is still several times faster than
+  reading a GGUF directly. With the cache off, GGUFs are read directly and kernels are built in
+  that temporary folder.
 - Temporary files: Python's tempfile rules ($TMPDIR, $TEMP, $TMP, /tmp, /var/tmp, /usr/tmp, the
   working directory). Where none of those can be written, a `tmp` folder in the cache is used
   (and TMPDIR set to it, for child processes); where that cannot be written either,
@@ -36,35 +38,32 @@ class NoWritableDirectory(OSError):
 
 
 def cache_root() -> str | None:
-    """The cache's folder, created; None when the cache is off or cannot be written."""
-    root, source = configured_cache_root()
-    if root is None:
+    """The cache's folder, created (see the module's docstring); None when QUIRE_CACHE_DIR is ""."""
+    if os.environ.get(CACHE_ENV) == "":
         return None
-    if root in _writable:
+    root, source = configured_cache_root()
+    if root is not None and root in _writable:
         return root
-    problem = _unwritable(root)
+    if (root, source) in _warned:  # found unwritable before
+        return os.path.join(_process_dir(), "cache")
+    problem = "there is no home folder" if root is None else _unwritable(root)
     if problem is None:
         _writable.add(root)
         return root
-    if root not in _warned:
-        _warned.add(root)
-        logger.warning("the cache folder %s (%s) cannot be written (%s): GGUF conversions and "
-                       "native kernel builds are not kept; set %s or XDG_CACHE_HOME to a "
-                       "writable folder", root, source, problem, CACHE_ENV)
-    return None
+    fallback = os.path.join(_process_dir(), "cache")
+    _warned.add((root, source))
+    logger.warning("the cache folder %s (%s) cannot be written (%s); using %s for this "
+                   "process only: set %s or XDG_CACHE_HOME to a writable folder to keep "
+                   "GGUF conversions and kernel builds across restarts",
+                   root or "", source, problem, fallback, CACHE_ENV)
+    return fallback
 
 
 def kernel_cache_dir() -> str:
-    """Where native kernels are built: the cache's `kernels` folder, else a temporary folder of
-    this process's own, removed at exit."""
+    """Where native kernels are built: the cache's `kernels` folder, or with the cache off a
+    temporary folder of this process's own."""
     root = cache_root()
-    if root is not None:
-        return os.path.join(root, "kernels")
-    global _process_kernels
-    if _process_kernels is None:
-        _process_kernels = tempfile.mkdtemp(prefix="quire-kernels-")
-        atexit.register(shutil.rmtree, _process_kernels, ignore_errors=True)
-    return _process_kernels
+    return os.path.join(root if root is not None else _process_dir(), "kernels")
 
 
 def configured_cache_root() -> tuple[str | None, str]:
@@ -112,8 +111,17 @@ def _listed(message: str) -> str:
 
 
 _writable: set[str] = set()  # probed once per folder
-_warned: set[str] = set()
-_process_kernels: str | None = None
+_warned: set[tuple[str | None, str]] = set()
+_process_folder: str | None = None
+
+
+def _process_dir() -> str:
+    """A temporary folder of this process's own, removed at exit."""
+    global _process_folder
+    if _process_folder is None:
+        _process_folder = tempfile.mkdtemp(prefix="quire-")
+        atexit.register(shutil.rmtree, _process_folder, ignore_errors=True)
+    return _process_folder
 
 
 def _unwritable(folder: str) -> str | None:

@@ -17,45 +17,56 @@ import sys
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 # Device files a read-only root still lets a process write (they are not on the root's disk).
 _ALWAYS_WRITABLE = ("/dev/null", "/dev/shm", "/dev/tty", "/proc/self", f"/proc/{os.getpid()}")
-_allowed = tuple(os.path.realpath(p) for p in os.environ["QUIRE_TEST_WRITABLE"].split(os.pathsep) if p)
+_allowed = tuple(os.path.realpath(p) for p in os.environ.get("QUIRE_TEST_WRITABLE", "").split(os.pathsep) if p)
 _log = open(os.environ["QUIRE_TEST_WRITE_LOG"], "a", buffering=1)  # before the hook exists
 
 
-def _inside(path) -> bool:
-    if isinstance(path, int):  # a file descriptor: opened (and checked) earlier
-        return True
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    real = os.path.realpath(os.fspath(path))
-    return any(real == root or real.startswith(root + os.sep)
-               for root in _allowed + _ALWAYS_WRITABLE)
+def _where(path, dir_fd=None) -> str:
+    """The absolute path an event names, also where it is relative to a folder's descriptor
+    (shutil.rmtree removes names relative to the folder it opened)."""
+    if isinstance(path, int):  # a descriptor: os.chmod(fd), os.truncate(fd)
+        return os.readlink(f"/proc/self/fd/{path}")
+    path = os.fsdecode(os.fspath(path))
+    if dir_fd is not None and not os.path.isabs(path):
+        path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+    return os.path.realpath(path)
 
 
-def _wants_write(event: str, args: tuple) -> list:
-    """The paths this event would write, or []."""
+def _inside(path: str) -> bool:
+    return any(path == root or path.startswith(root + os.sep) for root in _allowed + _ALWAYS_WRITABLE)
+
+
+# audit event -> the (path, dir_fd) pairs in its arguments that it writes
+_WRITES = {
+    "os.mkdir": lambda path, mode, dir_fd: [(path, dir_fd)],
+    "os.remove": lambda path, dir_fd: [(path, dir_fd)],
+    "os.rmdir": lambda path, dir_fd: [(path, dir_fd)],
+    "os.chmod": lambda path, mode, dir_fd: [(path, dir_fd)],
+    "os.truncate": lambda path, length: [(path, None)],
+    "os.utime": lambda path, times, ns, dir_fd: [(path, dir_fd)],
+    "os.rename": lambda src, dst, src_fd, dst_fd: [(src, src_fd), (dst, dst_fd)],
+    "os.link": lambda src, dst, src_fd, dst_fd: [(dst, dst_fd)],
+    "os.symlink": lambda src, dst, dir_fd: [(dst, dir_fd)],
+    "shutil.rmtree": lambda path, dir_fd: [(path, dir_fd)],
+}
+
+
+def _written(event: str, args: tuple) -> list:
     if event == "open":
         path, mode, flags = args
-        if path is None:
-            return []
         writes = (mode is not None and any(c in str(mode) for c in "wax+")) or \
-                 (isinstance(flags, int) and flags & _WRITE_FLAGS)
-        return [path] if writes else []
-    if event in ("os.mkdir", "os.remove", "os.rmdir", "os.chmod", "os.truncate", "os.utime",
-                 "shutil.rmtree"):
-        return [args[0]]
-    if event in ("os.rename", "os.link", "os.symlink"):
-        return [args[0], args[1]] if event == "os.rename" else [args[1]]
-    return []
+            (isinstance(flags, int) and flags & _WRITE_FLAGS)
+        # open(fd) wraps a descriptor opened before (a pipe, say): that open was the write
+        return [(path, None)] if writes and isinstance(path, (str, bytes, os.PathLike)) else []
+    return _WRITES[event](*args) if event in _WRITES else []
 
 
 def _hook(event: str, args: tuple) -> None:
-    if event not in ("open", "os.mkdir", "os.remove", "os.rmdir", "os.chmod", "os.truncate",
-                     "os.utime", "shutil.rmtree", "os.rename", "os.link", "os.symlink"):
-        return
-    for path in _wants_write(event, args):
-        if not _inside(path):
-            _log.write(f"{event} {path!r}\n")
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+    for path, dir_fd in _written(event, args):
+        where = _where(path, dir_fd)
+        if not _inside(where):
+            _log.write(f"{event} {where}\n")
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), where)
 
 
 sys.addaudithook(_hook)
