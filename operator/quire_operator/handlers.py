@@ -77,7 +77,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     load_config()
     kube.use(kubernetes.client.ApiClient())
     log.info("quire-operator started; serving image by default: %s", default_image())
-    policies = policy_settings()  # a bad setting stops the start, with the reason
+    policies = policy_settings()  # checked already by __main__ (a bad one stops the start there)
     if policies is not None:
         log.info("NetworkPolicies on: serving pods accept the router, the operator (namespace %s) "
                  "and %d allowed client peer(s)", policies.operator_namespace, len(policies.allowed_clients))

@@ -108,3 +108,16 @@ def test_the_operator_writes_repairs_and_removes_the_policies(cluster, monkeypat
     monkeypatch.delenv(NETWORK_POLICY_ENV)
     with running_operator():
         wait_for(lambda: cluster.get(NETPOL, "networkpolicies", "chat") is None, what="the policy to go")
+
+
+def test_the_operator_refuses_to_start_with_a_bad_setting(monkeypatch, capsys):
+    import kopf
+
+    from quire_operator.__main__ import main
+    ran = []
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: ran.append(kwargs))
+    monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
+    monkeypatch.setenv(NETWORK_POLICY_ENV, json.dumps({"allowedClients": [{"pods": {}}], "operator": OPERATOR}))
+    assert main(["--no-leader-election"]) == 2
+    assert not ran
+    assert "allowedClients[0]" in capsys.readouterr().err
