@@ -92,12 +92,13 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
         env = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
     # the root filesystem is read-only: HOME, the caches and /tmp are emptyDirs
     container["env"] = env + pod_security.writable_env(env)
-    volumes, mounts = pod_security.writable_volumes()
+    volumes, mounts = [], []
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model_pvc_claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": names.MODELS_MOUNT, "readOnly": True})
-    container["volumeMounts"] = mounts
+    writable, writable_mounts = pod_security.writable_volumes()
+    volumes, container["volumeMounts"] = volumes + writable, mounts + writable_mounts
     pod_spec = {
         "serviceAccountName": router_name(name),
         "containers": [container],
