@@ -146,6 +146,7 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
                     announce: Announce) -> dict:
     name = owner["metadata"]["name"]
     image = spec.image or default_image
+    _apply_network_policies(kube, namespace, owner, spec, announce)  # before any pod can start
     deployment = _apply_announced(kube, namespace, desired_deployment(owner, spec, default_image), announce)
     router = router_children(owner, spec.router, image)
     for child in router:  # identity and the headless Service before the router pods
@@ -160,7 +161,6 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
         _apply_announced(kube, namespace, pdb, announce)
     else:
         _delete_child(kube, namespace, "PodDisruptionBudget", name, announce, "spec.podDisruptionBudget is off")
-    _apply_network_policies(kube, namespace, owner, spec, announce)
     return deployment
 
 
