@@ -34,7 +34,9 @@ CMD ["--all-namespaces"]
 
 # ---------------------------------------------------------------------------------------------
 # The serving image's base: Python in a venv, and a non-root user with uid 1000 (the operator's
-# pods run as 1000 and mount caches writable for group 1000).
+# pods run as 1000 and mount caches writable for group 1000). Those pods' root filesystem is
+# read-only: HOME and /tmp are emptyDirs there, and the runtime writes only where HOME,
+# XDG_CACHE_HOME and TMPDIR point (quire/writable_dirs.py).
 FROM ${BASE_IMAGE} AS runtime-base
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH HOME=/home/quire

@@ -59,6 +59,12 @@ def _lease_namespace(given: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .network_policy import policy_settings
+    try:
+        policy_settings()  # the chart's networkPolicy settings: refused before anything starts
+    except ValueError as e:
+        print(f"quire-operator: error: {e}", file=sys.stderr)
+        return 2
     kopf.configure(debug=args.verbose, verbose=args.verbose)
     logging.getLogger("quire_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     from . import handlers  # noqa: F401  (registers the handlers with kopf)

@@ -53,6 +53,9 @@ API_CALLS: tuple[ApiCall, ...] = (
             "spec.gateway.httpRoute: attaches the InferencePool to the Gateways named"),
     ApiCall("keda.sh", "scaledobjects", ("get", "create", "patch", "delete"),
             "spec.autoscaling.provider keda: KEDA scales the LLMDeployment through /scale"),
+    ApiCall("networking.k8s.io", "networkpolicies", ("get", "list", "watch", "create", "patch", "delete"),
+            "with the chart's networkPolicy.enabled: who may reach the serving and router pods; "
+            "watched (by label) for drift; deleted when it (or spec.router) is turned off"),
     ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
     ApiCall("", "events", ("create",), "Events on state changes and failures"),
     ApiCall("", "secrets", ("get",),

@@ -27,6 +27,7 @@ from .adapter_sync import sync_adapters
 from .defaults import default_image
 from .housekeeping import Housekeeping, Key, Polled
 from .kube import ApiError, kube, load_config
+from .network_policy import policy_settings
 from .pod_tls import TLSTrustError, client_context
 from .reconcile import Announce, reconcile, repair
 from .router_children import ROUTER_LABEL, ROUTER_PORT_NAME
@@ -51,7 +52,8 @@ CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
                    ("policy", "v1", "poddisruptionbudgets"),
                    # spec.router's identity (its Deployment and Services are above)
                    ("", "v1", "serviceaccounts"), ("rbac.authorization.k8s.io", "v1", "roles"),
-                   ("rbac.authorization.k8s.io", "v1", "rolebindings")]
+                   ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+                   ("networking.k8s.io", "v1", "networkpolicies")]  # the chart's networkPolicy
 PODS = ("", "v1", "pods")
 
 
@@ -76,6 +78,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     load_config()
     kube.use(kubernetes.client.ApiClient())
     log.info("quire-operator started; serving image by default: %s", default_image())
+    policies = policy_settings()  # checked already by __main__ (a bad one stops the start there)
+    if policies is not None:
+        log.info("NetworkPolicies on: serving pods accept the router, the operator (namespace %s) "
+                 "and %d allowed client peer(s)", policies.operator_namespace, len(policies.allowed_clients))
 
 
 def _announcer(body: Any) -> Announce:
@@ -115,6 +121,7 @@ def _parent(body: kopf.Body) -> str | None:
 @kopf.on.event(*CHILD_RESOURCES[3], labels=OURS)
 @kopf.on.event(*CHILD_RESOURCES[4], labels=OURS)
 @kopf.on.event(*CHILD_RESOURCES[5], labels=OURS)
+@kopf.on.event(*CHILD_RESOURCES[6], labels=OURS)
 def child_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -> None:
     """A child changed (its status, or someone edited or deleted it): put the spec back if needed.
     Also how the Deployment's rollout reaches the LLMDeployment's status."""

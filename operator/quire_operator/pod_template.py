@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from . import names
+from . import names, pod_security
 from .adapter_spec import ADAPTERS_MOUNT, adapter_claims, claim_volume_name, lora_flags
 from .gateway_children import gateway_runtime_args
 from .spec import LLMSpec, RuntimeSpec
@@ -83,7 +83,7 @@ def _env(spec: LLMSpec) -> list[dict]:
     if spec.runtime.api_key_secret:
         secret, key = spec.runtime.api_key_secret
         env.append({"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
-    return env
+    return env + pod_security.writable_env(env)  # the root filesystem is read-only
 
 
 def _resources(spec: LLMSpec) -> dict:
@@ -127,7 +127,8 @@ def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTERS_MOUNT}/{claim}", "readOnly": True})
     tls_volumes, tls_mounts = tls_volume(spec.tls)  # spec.tls's Secret
-    return volumes + tls_volumes, mounts + tls_mounts
+    writable, writable_mounts = pod_security.writable_volumes()  # the root filesystem is read-only
+    return volumes + tls_volumes + writable, mounts + tls_mounts + writable_mounts
 
 
 def _probes(spec: LLMSpec) -> dict:
@@ -161,13 +162,11 @@ def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
         "env": _env(spec),
         "resources": _resources(spec),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": pod_security.container_security_context(),
         **_probes(spec),
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    if not container["env"]:
-        del container["env"]
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(spec.port),
@@ -180,8 +179,7 @@ def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
         "volumes": volumes,
         # The server drains in-flight requests for --shutdown-timeout after SIGTERM.
         "terminationGracePeriodSeconds": spec.runtime.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security.pod_security_context(),
         "enableServiceLinks": False,
     }
     if spec.node_selector:

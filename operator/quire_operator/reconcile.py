@@ -31,6 +31,7 @@ from .drift import drift_of, patch_for
 from .gateway_children import gateway_child_names, gateway_children
 from .keda_children import desired_scaled_object, keda_child_names
 from .kube import ApiError, Kube
+from .network_policy import desired_network_policies, policy_names, policy_settings
 from .pod_tls import with_trust_key
 from .router_children import desired_router_service, router_child_names, router_children
 from .spec import LLMSpec, SpecError, check_name, parse_spec
@@ -54,6 +55,7 @@ KINDS = {
     "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
     "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
     "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
 }
 # Which install each of those kinds needs: its creation answering 404 means the CRD is missing.
 INSTALLED_BY = {"InferencePool": "the Gateway API Inference Extension CRDs",
@@ -159,6 +161,7 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
                     announce: Announce) -> dict:
     name = owner["metadata"]["name"]
     image = spec.image or default_image
+    _apply_network_policies(kube, namespace, owner, spec, announce)  # before any pod can start
     deployment = _apply_announced(kube, namespace, desired_deployment(owner, spec, default_image), announce)
     router = router_children(owner, spec.router, image)
     for child in router:  # identity and the headless Service before the router pods
@@ -200,6 +203,20 @@ def _with_router_trust(kube: Kube, namespace: str, spec: LLMSpec) -> LLMSpec:
         return spec
     tls = with_trust_key(kube, namespace, spec.tls)
     return replace(spec, tls=tls, router=replace(spec.router, tls=tls))
+
+
+def _apply_network_policies(kube: Kube, namespace: str, owner: dict, spec: LLMSpec,
+                            announce: Announce) -> None:
+    """The chart's networkPolicy (network_policy.py): its policies, and none left over from
+    before it (or spec.router) was turned off."""
+    policies = desired_network_policies(owner, spec, policy_settings())
+    for policy in policies:
+        _apply_announced(kube, namespace, policy, announce)
+    wanted = {policy["metadata"]["name"] for policy in policies}
+    for policy_name in policy_names(owner["metadata"]["name"]):
+        if policy_name not in wanted:
+            why = "spec.router is off" if policies else "the operator's networkPolicy is off"
+            _delete_child(kube, namespace, "NetworkPolicy", policy_name, announce, why)
 
 
 def _delete_child(kube: Kube, namespace: str, kind: str, name: str, announce: Announce, why: str) -> None:

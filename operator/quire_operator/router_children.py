@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from . import names
+from . import names, pod_security
 from .gateway_spec import EXT_PROC_PORT_NAME
 from .router_spec import RouterSpec
 from .tls_spec import backend_tls_args, server_tls_args, tls_volume, with_https
@@ -88,31 +88,32 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
                            "periodSeconds": 5},
         "livenessProbe": {"httpGet": with_https({"path": "/health", "port": ROUTER_PORT_NAME}, spec.tls),
                           "periodSeconds": 10, "failureThreshold": 6},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": pod_security.container_security_context(),
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    env = []
     if spec.backend_api_key_secret:  # only for its own reads of the replicas' /v1/models (LoRA)
         secret, key = spec.backend_api_key_secret
-        container["env"] = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
+        env = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
+    # the root filesystem is read-only: HOME, the caches and /tmp are emptyDirs
+    container["env"] = env + pod_security.writable_env(env)
     volumes, mounts = [], []
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model_pvc_claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": names.MODELS_MOUNT, "readOnly": True})
     tls_volumes, tls_mounts = tls_volume(spec.tls)  # spec.tls's Secret
-    volumes, mounts = volumes + tls_volumes, mounts + tls_mounts
-    if mounts:
-        container["volumeMounts"] = mounts
+    writable, writable_mounts = pod_security.writable_volumes()  # a read-only root
+    volumes, container["volumeMounts"] = (volumes + tls_volumes + writable,
+                                          mounts + tls_mounts + writable_mounts)
     pod_spec = {
         "serviceAccountName": router_name(name),
         "containers": [container],
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security.pod_security_context(fs_group=False),
         "enableServiceLinks": False,
+        "volumes": volumes,
     }
-    if volumes:
-        pod_spec["volumes"] = volumes
     return _adopted({
         "apiVersion": "apps/v1",
         "kind": "Deployment",

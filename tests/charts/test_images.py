@@ -138,3 +138,14 @@ def test_readme_deploy_section_names_what_exists():
     assert examples and all((ROOT / e).exists() for e in examples)
     assert "kubectl get llmd" in section
     assert "--target operator" in section and "AS operator" in (ROOT / "Dockerfile").read_text()
+
+
+def test_the_serving_images_home_is_the_folder_the_operator_mounts_writable():
+    """The pods' root is read-only; HOME must be the emptyDir (quire_operator/pod_security.py)."""
+    from quire_operator import pod_security
+
+    envs = " ".join(rest for inst, rest in stages()["runtime-base"] if inst == "ENV")
+    assert f"HOME={pod_security.HOME}" in envs.split()
+    assert exec_form("serve", "ENTRYPOINT") == ["quire"]
+    assert [rest for inst, rest in stages()["serve"] if inst == "USER"][-1] == \
+        f"{pod_security.RUN_AS}:{pod_security.RUN_AS}"

@@ -2,6 +2,8 @@
 no import cycles, lazy imports (inside functions, under try/with/if) included; the engine's
 bookkeeping imports no tensors and nothing from worker/, not even lazily;
 only engine.py (which assembles the pieces) imports the worker, and only its public names;
+the worker (and the batch descriptions it shares with the engine) never imports the engine,
+directly or through another module: it gets tensors and values, never requests;
 nobody outside the KV-cache manager touches block tables or changes the block pool, and
 nobody outside the scheduler changes its queues."""
 
@@ -17,7 +19,9 @@ import quire
 
 ROOT = Path(quire.__file__).parent
 BOOKKEEPING = ["block_pool", "kv_cache_manager", "scheduler", "scheduler_output", "request",
-               "beam_search", "swap_manager", "stats"]
+               "beam_search", "swap_manager", "stats", "batch_builder"]
+# what the engine hands the worker: neutral ground that both sides import
+BATCH_DESCRIPTIONS = ["quire.step_batch", "quire.sampling_batch"]
 POOL_MUTATORS = {"allocate", "touch", "free", "cache_block", "uncache", "reset_prefix_cache"}
 QUEUE_MUTATORS = {"append", "appendleft", "insert", "remove", "pop", "popleft", "clear",
                   "extend"}
@@ -159,6 +163,69 @@ def test_only_engine_py_imports_the_worker_and_only_its_public_names():
                 assert mod == "quire.engine.engine", f"{mod} imports {node.module}"
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{mod} reaches into worker internals: {private}"
+
+
+def worker_side(modules) -> list[str]:
+    return sorted(m for m in modules
+                  if m == "quire.worker" or m.startswith("quire.worker.") or m in BATCH_DESCRIPTIONS)
+
+
+def is_engine(module: str) -> bool:
+    return module == "quire.engine" or module.startswith("quire.engine.")
+
+
+def engine_imports(mod: str, tree: ast.Module) -> list[str]:
+    """Every import of quire.engine in a module: at module level, inside functions, under
+    `if TYPE_CHECKING:`, relative or absolute."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if is_engine(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package upwards
+                package = mod.split(".")[: -node.level]
+                base = ".".join(package + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            found += [t for t in targets if is_engine(t)][:1]
+    return found
+
+
+def test_the_worker_never_imports_the_engine():
+    trees = sources()
+    checked = worker_side(trees)
+    assert "quire.worker.sampler" in checked and "quire.worker.model_runner" in checked
+    assert set(BATCH_DESCRIPTIONS) <= set(checked)
+    found = {m: engine_imports(m, trees[m]) for m in checked}
+    assert not {m: f for m, f in found.items() if f}, (
+        "the worker gets a StepBatch / SamplingBatch (quire/step_batch.py), never requests")
+
+
+def test_nor_does_anything_the_worker_imports():
+    graph = import_graph()
+    for mod in worker_side(graph):
+        seen, todo = set(), [mod]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        reached = sorted(m for m in seen if is_engine(m))
+        assert not reached, f"{mod} imports the engine through its imports: {reached}"
+
+
+def test_an_engine_import_in_the_worker_would_be_found():
+    tree = ast.parse("from __future__ import annotations\n"
+                     "import torch\n"
+                     "def f():\n"
+                     "    from quire.engine.request import Request\n"
+                     "    from ..engine import scheduler\n"
+                     "    from quire import engine\n"
+                     "    import quire.engine.scheduler_output\n")
+    assert engine_imports("quire.worker.sampler", tree) == [
+        "quire.engine.request", "quire.engine", "quire.engine",
+        "quire.engine.scheduler_output"]
+    assert engine_imports("quire.worker.sampler",
+                          ast.parse("from quire.sampling_batch import SamplingBatch")) == []
 
 
 def attribute_chain(node: ast.AST) -> list[str]:

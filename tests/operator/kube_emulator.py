@@ -200,6 +200,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.register("policy", "v1", "poddisruptionbudgets", ResourceType(
             "PodDisruptionBudget", status_subresource=True))
         self.register("coordination.k8s.io", "v1", "leases", ResourceType("Lease"))
+        self.register("networking.k8s.io", "v1", "networkpolicies", ResourceType("NetworkPolicy"))
         # spec.router's children, and what its router watches
         self.register("", "v1", "serviceaccounts", ResourceType("ServiceAccount"))
         self.register("rbac.authorization.k8s.io", "v1", "roles", ResourceType("Role"))

@@ -34,6 +34,25 @@ def test_seeded_sampling_repeats_alone_and_in_any_batch(tiny):
     assert_no_blocks_in_use(tiny)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_sampling_repeats_through_preemption(tiny_models, mode):
+    """A seeded sequence's generator lives with it across steps: preempted (its K/V dropped
+    and recomputed, or swapped out and back), it draws on where it stopped."""
+    prompts = random_prompts(6, lengths=[30, 28, 26, 24, 22, 20], seed=12)
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=40, n=1 + i % 2)
+              for i in range(6)]
+    roomy = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=4 << 20)
+    want = [[c.token_ids for c in o.outputs]
+            for o in roomy.generate(prompts, params, use_tqdm=False)]
+    swap = {"preemption_mode": "swap", "swap_space": 4 << 20} if mode == "swap" else {}
+    tight = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=160 << 10, **swap)
+    got = [[c.token_ids for c in o.outputs]
+           for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions[mode] > 0, "no pressure: test is moot"
+    assert got == want
+    assert_no_blocks_in_use(tight)
+
+
 def test_unseeded_sampling_varies(tiny):
     prompt = random_prompts(1, lengths=[12], seed=4)
     params = SamplingParams(temperature=1.0, max_tokens=16)

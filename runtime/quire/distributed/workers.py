@@ -1,9 +1,9 @@
 """The tensor-parallel worker processes, seen from the engine process (which is rank 0).
 
-Why rank 0 is the engine process: the sampler needs the requests' own state (seeded
-generators, penalties over their output tokens, logprob settings), which lives with the
-scheduler; sampling where that state is avoids shipping it every step, and costs no extra
-process. Ranks 1..N-1 are spawned (`torch.multiprocessing` spawn: no forked CUDA or OpenMP
+Why rank 0 is the engine process: the sampler's batch (a SamplingBatch) refers to the
+requests' own state (seeded generators that must advance across steps, the token histories
+penalties count), which lives with the scheduler; sampling where that state is avoids
+shipping it every step, and costs no extra process. Ranks 1..N-1 are spawned (`torch.multiprocessing` spawn: no forked CUDA or OpenMP
 state) and hold their shards.
 
 Each step, `run_step` sends the step's inputs (`StepInputs`: block moves and the prepared

@@ -22,6 +22,7 @@ from quire.config import EngineArgs
 from quire.cpu_threads import configure_threads
 from quire.distributed.errors import TensorParallelError
 from quire.distributed.workers import Workers
+from quire.engine.batch_builder import build_step_batch
 from quire.engine.beam_search import (
     BeamSearchGroup,
     BeamSearchParams,
@@ -97,7 +98,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self.eos_token_ids)  # guided decoding
-        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed, self.structured)
+        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
                                   self.device, host_cache, self.workers,
                                   self.lora.manager if self.lora else None,
@@ -382,7 +383,8 @@ class LLMEngine:
             self.structured.wait(0.05)  # nothing runs until a grammar compiles: don't spin
             return outputs
         try:
-            result = self.runner.execute(sched)
+            batch, rows = build_step_batch(sched, self.sampler.make_generator, self.structured)
+            result = self.runner.execute(batch)
         except TensorParallelError:  # a dead worker: the engine is dead, not just this step
             raise
         except Exception as e:
@@ -392,8 +394,10 @@ class LLMEngine:
             return outputs + self._fail(sched.requests, f"model step failed: {e}")
         self.num_prompt_tokens_computed += result.num_prompt_tokens
         self.events.prompt_tokens += result.num_prompt_tokens
-        logprobs = {rid: TokenLogprobs._make(lp) for rid, lp in result.logprobs.items()}
-        updated = self.scheduler.update(sched, result.sampled)
+        sampled = {row.request_id: tok for row, tok in zip(rows, result.token_ids)}
+        logprobs = {row.request_id: TokenLogprobs._make(lp)
+                    for row, lp in zip(rows, result.logprobs) if lp is not None}
+        updated = self.scheduler.update(sched, sampled)
         beams = [s for s in updated if s.beam_group is not None]
         if beams:
             updated = [s for s in updated if s.beam_group is None]

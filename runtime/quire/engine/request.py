@@ -75,6 +75,8 @@ class Request:
         self.prev_token_time: float | None = None  # for inter-token latency
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        # seeded sampling's own generator (made on add): every step's SamplingBatch hands it
+        # to the sampler, so its draws go on across steps and preemptions
         self.generator: torch.Generator | None = None
         self.pending_siblings: list[Request] = []  # (n > 1) forked when the prompt is done
         self.block_hashes: list[bytes] = []     # chained hashes of this request's full blocks

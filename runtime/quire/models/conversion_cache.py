@@ -1,4 +1,5 @@
-"""Housekeeping of the GGUF conversion cache (~/.cache/quire/gguf): each folder records the
+"""Housekeeping of the GGUF conversion cache (the cache's `gguf` folder, by default
+~/.cache/quire/gguf; quire/writable_dirs.py says where): each folder records the
 file it was made from, and a new conversion removes the folders that can never be read again;
 a folder whose weights file is cut short is found before it is read (and made again: the GGUF
 is the source of truth, the folder only a faster copy of it).

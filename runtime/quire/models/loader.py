@@ -19,6 +19,7 @@ import torch
 
 from quire.models import conversion_cache, registry
 from quire.models.config import ModelConfig
+from quire.writable_dirs import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None) -> s
 # Reading a GGUF's metadata costs seconds (numpy views per vocabulary string), and transformers
 # reads it again for the config and for the tokenizer. The first load therefore writes an
 # equivalent Hugging Face folder (float32 safetensors: dequantized values are exact in it);
-# later loads read that in about a second. QUIRE_CACHE_DIR="" turns the cache off.
+# later loads read that in about a second. QUIRE_CACHE_DIR="" turns the cache off; where the
+# cache lives, and what happens where it cannot be written: quire/writable_dirs.py.
 # With --quantization auto the folder instead keeps the file's own quantization as canonical
 # int8/int4 tensors (models/gguf_repack.py) plus a manifest of each layer's format; the cache
 # key names which of the two a folder holds, so neither is ever read for the other (a float
@@ -126,13 +128,6 @@ QUANT_MANIFEST = "quire_quantization.json"
 # auto / none / int8 / int4, and the pre-quantized checkpoint formats by their quant_method
 # (layers/prequantized): naming one only confirms what the checkpoint holds
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "compressed-tensors", "gptq", "awq", "fp8")
-
-
-def cache_root() -> str | None:
-    root = os.environ.get("QUIRE_CACHE_DIR")
-    if root is None:
-        root = os.path.join(os.path.expanduser("~"), ".cache", "quire")
-    return root or None
 
 
 def keeps_gguf_blocks(quantization: str) -> bool:

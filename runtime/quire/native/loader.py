@@ -1,5 +1,5 @@
 """Builds and loads the native CPU kernels: plain C++ compiled on first use with the system's
-C++ compiler (about a second), cached under ~/.cache/quire/kernels (QUIRE_CACHE_DIR), called
+C++ compiler (about a second), cached under ~/.cache/quire/kernels (quire/writable_dirs.py says where), called
 through ctypes.
 
 `load_library("name.cpp")` builds and loads a C++ source of this folder, or of another
@@ -21,6 +21,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+
+from quire import writable_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -57,20 +59,9 @@ def isa_builds() -> list[str]:
 
 
 def _cache_dir() -> str:
-    """QUIRE_CACHE_DIR as the model loader reads it (quire.models.loader.cache_root): unset
-    means ~/.cache/quire; "" turns the cache off, so the kernel is built once per process in
-    a temporary folder that is removed at exit."""
-    root = os.environ.get("QUIRE_CACHE_DIR")
-    if root is None:
-        return os.path.join(os.path.expanduser("~"), ".cache", "quire", "kernels")
-    if root:
-        return os.path.join(root, "kernels")
-    if getattr(_cache_dir, "uncached", None) is None:
-        import atexit
-        import shutil
-        _cache_dir.uncached = tempfile.mkdtemp(prefix="quire-kernels-")
-        atexit.register(shutil.rmtree, _cache_dir.uncached, ignore_errors=True)
-    return _cache_dir.uncached
+    """The cache's kernels folder, or a temporary one of this process's (quire/writable_dirs.py:
+    QUIRE_CACHE_DIR, XDG_CACHE_HOME, HOME; QUIRE_CACHE_DIR="" turns the cache off)."""
+    return writable_dirs.kernel_cache_dir()
 
 
 def _cpu_signature() -> str:

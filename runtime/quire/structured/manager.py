@@ -1,11 +1,12 @@
 """The engine's side of structured output: one grammar state per sequence, the batch's
 bitmask before sampling, and advancing every state by its accepted token.
 
-Hooks (each one call from the engine, scheduler or sampler):
+Hooks (each one call from the engine, scheduler or batch builder):
   attach(seqs, params)   add_request: every sample of the request gets its own matcher
   poll()                 step start: compiled grammars become ready; failures are returned
   ready(req)             scheduler: a waiting request runs only once its grammar is compiled
-  fill_bitmask(rows)     sampler: one int32 bitmask row per sampled row (None: no grammar)
+  fill_bitmask(rows)     batch builder: one int32 bitmask row per sampled row (None: no
+                         grammar); the sampler applies it first
   advance(seqs, finish)  after a step: each new token advances its matcher; a terminated
                          grammar finishes its sequence
   fork(req)              beam search: a new beam copies its parent's matcher

@@ -1,7 +1,9 @@
-"""Turns a scheduled step into one flat, unpadded batch, runs the model, samples.
+"""Turns a step's batch description (a StepBatch, built by the engine) into one flat,
+unpadded batch, runs the model, samples.
 
 The only part of the engine that touches tensors. Host-side preparation is vectorized with
-numpy: a Python loop per request, never per token.
+numpy: a Python loop per sequence, never per token. It never sees a request: what it needs
+of one comes in the StepBatch's chunks and SamplingBatch (quire/step_batch.py).
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import numpy as np
 import torch
 
 from quire.attention.base import AttentionMetadata
-from quire.engine.request import Request
-from quire.engine.scheduler import SchedulerOutput
+from quire.step_batch import StepBatch
 from quire.worker.kv_cache import KVCache
 from quire.worker.sampler import Sampler, SamplerOutput
 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int]                 # request id -> new token
-    logprobs: dict[str, tuple]              # request id -> (lp, rank, top ids, top lps)
+    # per sampling row (the StepBatch's SamplingBatch order): the new token, and None or
+    # (sampled logprob, sampled rank, top ids, top logprobs)
+    token_ids: list[int]
+    logprobs: list[tuple | None]
     num_prompt_tokens: int                  # tokens computed this step that lie in a prompt
     num_tokens: int                         # all tokens computed this step
 
@@ -29,7 +32,7 @@ class StepResult:
 @dataclass
 class HostBatch:
     """One step's batch on the host, as numpy arrays: what the engine process sends to the
-    tensor-parallel workers (picklable, no Request objects), and what every rank turns into
+    tensor-parallel workers (picklable: no sampling state), and what every rank turns into
     device tensors the same way."""
     input_ids: np.ndarray        # [T] int64
     positions: np.ndarray        # [T] int64
@@ -98,23 +101,20 @@ class ModelRunner:
                                       host_cache.num_blocks if host_cache else 0)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        batch, sample_rows = self._prepare(out) if out.requests else (None, [])
-        inputs = StepInputs(out.swap_out, out.swap_in, out.block_copies, batch)
+    def execute(self, step: StepBatch) -> StepResult:
+        batch = self._prepare(step) if step.chunks else None
+        inputs = StepInputs(step.swap_out, step.swap_in, step.block_copies, batch)
         if self.workers is not None:
             logits = self.workers.run_step(inputs, self.run)
         else:
             logits = self.run(inputs)
         if batch is None:
-            return StepResult({}, {}, 0, 0)
-        sampled, logprobs = {}, {}
-        if sample_rows:
-            result: SamplerOutput = self.sampler(logits, sample_rows)
-            for req, tok, lp in zip(sample_rows, result.token_ids, result.logprobs):
-                sampled[req.request_id] = tok
-                if lp is not None:
-                    logprobs[req.request_id] = lp
-        return StepResult(sampled, logprobs, batch.num_prompt_tokens, len(batch.input_ids))
+            return StepResult([], [], 0, 0)
+        result = SamplerOutput([], [])
+        if len(step.sampling):
+            result = self.sampler(logits, step.sampling)
+        return StepResult(result.token_ids, result.logprobs, batch.num_prompt_tokens,
+                          len(batch.input_ids))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -143,38 +143,23 @@ class ModelRunner:
         logits_indices = torch.from_numpy(host.logits_indices).to(self.device)
         return self.model.compute_logits(hidden[logits_indices])
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[HostBatch, list[Request]]:
-        reqs, counts = out.requests, out.num_new_tokens
-        # decodes (one query token) first: backends batch them
-        order = [i for i, n in enumerate(counts) if n == 1]
-        num_decodes = len(order)
-        order += [i for i, n in enumerate(counts) if n != 1]
+    def _prepare(self, step: StepBatch) -> HostBatch:
+        chunks = step.chunks
         tokens: list[int] = []
-        starts, ns, prompt_lens, known = [], [], [], []
-        sample_rows: list[Request] = []
         logits_indices: list[int] = []
         end = 0
-        for i in order:
-            r, n = reqs[i], counts[i]
-            s = r.num_computed_tokens
-            tokens.extend(r.token_ids[s:s + n])
-            starts.append(s)
-            ns.append(n)
-            prompt_lens.append(r.num_prompt_tokens)
-            known.append(r.num_tokens)
-            end += n
-            if s + n == r.num_tokens:  # reaches the last known token: sample the next
-                for row in (r, *out.forks.get(r.request_id, ())):
-                    sample_rows.append(row)
-                    logits_indices.append(end - 1)
-        b = len(order)
-        starts_a = np.asarray(starts, dtype=np.int64)
-        ns_a = np.asarray(ns, dtype=np.int64)
+        for c in chunks:
+            end += len(c.token_ids)
+            tokens.extend(c.token_ids)
+            logits_indices.extend([end - 1] * c.num_samples)  # its rows sample its last token
+        b = len(chunks)
+        starts_a = np.asarray([c.start for c in chunks], dtype=np.int64)
+        ns_a = np.asarray([len(c.token_ids) for c in chunks], dtype=np.int64)
         qsl = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(ns_a, out=qsl[1:])
         seq_idx = np.repeat(np.arange(b), ns_a)
         positions = np.arange(len(tokens), dtype=np.int64) - qsl[seq_idx] + starts_a[seq_idx]
-        tables = [out.block_tables[i] for i in order]
+        tables = [c.block_table for c in chunks]
         width = max(len(t) for t in tables)
         bt = np.zeros((b, width), dtype=np.int32)
         for j, t in enumerate(tables):
@@ -183,21 +168,21 @@ class ModelRunner:
         slots = bt[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts_a + ns_a
         if self.lora is not None:  # slots for the step's adapters, and each token's slot
-            self.lora.prepare([reqs[i].lora for i in order], ns_a, out.lora_keys_in_use)
-        prompt_a = np.asarray(prompt_lens, dtype=np.int64)
+            self.lora.prepare([c.lora for c in chunks], ns_a, step.lora_keys_in_use)
+        prompt_a = np.asarray([c.num_prompt_tokens for c in chunks], dtype=np.int64)
         num_prompt_tokens = int(np.minimum(np.maximum(prompt_a - starts_a, 0), ns_a).sum())
         rope_seq_lens = None
         if self.dynamic_rope:  # what transformers' dynamic NTK sees: the prompt, then growth
             # (LongRoPE: all the sequence's known tokens, since it recomputes at the switch)
-            rope_lens = np.asarray(known, dtype=np.int64) if self.long_rope else prompt_a
+            rope_lens = (np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
+                         if self.long_rope else prompt_a)
             rope_seq_lens = np.maximum(positions + 1, rope_lens[seq_idx])
-        batch = HostBatch(
+        return HostBatch(
             input_ids=np.asarray(tokens, dtype=np.int64), positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
-            num_decodes=num_decodes, rope_seq_lens=rope_seq_lens,
+            num_decodes=step.num_decodes, rope_seq_lens=rope_seq_lens,
             logits_indices=np.asarray(logits_indices, dtype=np.int64),
             num_prompt_tokens=num_prompt_tokens)
-        return batch, sample_rows
 
     def _to_device(self, b: HostBatch) -> _Batch:
         dev = self.device

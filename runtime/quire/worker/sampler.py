@@ -4,6 +4,9 @@ Everything runs on [rows, vocab] tensors. The only per-row work is drawing noise
 that carry their own seed, so that a seeded request samples the same tokens whatever else
 shares its batch. Sampling uses the exponential race (argmax of p / Exp(1) noise), which
 draws exactly from p.
+
+It reads a SamplingBatch (quire/sampling_batch.py): per-row values the engine built, with the
+seeded rows' own generators, which the engine keeps with their sequences across steps.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quire.engine.request import Request
+from quire.sampling_batch import SamplingBatch
 from quire.structured.bitmask import apply_token_bitmask
 
 
@@ -24,56 +27,51 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int,
-                 structured=None) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.structured = structured  # a StructuredOutputManager: grammar masks per row
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """`logits` [rows, vocab], row i sampled by column i of `batch`."""
         # grammars first, in one op for the batch: every later step (greedy, penalties,
         # top-k/p, logprobs, beam candidates) sees only the tokens the grammar allows
-        bitmask = self.structured.fill_bitmask(rows) if self.structured is not None else None
-        if bitmask is not None:
-            logits = apply_token_bitmask(logits, bitmask)
-        params = [r.sampling_params for r in rows]
-        want_logprobs = [p.logprobs for p in params]
-        if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params) and not any(
-                r.num_output_tokens < r.sampling_params.min_tokens for r in rows):
+        if batch.bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.bitmask)
+        want_logprobs = batch.logprobs
+        if (all(batch.greedy) and all(k is None for k in want_logprobs)
+                and not any(batch.penalized) and not any(batch.banned_token_ids)):
             # the first maximum is the same in any float dtype: skip widening [rows, vocab]
             # (max().indices: torch's argmax is 2-4x slower on CPU, same first-max index)
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
+            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(batch))
         logits = logits.float()
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties(logits, rows)
-        logits = self._ban_early_stops(logits, rows)
-        greedy = [p.greedy for p in params]
-        if all(greedy):
+        logits = self._apply_penalties(logits, batch)
+        logits = self._ban_early_stops(logits, batch)
+        if all(batch.greedy):
             tokens = logits.max(dim=-1).indices
         else:
-            tokens = self._sample(logits, rows, greedy)
+            tokens = self._sample(logits, batch)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, want_logprobs, tokens))
 
     # --- logits processing ---------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
-        idx = [i for i, r in enumerate(rows) if _has_penalty(r.sampling_params)]
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        idx = [i for i, pen in enumerate(batch.penalized) if pen]
         if not idx:
             return logits
         logits = logits.clone()
-        sel = [rows[i] for i in idx]
-        out_counts = self._counts([r.output_token_ids for r in sel])
+        out_counts = self._counts([batch.output_token_ids[i] for i in idx])
         seen = out_counts > 0
-        seen |= self._counts([r.prompt_token_ids for r in sel]) > 0
+        seen |= self._counts([batch.prompt_token_ids[i] for i in idx]) > 0
         x = logits[idx]
-        rep = self._tensor([r.sampling_params.repetition_penalty for r in sel])[:, None]
+        rep = self._tensor([batch.repetition_penalty[i] for i in idx])[:, None]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        freq = self._tensor([r.sampling_params.frequency_penalty for r in sel])[:, None]
-        pres = self._tensor([r.sampling_params.presence_penalty for r in sel])[:, None]
+        freq = self._tensor([batch.frequency_penalty[i] for i in idx])[:, None]
+        pres = self._tensor([batch.presence_penalty[i] for i in idx])[:, None]
         x = x - freq * out_counts - pres * (out_counts > 0).float()
         logits[idx] = x
         return logits
@@ -88,12 +86,9 @@ class Sampler:
                                                                           device=self.device))
         return counts[:, : self.vocab_size]
 
-    def _ban_early_stops(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+    def _ban_early_stops(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Under min_tokens, EOS and stop_token_ids can't be sampled."""
-        bans = [(i, list(r.eos_token_ids | r.stop_token_ids)) for i, r in enumerate(rows)
-                if r.num_output_tokens < r.sampling_params.min_tokens
-                and r.structured is None]  # a grammar decides when EOS may come
-        bans = [(i, ids) for i, ids in bans if ids]
+        bans = [(i, ids) for i, ids in enumerate(batch.banned_token_ids) if ids]
         if not bans:
             return logits
         logits = logits.clone()
@@ -102,26 +97,26 @@ class Sampler:
         return logits
 
     # --- sampling ------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, rows: list[Request], greedy: list[bool]) -> torch.Tensor:
-        params = [r.sampling_params for r in rows]
-        temps = self._tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = batch.greedy
+        temps = self._tensor([1.0 if g else t for g, t in zip(greedy, batch.temperature)])
         x = logits / temps[:, None]
-        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
-        top_p = [p.top_p for p in params]
+        top_k = [k if 0 < k < self.vocab_size else 0 for k in batch.top_k]
+        top_p = batch.top_p
         if any(p < 1.0 for p in top_p):
             x = self._top_k_top_p(x, top_k, top_p)
         elif any(top_k):
             x = self._top_k(x, top_k)
         probs = torch.softmax(x, dim=-1)
-        min_p = [p.min_p for p in params]
+        min_p = batch.min_p
         if any(min_p):
             floor = self._tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.sampling_params.seed is not None and not greedy[i]:
-                noise[i].exponential_(generator=self._request_generator(r))
+        for i, generator in enumerate(batch.generators):
+            if generator is not None and not greedy[i]:  # a seeded row draws its own noise
+                noise[i].exponential_(generator=generator)
         sampled = (probs / noise).max(dim=-1).indices
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=self.device),
@@ -129,15 +124,11 @@ class Sampler:
         return sampled
 
     def make_generator(self, seed: int) -> torch.Generator:
-        """A request's own generator (made when it is added, so a bad seed fails alone)."""
+        """A request's own generator (made when it is added, so a bad seed fails alone; the
+        engine keeps it with the request and hands it over in each step's SamplingBatch)."""
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         return generator
-
-    def _request_generator(self, r: Request) -> torch.Generator:
-        if r.generator is None:
-            r.generator = self.make_generator(r.sampling_params.seed)
-        return r.generator
 
     def _top_k(self, x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         k_max = max(top_k)
@@ -182,6 +173,3 @@ class Sampler:
     def _tensor(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
-
-def _has_penalty(p) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

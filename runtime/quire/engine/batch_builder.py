@@ -1,0 +1,86 @@
+"""The engine's side of a step's batch: the scheduler's output becomes a StepBatch (each
+sequence's chunk, decodes first, and a SamplingBatch with each sampled row's settings and
+state), so the worker gets values, never requests.
+
+No tensors are made here: the grammar masks come from the structured-output manager, and a
+seeded row's generator is its sequence's own, made when the request was added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from quire.engine.request import Request
+from quire.engine.scheduler_output import SchedulerOutput
+from quire.sampling_batch import SamplingBatch, has_penalty
+from quire.step_batch import SequenceChunk, StepBatch
+
+
+def build_step_batch(out: SchedulerOutput, make_generator: Callable[[int], object],
+                     structured=None) -> tuple[StepBatch, list[Request]]:
+    """The step's batch, and the sequence each sampling row belongs to (in row order).
+    `make_generator(seed)`: a seeded sequence's generator, if it has none yet;
+    `structured`: the StructuredOutputManager that fills the grammar rows' masks."""
+    counts = out.num_new_tokens
+    # decodes (one query token) first: attention backends batch them
+    order = [i for i, n in enumerate(counts) if n == 1]
+    order += [i for i, n in enumerate(counts) if n != 1]
+    chunks: list[SequenceChunk] = []
+    rows: list[Request] = []
+    for i in order:
+        seq, n = out.requests[i], counts[i]
+        start = seq.num_computed_tokens
+        samples = []
+        if start + n == seq.num_tokens:  # reaches the last known token: sample the next
+            samples = [seq, *out.forks.get(seq.request_id, ())]
+        rows += samples
+        chunks.append(SequenceChunk(
+            token_ids=seq.token_ids[start:start + n], start=start,
+            num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
+            block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora))
+    sampling = build_sampling_batch(rows, make_generator, structured)
+    return StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
+                     out.lora_keys_in_use), rows
+
+
+def build_sampling_batch(rows: list[Request], make_generator: Callable[[int], object],
+                         structured=None) -> SamplingBatch:
+    params = [r.sampling_params for r in rows]
+    penalized = [has_penalty(p) for p in params]
+    # grammars are applied first in the sampler, so everything after sees only allowed tokens
+    bitmask = structured.fill_bitmask(rows) if structured is not None and rows else None
+    return SamplingBatch(
+        greedy=[p.greedy for p in params],
+        temperature=[p.temperature for p in params],
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+        logprobs=[p.logprobs for p in params],
+        repetition_penalty=[p.repetition_penalty for p in params],
+        presence_penalty=[p.presence_penalty for p in params],
+        frequency_penalty=[p.frequency_penalty for p in params],
+        penalized=penalized,
+        prompt_token_ids=[r.prompt_token_ids if pen else [] for r, pen in zip(rows, penalized)],
+        output_token_ids=[r.output_token_ids if pen else [] for r, pen in zip(rows, penalized)],
+        generators=[_generator(r, make_generator) for r in rows],
+        banned_token_ids=[_banned_token_ids(r) for r in rows],
+        bitmask=bitmask)
+
+
+def _generator(seq: Request, make_generator: Callable[[int], object]):
+    """A seeded, non-greedy sequence's own generator: it persists across steps (and
+    preemptions) with the sequence, so a seed gives the same tokens whatever the batch."""
+    seed = seq.sampling_params.seed
+    if seed is None or seq.sampling_params.greedy:
+        return None
+    if seq.generator is None:  # the engine makes it when the request is added
+        seq.generator = make_generator(seed)
+    return seq.generator
+
+
+def _banned_token_ids(seq: Request) -> list[int]:
+    """Under min_tokens, EOS and stop_token_ids can't be sampled (unless a grammar decides
+    when EOS may come)."""
+    if seq.num_output_tokens >= seq.sampling_params.min_tokens or seq.structured is not None:
+        return []
+    return list(seq.eos_token_ids | seq.stop_token_ids)

@@ -1,0 +1,48 @@
+"""What the sampler reads for one step: per-row values in logits order, no requests.
+
+The engine builds it from its sequences (engine/batch_builder.py); the worker's sampler turns
+the columns into tensors. Neutral ground: both sides import it, it imports neither.
+
+Per-request state that must outlive a step (a seeded row's own torch generator) stays with the
+engine's sequence; the batch hands the sampler a reference, which the sampler advances. Rank 0
+samples under tensor parallelism, in the engine's process, so the reference is never pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from quire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine's side holds these objects but never touches tensors
+    import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Column i of every list is logits row i."""
+    greedy: list[bool]
+    temperature: list[float]
+    top_k: list[int]                  # 0 or >= vocab: off
+    top_p: list[float]
+    min_p: list[float]
+    logprobs: list[int | None]        # top logprobs to return (0: the sampled token's alone)
+    repetition_penalty: list[float]
+    presence_penalty: list[float]
+    frequency_penalty: list[float]
+    penalized: list[bool]             # any penalty on: the row carries its token history
+    prompt_token_ids: list[list[int]]  # penalized rows' prompt ([] elsewhere)
+    output_token_ids: list[list[int]]  # penalized rows' outputs so far ([] elsewhere)
+    # the row's own generator (seeded, not greedy): it draws the same tokens whatever else
+    # shares the batch; None: the sampler's shared generator
+    generators: list[torch.Generator | None]
+    banned_token_ids: list[list[int]]  # under min_tokens: EOS and stop ids can't be sampled
+    bitmask: torch.Tensor | None = None  # grammar masks, int32 [rows, words]; None: no grammar
+
+    def __len__(self) -> int:
+        return len(self.greedy)
+
+
+def has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -1,0 +1,49 @@
+"""What the model runner gets for one step: KV block moves, each scheduled sequence's chunk
+(its tokens, where they start, its block table and adapter) and the rows to sample.
+
+The engine builds it from its scheduler output (engine/batch_builder.py); the worker turns it
+into one flat, unpadded batch. Neutral ground: both sides import it, it imports neither, so
+the worker never sees a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from quire.sampling_batch import SamplingBatch
+
+if TYPE_CHECKING:
+    from quire.lora.request import AdapterHandle
+
+
+@dataclass
+class SequenceChunk:
+    """One sequence's part of a step."""
+    token_ids: list[int]   # the tokens computed this step
+    start: int             # tokens already in its KV blocks: the first one's position
+    num_prompt_tokens: int
+    num_tokens: int        # all it knows, prompt and outputs (LongRoPE picks its table by it)
+    block_table: list[int]
+    # rows sampled from its last token (logits rows, in chunk order): 0 while the chunk ends
+    # inside what it knows (a prompt chunk), else 1 plus the n > 1 siblings forked from it
+    num_samples: int
+    lora: AdapterHandle | None = None  # the adapter it computes with; None: the base model
+
+
+@dataclass
+class StepBatch:
+    swap_out: list[tuple[int, int]]      # (device, host) block ids
+    swap_in: list[tuple[int, int]]       # (host, device)
+    block_copies: list[tuple[int, int]]  # copy-on-write (source, destination)
+    chunks: list[SequenceChunk]          # decodes (one token) first: backends batch them
+    sampling: SamplingBatch              # one row per sample of the chunks, in their order
+    lora_keys_in_use: frozenset[int] = field(default_factory=frozenset)  # pinned adapters
+
+    @property
+    def num_decodes(self) -> int:
+        """The leading one-token chunks."""
+        n = 0
+        while n < len(self.chunks) and len(self.chunks[n].token_ids) == 1:
+            n += 1
+        return n
