@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from quire.spec_decode.config import SpeculativeConfig
 from quire.validation import QuireValidationError, check_int, check_number
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -82,6 +83,10 @@ class EngineArgs:
         "help": "adapters kept read on the host (LRU); default: max_loras"})
     lora_modules: dict[str, str] | None = field(default=None, metadata={
         "help": "adapters loaded at start: name -> PEFT folder"})
+    speculative_config: dict | str | None = field(default=None, metadata={
+        "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"model\": "
+                "DRAFT, \"num_speculative_tokens\": 4}"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,6 +128,7 @@ class EngineArgs:
             check_int("num_threads", self.num_threads, lo=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
         _check_lora(self)
+        SpeculativeConfig.parse(self.speculative_config)  # a bad key fails here, named
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise QuireValidationError(
                 "swap_space", "swap_space must be > 0 bytes when preemption_mode is 'swap'",

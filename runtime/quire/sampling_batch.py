@@ -10,7 +10,7 @@ samples under tensor parallelism, in the engine's process, so the reference is n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from quire.sampling_params import SamplingParams
@@ -39,9 +39,19 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     banned_token_ids: list[list[int]]  # under min_tokens: EOS and stop ids can't be sampled
     bitmask: torch.Tensor | None = None  # grammar masks, int32 [rows, words]; None: no grammar
+    # speculative decoding: (first row, proposals) per sequence verifying proposals; its
+    # 1 + len(proposals) consecutive rows are the target's positions from its known token on
+    spec_groups: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.greedy)
+
+    def subset(self, rows: list[int]) -> SamplingBatch:
+        """These rows alone (no verification groups)."""
+        columns = {f.name: [getattr(self, f.name)[i] for i in rows] for f in fields(self)
+                   if f.name not in ("bitmask", "spec_groups")}
+        bitmask = None if self.bitmask is None else self.bitmask[rows]
+        return SamplingBatch(**columns, bitmask=bitmask)
 
 
 def has_penalty(p: SamplingParams) -> bool:

@@ -29,6 +29,9 @@ class SequenceChunk:
     # inside what it knows (a prompt chunk), else 1 plus the n > 1 siblings forked from it
     num_samples: int
     lora: AdapterHandle | None = None  # the adapter it computes with; None: the base model
+    # speculative decoding: its last num_verified tokens are proposals; every position from
+    # its known token on gives a logits row (1 + num_verified rows, num_samples is 0)
+    num_verified: int = 0
 
 
 @dataclass

@@ -18,37 +18,58 @@ from quire.step_batch import SequenceChunk, StepBatch
 
 def build_step_batch(out: SchedulerOutput, make_generator: Callable[[int], object],
                      structured=None) -> tuple[StepBatch, list[Request]]:
-    """The step's batch, and the sequence each sampling row belongs to (in row order).
-    `make_generator(seed)`: a seeded sequence's generator, if it has none yet;
-    `structured`: the StructuredOutputManager that fills the grammar rows' masks."""
+    """The step's batch, and the sequence each sampling row belongs to (in row order; a
+    sequence verifying k proposals has k + 1 rows). `make_generator(seed)`: a seeded
+    sequence's generator, if it has none yet; `structured`: the StructuredOutputManager that
+    fills the grammar rows' masks."""
     counts = out.num_new_tokens
     # decodes (one query token) first: attention backends batch them
     order = [i for i, n in enumerate(counts) if n == 1]
     order += [i for i, n in enumerate(counts) if n != 1]
     chunks: list[SequenceChunk] = []
     rows: list[Request] = []
+    ahead: list[int] = []  # per row: proposals before its position (0 but in verification)
+    groups: list[tuple[int, list[int]]] = []
     for i in order:
         seq, n = out.requests[i], counts[i]
         start = seq.num_computed_tokens
+        proposals = out.spec_token_ids.get(seq.request_id)
+        if proposals is not None:  # its known token, then the proposals: a row per position
+            groups.append((len(rows), list(proposals)))
+            rows += [seq] * (1 + len(proposals))
+            ahead += range(1 + len(proposals))
+            chunks.append(SequenceChunk(
+                token_ids=seq.token_ids[start:start + 1] + list(proposals), start=start,
+                num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
+                block_table=out.block_tables[i], num_samples=0, lora=seq.lora,
+                num_verified=len(proposals)))
+            continue
         samples = []
         if start + n == seq.num_tokens:  # reaches the last known token: sample the next
             samples = [seq, *out.forks.get(seq.request_id, ())]
         rows += samples
+        ahead += [0] * len(samples)
         chunks.append(SequenceChunk(
             token_ids=seq.token_ids[start:start + n], start=start,
             num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
             block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora))
-    sampling = build_sampling_batch(rows, make_generator, structured)
+    sampling = build_sampling_batch(rows, make_generator, structured, ahead, groups)
     return StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
                      out.lora_keys_in_use), rows
 
 
 def build_sampling_batch(rows: list[Request], make_generator: Callable[[int], object],
-                         structured=None) -> SamplingBatch:
+                         structured=None, ahead: list[int] | None = None,
+                         groups: list[tuple[int, list[int]]] = ()) -> SamplingBatch:
+    """`ahead[i]`: how many proposals come before row i's position (a verification row)."""
+    ahead = ahead or [0] * len(rows)
     params = [r.sampling_params for r in rows]
     penalized = [has_penalty(p) for p in params]
     # grammars are applied first in the sampler, so everything after sees only allowed tokens
-    bitmask = structured.fill_bitmask(rows) if structured is not None and rows else None
+    bitmask = None
+    if structured is not None and rows:
+        bitmask = (structured.fill_bitmask_ahead(rows, groups) if groups
+                   else structured.fill_bitmask(rows))
     return SamplingBatch(
         greedy=[p.greedy for p in params],
         temperature=[p.temperature for p in params],
@@ -63,8 +84,8 @@ def build_sampling_batch(rows: list[Request], make_generator: Callable[[int], ob
         prompt_token_ids=[r.prompt_token_ids if pen else [] for r, pen in zip(rows, penalized)],
         output_token_ids=[r.output_token_ids if pen else [] for r, pen in zip(rows, penalized)],
         generators=[_generator(r, make_generator) for r in rows],
-        banned_token_ids=[_banned_token_ids(r) for r in rows],
-        bitmask=bitmask)
+        banned_token_ids=[_banned_token_ids(r, k) for r, k in zip(rows, ahead)],
+        bitmask=bitmask, spec_groups=list(groups))
 
 
 def _generator(seq: Request, make_generator: Callable[[int], object]):
@@ -78,9 +99,10 @@ def _generator(seq: Request, make_generator: Callable[[int], object]):
     return seq.generator
 
 
-def _banned_token_ids(seq: Request) -> list[int]:
+def _banned_token_ids(seq: Request, ahead: int = 0) -> list[int]:
     """Under min_tokens, EOS and stop_token_ids can't be sampled (unless a grammar decides
-    when EOS may come)."""
-    if seq.num_output_tokens >= seq.sampling_params.min_tokens or seq.structured is not None:
+    when EOS may come); `ahead` proposals count as outputs before a verification row."""
+    if (seq.num_output_tokens + ahead >= seq.sampling_params.min_tokens
+            or seq.structured is not None):
         return []
     return list(seq.eos_token_ids | seq.stop_token_ids)

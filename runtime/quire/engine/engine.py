@@ -44,6 +44,9 @@ from quire.models.loader import load_hf_config, load_tokenizer, materialize, res
 from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import default_step_budget, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
+from quire.spec_decode.config import SpeculativeConfig
+from quire.spec_decode.draft import DraftProposer
+from quire.spec_decode.speculator import Speculator
 from quire.structured.manager import StructuredOutputManager
 from quire.validation import QuireValidationError, check_int
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
@@ -104,6 +107,7 @@ class LLMEngine:
                                   self.lora.manager if self.lora else None,
                                   cuda_graphs=not args.enforce_eager,
                                   max_num_seqs=args.max_num_seqs)
+        self.speculator = self._speculator(cfg)  # speculative decoding, when configured
         self.output_processor = OutputProcessor(self.tokenizer)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
@@ -169,6 +173,19 @@ class LLMEngine:
                        torch.device("cpu"), pin_memory=self.device.type == "cuda")
         logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, host.nbytes / 2**30)
         return SwapManager(self.kv_manager, num_host_blocks), host
+
+    def _speculator(self, cfg: ModelConfig) -> Speculator | None:
+        config = SpeculativeConfig.parse(self.args.speculative_config)
+        if config is None:
+            return None
+        draft = None
+        if config.method == "draft_model":
+            draft = DraftProposer(config, self.args, cfg, self.tokenizer,
+                                  self.kv_cache.num_blocks, self.block_size, self.dtype,
+                                  self.kv_dtype, self.device, self.max_model_len)
+        logger.info("speculative decoding: %s, %d tokens per step", config.method,
+                    config.num_speculative_tokens)
+        return Speculator(config, self._rope_switch_length(), draft, self.structured)
 
     def _rope_switch_length(self) -> int | None:
         """LongRoPE's switch (Phi-3): sequences of this many tokens use the long table."""
@@ -282,6 +299,11 @@ class LLMEngine:
         """Queue a beam search; its one output (the best beam_width sequences, best first)
         comes from step() when it finishes."""
         request_id = str(next(self._ids)) if request_id is None else request_id
+        if self.speculator is not None:
+            raise QuireValidationError(
+                "speculative_config", "beam search can't run on an engine with a "
+                "speculative_config: its beams choose among the top tokens of every position, "
+                "which proposals don't verify; start an engine without speculative decoding")
         if request_id in self.beam_groups or self.output_processor.group_of(request_id):
             raise _in_use(request_id)
         if params.beam_width > self.args.max_num_seqs:
@@ -371,6 +393,8 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         for req, error in self.structured.poll():  # grammars compiled since the last step
             outputs += self._fail([req], error)
+        if self.speculator is not None:  # proposals for the running decodes
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.stuck:  # the liveness guard failed them: nothing could make progress
             outputs += self._fail(sched.stuck, sched.stuck_reason)
@@ -383,6 +407,8 @@ class LLMEngine:
             self.structured.wait(0.05)  # nothing runs until a grammar compiles: don't spin
             return outputs
         try:
+            if self.speculator is not None:  # a draft model's proposals, now they have slots
+                self.speculator.fill(sched)
             batch, rows = build_step_batch(sched, self.sampler.make_generator, self.structured)
             result = self.runner.execute(batch)
         except TensorParallelError:  # a dead worker: the engine is dead, not just this step
@@ -394,10 +420,13 @@ class LLMEngine:
             return outputs + self._fail(sched.requests, f"model step failed: {e}")
         self.num_prompt_tokens_computed += result.num_prompt_tokens
         self.events.prompt_tokens += result.num_prompt_tokens
-        sampled = {row.request_id: tok for row, tok in zip(rows, result.token_ids)}
+        sampled = {row.request_id: tok for row, tok in zip(rows, result.token_ids)
+                   if tok is not None}  # a verification group answers on its first row
         logprobs = {row.request_id: TokenLogprobs._make(lp)
                     for row, lp in zip(rows, result.logprobs) if lp is not None}
         updated = self.scheduler.update(sched, sampled)
+        if self.speculator is not None:
+            self.speculator.record(sched, sampled)
         beams = [s for s in updated if s.beam_group is not None]
         if beams:
             updated = [s for s in updated if s.beam_group is None]
@@ -407,7 +436,7 @@ class LLMEngine:
             outputs += self._beam_outputs(finished)
         touched = self.output_processor.process(updated, logprobs, self.scheduler.finish)
         self.structured.advance(updated, self.scheduler.finish)  # after the text: keeps its end
-        self._record(updated)
+        self._record(updated, sampled)
         return outputs + self.output_processor.outputs(touched)
 
     def _fill_lora_slots(self, sched) -> list[RequestOutput]:
@@ -440,9 +469,12 @@ class LLMEngine:
         return self.output_processor.outputs(ids) + self._beam_outputs(
             [g for g in beam_groups.values() if g.request_id in self.beam_groups])
 
-    def _record(self, updated: list[Request]) -> None:
+    def _record(self, updated: list[Request], sampled: dict) -> None:
         ev = self.events
-        ev.generation_tokens += len(updated)
+        # a sequence that verified proposals got all it accepted in one step
+        ev.generation_tokens += sum(
+            len(t) if isinstance(t := sampled.get(seq.request_id), list) else 1
+            for seq in updated)
         for seq in updated:
             m = seq.metrics
             if seq.num_output_tokens == 1:

@@ -32,6 +32,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
                                metavar="NAME=PATH", help=f.metadata["help"] + " (name=path, "
                                "or vLLM's JSON {\"name\", \"path\", \"base_model_name\"})")
             continue
+        if f.name == "speculative_config":  # a dict in EngineArgs; JSON here, as vLLM's
+            group.add_argument("--speculative-config", type=str, default=None, metavar="JSON",
+                               help=f.metadata["help"])
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)

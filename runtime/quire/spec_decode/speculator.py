@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quire.spec_decode.spec_state import SpecState
 from quire.spec_decode.config import SpeculativeConfig
 from quire.spec_decode.ngram import propose_ngram
+from quire.spec_decode.spec_state import SpecState
 
 
 @dataclass
@@ -33,10 +33,11 @@ class SpecCounters:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, rope_switch_length: int | None = None,
-                 draft=None) -> None:
+                 draft=None, structured=None) -> None:
         self.config = config
         self.rope_switch_length = rope_switch_length
         self.draft = draft  # a DraftProposer for method draft_model
+        self.structured = structured  # the StructuredOutputManager: proposals obey grammars
         self.counters = self._fresh_counters()
 
     def _fresh_counters(self) -> SpecCounters:
@@ -55,8 +56,9 @@ class Speculator:
             if not cfg.disable_adaptive and not seq.spec.may_propose():
                 continue
             if cfg.method == "ngram":
-                seq.spec_token_ids = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min,
-                                                   cfg.prompt_lookup_max)
+                proposals = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min,
+                                          cfg.prompt_lookup_max)
+                seq.spec_token_ids = self._grammar_allows(seq, proposals)
             else:
                 seq.spec_token_ids = [0] * k  # the draft fills them once they have slots
 
@@ -76,8 +78,19 @@ class Speculator:
     # --- after scheduling ----------------------------------------------------------------
     def fill(self, sched) -> None:
         """Draft proposals for the sequences the scheduler gave proposal slots."""
-        if self.draft is not None and sched.spec_token_ids:
-            self.draft.fill(sched)
+        if self.draft is None or not sched.spec_token_ids:
+            return
+        self.draft.fill(sched)
+        for i, seq in enumerate(sched.requests):  # a grammar keeps only what it allows
+            proposals = sched.spec_token_ids.get(seq.request_id)
+            if proposals and seq.structured is not None:
+                del proposals[len(self._grammar_allows(seq, proposals)):]
+                sched.num_new_tokens[i] = 1 + len(proposals)
+
+    def _grammar_allows(self, seq, proposals: list[int]) -> list[int]:
+        if self.structured is None or seq.structured is None:
+            return proposals
+        return self.structured.valid_prefix(seq, proposals)
 
     # --- after verification --------------------------------------------------------------
     def record(self, sched, sampled: dict) -> None:
@@ -85,7 +98,7 @@ class Speculator:
         seq_of = {s.request_id: s for s in sched.requests}
         for rid, proposals in sched.spec_token_ids.items():
             tokens = sampled.get(rid)
-            if tokens is None:
+            if tokens is None or not proposals:
                 continue
             accepted = len(tokens) - 1
             c.num_drafts += 1

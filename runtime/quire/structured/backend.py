@@ -92,6 +92,10 @@ class Matcher:
     def accept(self, token_id: int) -> bool:
         return self._m.consume_token(token_id)
 
+    def valid_prefix_length(self, token_ids: list[int]) -> int:
+        """How many of these tokens, in order, the grammar would accept (consumes none)."""
+        return self._m.validate_tokens(token_ids)
+
     def rollback(self, num_tokens: int) -> bool:
         return self._m.rollback(num_tokens)
 

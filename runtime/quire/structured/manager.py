@@ -119,6 +119,42 @@ class StructuredOutputManager:
         self.mask_seconds.append(time.perf_counter() - t0)
         return bitmask
 
+    def fill_bitmask_ahead(self, rows: list[Request],
+                           groups: list[tuple[int, list[int]]]) -> torch.Tensor | None:
+        """fill_bitmask, where each group's rows (a sequence verifying proposals) get the
+        masks of its positions: the grammar advanced through the proposals before each, then
+        rolled back (the proposals are the grammar's, checked by valid_prefix)."""
+        in_group = {start + j for start, p in groups for j in range(len(p) + 1)}
+        plain = [r if i not in in_group else None for i, r in enumerate(rows)]
+        matchers = [(r.structured.matcher, i) for i, r in enumerate(plain)
+                    if r is not None and r.structured is not None
+                    and r.structured.matcher is not None]
+        grammar_groups = [(rows[start].structured.matcher, start, p) for start, p in groups
+                          if rows[start].structured is not None
+                          and rows[start].structured.matcher is not None]
+        if not matchers and not grammar_groups:
+            return None
+        t0 = time.perf_counter()
+        bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
+        if matchers:
+            self.compiler.backend.fill_bitmask(matchers, bitmask)
+        for matcher, start, proposals in grammar_groups:
+            for j in range(len(proposals) + 1):
+                self.compiler.backend.fill_bitmask([(matcher, start + j)], bitmask)
+                if j < len(proposals) and not matcher.accept(proposals[j]):
+                    raise RuntimeError("a proposal the grammar refused reached verification")
+            matcher.rollback(len(proposals))
+        self.mask_seconds.append(time.perf_counter() - t0)
+        return bitmask
+
+    @staticmethod
+    def valid_prefix(seq: Request, proposals: list[int]) -> list[int]:
+        """The leading proposals the sequence's grammar allows (all of them without one)."""
+        state = seq.structured
+        if state is None or state.matcher is None or not proposals:
+            return proposals
+        return proposals[:state.matcher.valid_prefix_length(proposals)]
+
     # --- after sampling ------------------------------------------------------------------
     def advance(self, seqs: list[Request], finish=None) -> None:
         """Each sequence's new tokens (one, or the accepted proposals of a step) enter its

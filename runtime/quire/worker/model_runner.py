@@ -152,6 +152,8 @@ class ModelRunner:
             end += len(c.token_ids)
             tokens.extend(c.token_ids)
             logits_indices.extend([end - 1] * c.num_samples)  # its rows sample its last token
+            if c.num_verified:  # proposals: a row per position from its known token on
+                logits_indices.extend(range(end - 1 - c.num_verified, end))
         b = len(chunks)
         starts_a = np.asarray([c.start for c in chunks], dtype=np.int64)
         ns_a = np.asarray([len(c.token_ids) for c in chunks], dtype=np.int64)

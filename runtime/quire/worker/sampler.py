@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quire.sampling_batch import SamplingBatch
+from quire.spec_decode.rejection import verify_greedy, verify_sampled
 from quire.structured.bitmask import apply_token_bitmask
 
 
@@ -34,7 +35,11 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """`logits` [rows, vocab], row i sampled by column i of `batch`."""
+        """`logits` [rows, vocab], row i sampled by column i of `batch`. A verification
+        group's first row gets the list of tokens its sequence keeps (the accepted proposals
+        and the one drawn after them), its other rows None."""
+        if batch.spec_groups:
+            return self._verify_and_sample(logits, batch)
         # grammars first, in one op for the batch: every later step (greedy, penalties,
         # top-k/p, logprobs, beam candidates) sees only the tokens the grammar allows
         if batch.bitmask is not None:
@@ -96,8 +101,37 @@ class Sampler:
             logits[i, ids] = float("-inf")
         return logits
 
+    # --- speculative decoding: verification (spec_decode/rejection.py) --------------------
+    def _verify_and_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        grouped = {start + j for start, p in batch.spec_groups for j in range(len(p) + 1)}
+        plain = [i for i in range(len(batch)) if i not in grouped]
+        tokens: list = [None] * len(batch)
+        logprobs: list = [None] * len(batch)
+        if plain:
+            out = self(logits[plain], batch.subset(plain))
+            for i, token, lp in zip(plain, out.token_ids, out.logprobs):
+                tokens[i], logprobs[i] = token, lp
+        for start, proposals in batch.spec_groups:
+            rows = list(range(start, start + len(proposals) + 1))
+            tokens[start] = self._verify(logits[start:start + len(rows)], batch.subset(rows),
+                                         proposals)
+        return SamplerOutput(tokens, logprobs)
+
+    def _verify(self, x: torch.Tensor, rows: SamplingBatch, proposals: list[int]) -> list[int]:
+        """One sequence's k + 1 positions: the same processing as sampling one at a time
+        (grammar masks and min_tokens bans per position), then acceptance."""
+        if rows.bitmask is not None:
+            x = apply_token_bitmask(x, rows.bitmask)
+        if any(rows.banned_token_ids):
+            x = self._ban_early_stops(x.float(), rows)
+        if rows.greedy[0]:
+            return verify_greedy(x.max(dim=-1).indices.tolist(), proposals)
+        return verify_sampled(self._probs(x.float(), rows), proposals,
+                              rows.generators[0] or self.generator)
+
     # --- sampling ------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distributions the rows sample from: temperature, top-k / top-p, min-p."""
         greedy = batch.greedy
         temps = self._tensor([1.0 if g else t for g, t in zip(greedy, batch.temperature)])
         x = logits / temps[:, None]
@@ -112,6 +146,11 @@ class Sampler:
         if any(min_p):
             floor = self._tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = batch.greedy
+        probs = self._probs(logits, batch)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
         for i, generator in enumerate(batch.generators):
