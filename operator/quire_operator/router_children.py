@@ -21,6 +21,7 @@ import kopf
 
 from . import names
 from .gateway_spec import EXT_PROC_PORT_NAME
+from .observability_spec import tracing_args, tracing_env
 from .router_spec import RouterSpec
 
 ROUTER_LABEL = "quire.dev/router"
@@ -63,6 +64,7 @@ def router_args(name: str, spec: RouterSpec) -> list[str]:
             "--hold-timeout", f"{spec.hold_timeout_seconds:g}"]
     if spec.ext_proc_port is not None:  # spec.gateway.inferencePool: the pool's endpoint picker
         args += ["--ext-proc-port", str(spec.ext_proc_port)]
+    args += tracing_args(spec.observability)
     if spec.routing == "prefix-aware":  # it tokenizes prompts as the replicas do
         args += ["--block-size", str(spec.block_size)]
         if spec.model_pvc_claim and spec.model_source:
@@ -94,6 +96,8 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
     if spec.backend_api_key_secret:  # only for its own reads of the replicas' /v1/models (LoRA)
         secret, key = spec.backend_api_key_secret
         container["env"] = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
+    if tracing := tracing_env(spec.observability, router_name(name)):
+        container["env"] = container.get("env", []) + tracing
     volumes = []
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {

@@ -19,9 +19,10 @@ the blocks the replicas use), so `parse_router_spec` takes the whole spec. Error
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from .observability_spec import ObservabilitySpec
 from .spec_error import SpecError
 
 ROUTING_POLICIES = ("round-robin", "least-load", "prefix-aware")
@@ -49,6 +50,8 @@ class RouterSpec:
     # spec.gateway.inferencePool: the router also serves Envoy ext_proc here, as the pool's
     # endpoint picker (gateway_children.py).
     ext_proc_port: int | None = None
+    # spec.observability: the router sends its spans there too.
+    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
 
 
 @dataclass(frozen=True)
