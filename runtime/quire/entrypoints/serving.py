@@ -17,6 +17,7 @@ from quire.engine.async_engine import (
     ModelInfo,
     RequestStream,
 )
+from quire.entrypoints import request_tracing
 from quire.entrypoints.errors import bad_request, engine_error, model_not_found
 from quire.entrypoints.limits import (
     ServerLimits,
@@ -80,10 +81,12 @@ class Serving:
         if state is EngineState.LOADING or info is None:  # None: stopped while loading
             raise engine_error(EngineNotReady("the model is still loading"))
         if name is None or name == info.served_name or name in self.model_aliases:
+            request_tracing.note_model(name, info.served_name, None)
             return info, None
         lora = self.engine.lora_adapters.get(name)
         if lora is None:
             raise model_not_found(name)
+        request_tracing.note_model(name, info.served_name, lora.name)
         return info, lora
 
     # --- prompts, by size first: characters, then tokens ---------------------------------
@@ -163,7 +166,7 @@ class Serving:
                 logger.info("request %s: %d prompt tokens, %s, params=%s", rid, len(prompt),
                             "cache_salt set" if cache_salt is not None else "no cache_salt",
                             params)
-        return streams
+        return request_tracing.follow(request_id, prompts, params, streams)
 
     async def finals(self, streams: list[RequestStream], disconnected) -> list[RequestOutput]:
         """The final output of each stream. If the client goes away first, every request is

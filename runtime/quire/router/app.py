@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from quire.router.metrics import CONTENT_TYPE
 from quire.router.proxy import ProxyEndpoint, RouterState, error_body
+from quire.router.request_tracing import traced
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +30,11 @@ PROXIED = {"/v1/completions": ["POST"], "/v1/chat/completions": ["POST"], "/gene
            "/tokenize": ["POST"], "/detokenize": ["POST"], "/v1/models": ["GET"]}
 
 
-def build_app(state: RouterState, background=(), admin_api: bool = False) -> Starlette:
+def build_app(state: RouterState, background=(), admin_api: bool = False,
+              tracer=None) -> Starlette:
     """`background`: coroutine functions run for the app's lifetime (load scraping,
-    discovery); a failure in one is logged and the others go on."""
+    discovery); a failure in one is logged and the others go on. `tracer`: an OpenTelemetry
+    tracer for a span per proxied generation request (request_tracing.py), or None."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -76,7 +79,7 @@ def build_app(state: RouterState, background=(), admin_api: bool = False) -> Sta
             state.backends.remove(url)
         return JSONResponse({"backends": [b.url for b in state.backends.all()]})
 
-    proxy = ProxyEndpoint(state)
+    proxy = traced(ProxyEndpoint(state), tracer)
     routes = [Route("/health", health), Route("/ready", health), Route("/metrics", metrics),
               Route("/router/state", router_state)]
     if admin_api:

@@ -16,6 +16,7 @@ import sys
 
 from quire.entrypoints.tls import add_tls_flags, tls_from
 from quire.router.policies import POLICIES
+from quire.tracing import add_tracing_flag, start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-api", action="store_true",
                    help="serve POST/DELETE /router/backends (add or remove replicas at runtime)")
     add_tls_flags(p)
+    add_tracing_flag(p)
 
 
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
@@ -141,13 +143,17 @@ def cmd_router(ns: argparse.Namespace) -> int:
     from quire.router.app import build_app
     tls = tls_from(ns)
     state, background = build_state(ns)
-    app = build_app(state, background, admin_api=ns.admin_api)
+    tracing = start_tracing(ns.otlp_traces_endpoint, "quire-router")
+    app = build_app(state, background, admin_api=ns.admin_api,
+                    tracer=tracing.tracer if tracing is not None else None)
     logger.info("quire router: %s routing, %s://%s:%d, backends from %s", ns.routing, tls.scheme,
                 ns.host, ns.port, f"service {ns.k8s_service}" if ns.k8s_service
                 else ", ".join(ns.backend) or "the admin API")
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
                 access_log=False, lifespan="on", log_config=None, timeout_graceful_shutdown=5,
                 **tls.uvicorn_kwargs())
+    if tracing is not None:
+        tracing.shutdown()
     return 0
 
 
