@@ -96,6 +96,16 @@ SPECS = (
     _Spec("request_success", Counter, "quire:request_success", ("vllm:request_success",),
           "Finished sequences, by finish reason (stop, length, abort, error).",
           labels=("finished_reason",)),
+    _Spec("spec_drafts", Counter, "quire:spec_decode_num_drafts",
+          ("vllm:spec_decode_num_drafts",), "Sequences that verified proposals (one a step)."),
+    _Spec("spec_draft_tokens", Counter, "quire:spec_decode_num_draft_tokens",
+          ("vllm:spec_decode_num_draft_tokens",), "Proposed tokens verified."),
+    _Spec("spec_accepted_tokens", Counter, "quire:spec_decode_num_accepted_tokens",
+          ("vllm:spec_decode_num_accepted_tokens",), "Proposed tokens accepted."),
+    _Spec("spec_accepted_per_pos", Counter, "quire:spec_decode_num_accepted_tokens_per_pos",
+          ("vllm:spec_decode_num_accepted_tokens_per_pos",),
+          "Proposed tokens accepted, by their position among a step's proposals (0: first).",
+          labels=("position",)),
     _Spec("ttft", Histogram, "quire:time_to_first_token_seconds",
           ("vllm:time_to_first_token_seconds",), "Time to first token.", TTFT_BUCKETS),
     _Spec("itl", Histogram, "quire:inter_token_latency_seconds",
@@ -195,6 +205,12 @@ class ServerMetrics:
         self._inc("prompt_tokens", ev.prompt_tokens)
         self._inc("generation_tokens", ev.generation_tokens)
         self._inc("structured_requests", ev.structured_requests)
+        self._inc("spec_drafts", ev.spec_drafts)
+        self._inc("spec_draft_tokens", ev.spec_draft_tokens)
+        self._inc("spec_accepted_tokens", ev.spec_accepted_tokens)
+        for position, n in enumerate(ev.spec_accepted_per_position):
+            for family in self._families["spec_accepted_per_pos"]:
+                family.labels(model_name=self.model_name, position=str(position)).inc(n)
         if snap.lora is not None:
             if self._lora is None:
                 if self._lora_info is None:

@@ -58,6 +58,7 @@ from quire.engine.engine_commands import (
 )
 from quire.engine.lifecycle import EngineState, Lifecycle
 from quire.engine.stats import EngineSnapshot, StepEvents
+from quire.engine.stats_log import StatsLog
 from quire.lora.request import LoRARequest
 from quire.lora.stats import lora_stats
 from quire.outputs import RequestOutput
@@ -145,6 +146,7 @@ class AsyncLLMEngine:
         self._served_model_name = served_model_name
         self.max_queue_len = max_queue_len
         self.stats = stats
+        self.stats_log = StatsLog()  # the periodic engine line
         self.on_fatal = on_fatal
 
         self.engine = None          # the LLMEngine, once loaded
@@ -457,6 +459,7 @@ class AsyncLLMEngine:
         events = self.engine.drain_events()
         if self.stats is not None:
             self.stats.record(self.last_snapshot, events)
+        self.stats_log.record(self.last_snapshot, events)
 
     def _die(self, error: Exception, what: str) -> None:
         if self.state is EngineState.DEAD:

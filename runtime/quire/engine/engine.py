@@ -491,6 +491,11 @@ class LLMEngine:
     def drain_events(self) -> StepEvents:
         ev, self.events = self.events, StepEvents()
         self.structured.record(ev)
+        if self.speculator is not None:
+            c = self.speculator.drain()
+            ev.spec_drafts, ev.spec_draft_tokens = c.num_drafts, c.num_draft_tokens
+            ev.spec_accepted_tokens = c.num_accepted_tokens
+            ev.spec_accepted_per_position = c.accepted_per_position
         return ev
 
     def snapshot(self) -> EngineSnapshot:

@@ -36,3 +36,9 @@ class StepEvents:
     finished_reasons: list[str] = field(default_factory=list)
     structured_requests: int = 0     # requests added with a grammar (guided decoding)
     grammar_mask_time: list[float] = field(default_factory=list)  # s filling masks, per step
+    # speculative decoding: sequences that verified proposals, the proposals, the accepted
+    # ones, and accepted ones per position (index 0: the first proposal)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
