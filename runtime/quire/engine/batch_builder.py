@@ -34,7 +34,7 @@ def build_step_batch(out: SchedulerOutput, make_generator: Callable[[int], objec
         seq, n = out.requests[i], counts[i]
         start = seq.num_computed_tokens
         proposals = out.spec_token_ids.get(seq.request_id)
-        if proposals is not None:  # its known token, then the proposals: a row per position
+        if proposals:  # its known token, then the proposals: a row per position
             groups.append((len(rows), list(proposals)))
             rows += [seq] * (1 + len(proposals))
             ahead += range(1 + len(proposals))

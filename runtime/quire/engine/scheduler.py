@@ -338,7 +338,9 @@ class Scheduler:
                     self.finish(s, status)
         return updated
 
-    def _accept(self, seq: Request, tokens: list[int]) -> None:
+    def _accept(self, seq: Request, tokens: list[int] | int) -> None:
+        if isinstance(tokens, int):  # its proposals were all cut (a grammar): a plain decode
+            tokens = [tokens]
         seq.num_computed_tokens += len(tokens)  # its known token, then the accepted proposals
         seq.spec_token_ids = []
         for token in tokens:
