@@ -29,16 +29,30 @@ PROXIED = {"/v1/completions": ["POST"], "/v1/chat/completions": ["POST"], "/gene
            "/tokenize": ["POST"], "/detokenize": ["POST"], "/v1/models": ["GET"]}
 
 
-def build_app(state: RouterState, background=(), admin_api: bool = False) -> Starlette:
+def build_app(state: RouterState, background=(), admin_api: bool = False,
+              services=()) -> Starlette:
     """`background`: coroutine functions run for the app's lifetime (load scraping,
-    discovery); a failure in one is logged and the others go on."""
+    discovery); a failure in one is logged and the others go on. `services`: servers with
+    async start() and stop() (the ext_proc endpoint picker) that share this loop; one that
+    cannot start stops the router's start."""
 
     @asynccontextmanager
     async def lifespan(app):
+        started = []
+        try:
+            for service in services:
+                await service.start()
+                started.append(service)
+        except BaseException:
+            for service in reversed(started):
+                await service.stop()
+            raise
         tasks = [asyncio.ensure_future(_logged(fn)) for fn in background]
         try:
             yield
         finally:
+            for service in reversed(started):
+                await service.stop()
             for t in tasks:
                 t.cancel()
             for t in tasks:

@@ -57,6 +57,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--admin-api", action="store_true",
                    help="serve POST/DELETE /router/backends (add or remove replicas at runtime)")
+    p.add_argument("--ext-proc-port", type=int, default=None, metavar="N",
+                   help="also serve Envoy ext_proc (gRPC) on this port, as a Gateway API "
+                        "Inference Extension endpoint picker (the same routing and state)")
 
 
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
@@ -108,6 +111,17 @@ def build_state(ns: argparse.Namespace):
     return state, background
 
 
+def build_services(ns: argparse.Namespace, state) -> list:
+    """Servers beside the HTTP app, in its event loop: the ext_proc endpoint picker."""
+    if ns.ext_proc_port is None:
+        return []
+    if not 0 <= ns.ext_proc_port <= 65535 or ns.ext_proc_port == ns.port:
+        raise ValueError(f"--ext-proc-port must be a port number other than --port "
+                         f"({ns.port}), got {ns.ext_proc_port}")
+    from quire.router.ext_proc import ExtProcServer
+    return [ExtProcServer(state, ns.host, ns.ext_proc_port)]
+
+
 def _endpoint_slice_watch(ns, backends):
     from quire.router.discovery_k8s import EndpointSliceWatch, in_cluster, pod_namespace
     if ns.kube_api:
@@ -124,7 +138,8 @@ def cmd_router(ns: argparse.Namespace) -> int:
 
     from quire.router.app import build_app
     state, background = build_state(ns)
-    app = build_app(state, background, admin_api=ns.admin_api)
+    app = build_app(state, background, admin_api=ns.admin_api,
+                    services=build_services(ns, state))
     logger.info("quire router: %s routing, http://%s:%d, backends from %s", ns.routing, ns.host,
                 ns.port, f"service {ns.k8s_service}" if ns.k8s_service
                 else ", ".join(ns.backend) or "the admin API")
