@@ -134,10 +134,13 @@ def test_load_and_the_gateways_endpoint_subset_decide(replicas):
                                   subset=[endpoint(a)]) for i in range(3)]
             outside = await route(target(r), "/v1/completions", completion("x"),
                                   subset=["10.9.9.9:8000"])
-            return by_load, models, only_a, outside
+            # A buffered body comes as one message, here larger than gRPC's default limit.
+            large = await route(target(r), "/v1/completions", completion("y" * (6 << 20)),
+                                mode=BUFFERED)
+            return by_load + [large], models, only_a, outside
 
         by_load, models, only_a, outside = asyncio.run(gateway())
-        assert [x.destination for x in by_load] == [endpoint(b)] * 4
+        assert [x.destination for x in by_load] == [endpoint(b)] * 5
         assert models.destination == endpoint(b) and models.destination_phase == "request_headers"
         assert [x.destination for x in only_a] == [endpoint(a)] * 3
         assert outside.status == 503

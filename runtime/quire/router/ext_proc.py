@@ -25,6 +25,8 @@ from quire.router.proxy import RouterState
 
 logger = logging.getLogger(__name__)
 
+MAX_MESSAGE_BYTES = 64 << 20
+
 
 class ExtProcServer:
     """start() binds and serves (a port in use is an error, not a silent second listener);
@@ -38,7 +40,10 @@ class ExtProcServer:
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),
+            # a BUFFERED body comes as one message: more than gRPC's default 4 MiB may come
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         pb_grpc.add_ExternalProcessorServicer_to_server(
             EndpointPickerService(EndpointPicker(self.state), self.state.retry_after), server)
         try:

@@ -9,7 +9,8 @@ mode, which Envoy names in the first message's `protocol_config`:
   into the body's answer.
 - FULL_DUPLEX_STREAMED (GIE's mode, and what we assume when the gateway does not say): the
   body's chunks come without waiting; the headers' answer is held until the last chunk, then
-  carries the destination, followed by the body itself (Envoy keeps no copy in this mode).
+  carries the destination, followed by the body itself, chunk by chunk (Envoy keeps no copy
+  in this mode).
 - STREAMED with send_body_without_waiting_for_header_response: the same hold; each chunk then
   gets its own CONTINUE.
 - STREAMED without it, and NONE: the headers must be answered before any body is seen, so
@@ -132,8 +133,10 @@ class Conversation:
         answers = await self._route(body, phase)
         if self.finished or phase != "request_headers":
             return answers
-        if self.request_mode == Mode.FULL_DUPLEX_STREAMED:
-            return answers + [msg.streamed_body("request_body", raw, body_ended)]
+        if self.request_mode == Mode.FULL_DUPLEX_STREAMED:  # sent on in Envoy's own chunks
+            last = len(self.chunks) - 1
+            return answers + [msg.streamed_body("request_body", chunk, body_ended and i == last)
+                              for i, chunk in enumerate(self.chunks)]
         return answers + [msg.pass_through("request_body") for _ in self.chunks]
 
     async def _route(self, body: dict | None, phase: str) -> list[pb.ProcessingResponse]:
