@@ -244,10 +244,11 @@ def test_quire_router_holds_then_answers_503_without_replicas_and_refuses_a_take
     assert f"--ext-proc-port: cannot listen on {HOST}:{port}" in done.stderr, done.stderr[-2000:]
 
 
-def test_body_modes_that_cannot_route_by_the_body_still_route_by_load():
+def test_the_body_modes_edges_stream_by_stream():
     """STREAMED without send_body_without_waiting_for_header_response: Envoy wants the headers
     answered before any chunk, so load decides then. BUFFERED_PARTIAL: the one body message
-    may be the start of a larger body, cut mid-JSON: load decides, no 400."""
+    may be the start of a larger body, cut mid-JSON: load decides, no 400. Trailers end a
+    held body whose last chunk did not."""
     parser = argparse.ArgumentParser()
     add_router_arguments(parser)
     state, _ = build_state(parser.parse_args(["--backend", "http://10.1.2.3:8000"]))
@@ -276,12 +277,18 @@ def test_body_modes_that_cannot_route_by_the_body_still_route_by_load():
         whole = Conversation(EndpointPicker(state), retry_after=5)
         await whole.answer(first("BUFFERED_PARTIAL"))
         refused = await whole.answer(chunk(b'{"prompt": ', True))
-        for c in (streamed, partial, whole):
+        trailing = Conversation(EndpointPicker(state), retry_after=5)
+        await trailing.answer(first("FULL_DUPLEX_STREAMED"))
+        held = await trailing.answer(chunk(b'{"prompt": "hi"}', False))
+        on_trailers = await trailing.answer(pb.ProcessingRequest(
+            request_trailers=pb.HttpTrailers()))
+        for c in (streamed, partial, whole, trailing):
             c.close()
         await state.client.aclose()
-        return on_headers, on_chunks, partial_headers, partial_body, refused
+        return on_headers, on_chunks, partial_headers, partial_body, refused, held, on_trailers
 
-    on_headers, on_chunks, partial_headers, partial_body, refused = asyncio.run(conversations())
+    on_headers, on_chunks, partial_headers, partial_body, refused, held, on_trailers = \
+        asyncio.run(conversations())
     assert [a.WhichOneof("response") for a in on_headers] == ["request_headers"]
     assert destination(on_headers[0]) == b"10.1.2.3:8000"
     assert [[a.request_body for a in answers] for answers in on_chunks] == \
@@ -289,4 +296,10 @@ def test_body_modes_that_cannot_route_by_the_body_still_route_by_load():
     assert partial_headers == [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
     assert destination(partial_body[0]) == b"10.1.2.3:8000"
     assert refused[0].immediate_response.status.code == 400  # whole, and not JSON
+    assert held == []
+    assert [a.WhichOneof("response") for a in on_trailers] == \
+        ["request_headers", "request_body", "request_trailers"]
+    assert destination(on_trailers[0]) == b"10.1.2.3:8000"
+    streamed_on = on_trailers[1].request_body.response.body_mutation.streamed_response
+    assert (streamed_on.body, streamed_on.end_of_stream) == (b'{"prompt": "hi"}', False)
     assert state.backends.all()[0].in_flight == 0  # every pick released with its conversation

@@ -55,6 +55,7 @@ class Conversation:
         self.path = "/"
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []
+        self.headers_held = False  # their answer waits for the body
         self.backend = None   # the pick, once made (it holds an in-flight count)
         self.finished = False  # an ImmediateResponse was sent: nothing more to say
 
@@ -97,7 +98,8 @@ class Conversation:
         if not self.body_before_headers_answer:
             _warn_unroutable_mode()
             return await self._route(None, "request_headers")
-        return []  # held: answered with the destination once the body is in
+        self.headers_held = True  # answered with the destination once the body is in
+        return []
 
     async def _request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         self.chunks.append(body.body)
@@ -112,7 +114,7 @@ class Conversation:
     async def _request_trailers(self) -> list[pb.ProcessingResponse]:
         """Trailers end a body whose last chunk did not say so."""
         answers = []
-        if self.backend is None and not self.finished:
+        if self.headers_held:
             answers = await self._route_body("request_headers", whole=True, body_ended=False)
         if self.finished:
             return answers
@@ -131,6 +133,7 @@ class Conversation:
                 return [msg.immediate(400, str(e), "bad_request")]
             body = None  # the first part of a larger body (BUFFERED_PARTIAL): load decides
         answers = await self._route(body, phase)
+        self.headers_held = False
         if self.finished or phase != "request_headers":
             return answers
         if self.request_mode == Mode.FULL_DUPLEX_STREAMED:  # sent on in Envoy's own chunks
