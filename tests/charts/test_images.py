@@ -104,6 +104,9 @@ def test_serving_image_installs_like_the_makefile():
     assert order == sorted(order)
     assert project.startswith("-e '.") or project.startswith("-e .")
     assert "otel" in project
+    # xds-protos' stale copy of opentelemetry-proto's modules is overwritten last in both
+    for installs in (make, docker):
+        assert "opentelemetry-proto" in installs[-2] or "opentelemetry-proto" in installs[-1]
 
 
 def test_readme_install_steps_are_the_makefiles():

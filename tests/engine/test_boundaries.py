@@ -206,7 +206,7 @@ def test_nor_does_anything_the_worker_imports():
     for mod in worker_side(graph):
         seen, todo = set(), [mod]
         while todo:
-            for nxt in graph[todo.pop()] - seen:
+            for nxt in set(graph[todo.pop()]) - seen:
                 seen.add(nxt)
                 todo.append(nxt)
         reached = sorted(m for m in seen if is_engine(m))

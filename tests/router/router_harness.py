@@ -179,9 +179,10 @@ class InProcessRouter:
         import uvicorn
 
         from quire.router.app import build_app
-        from quire.router.cli import build_state
+        from quire.router.cli import build_services, build_state
         state, background = build_state(self.ns)
-        app = build_app(state, background, admin_api=self.ns.admin_api)
+        app = build_app(state, background, admin_api=self.ns.admin_api,
+                        services=build_services(self.ns, state))
         config = uvicorn.Config(app, host=self.ns.host, port=self.port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)

@@ -13,6 +13,9 @@ aborts the replica's request when the client goes away. Its parts, one job each:
     policies.py        round-robin, least-load, prefix-aware
     holding.py         requests held while no replica is ready (scale from zero)
     proxy.py           one request: pick, retry before the first byte, stream, disconnects
+    endpoint_picking.py  one pick without proxying (for ext_proc): strict body reading, subset
+    ext_proc*.py       --ext-proc-port: Envoy ext_proc as a GIE endpoint picker (server,
+                       one request's conversation, the messages)
     app.py             the ASGI app: routes, /metrics, /health, the admin API
     metrics.py         the router's own Prometheus metrics
     cli.py             flags and `main`; `python -m quire.router` and `quire router`

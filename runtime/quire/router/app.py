@@ -31,17 +31,30 @@ PROXIED = {"/v1/completions": ["POST"], "/v1/chat/completions": ["POST"], "/gene
 
 
 def build_app(state: RouterState, background=(), admin_api: bool = False,
-              tracer=None) -> Starlette:
+              tracer=None, services=()) -> Starlette:
     """`background`: coroutine functions run for the app's lifetime (load scraping,
     discovery); a failure in one is logged and the others go on. `tracer`: an OpenTelemetry
-    tracer for a span per proxied generation request (request_tracing.py), or None."""
+    tracer for a span per proxied generation request (request_tracing.py), or None.
+    `services`: servers with async start() and stop() (the ext_proc endpoint picker) that
+    share this loop; one that cannot start stops the router's start."""
 
     @asynccontextmanager
     async def lifespan(app):
+        started = []
+        try:
+            for service in services:
+                await service.start()
+                started.append(service)
+        except BaseException:
+            for service in reversed(started):
+                await service.stop()
+            raise
         tasks = [asyncio.ensure_future(_logged(fn)) for fn in background]
         try:
             yield
         finally:
+            for service in reversed(started):
+                await service.stop()
             for t in tasks:
                 t.cancel()
             for t in tasks:

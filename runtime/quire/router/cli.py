@@ -73,6 +73,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve POST/DELETE /router/backends (add or remove replicas at runtime)")
     add_tls_flags(p)
     add_tracing_flag(p)
+    p.add_argument("--ext-proc-port", type=int, default=None, metavar="N",
+                   help="also serve Envoy ext_proc (gRPC) on this port, as a Gateway API "
+                        "Inference Extension endpoint picker (the same routing and state)")
 
 
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
@@ -126,6 +129,17 @@ def build_state(ns: argparse.Namespace):
     return state, background
 
 
+def build_services(ns: argparse.Namespace, state) -> list:
+    """Servers beside the HTTP app, in its event loop: the ext_proc endpoint picker."""
+    if ns.ext_proc_port is None:
+        return []
+    if not 0 <= ns.ext_proc_port <= 65535 or ns.ext_proc_port == ns.port:
+        raise ValueError(f"--ext-proc-port must be a port number other than --port "
+                         f"({ns.port}), got {ns.ext_proc_port}")
+    from quire.router.ext_proc import ExtProcServer
+    return [ExtProcServer(state, ns.host, ns.ext_proc_port)]
+
+
 def _endpoint_slice_watch(ns, backends):
     from quire.router.discovery_k8s import EndpointSliceWatch, in_cluster, pod_namespace
     if ns.kube_api:
@@ -145,7 +159,8 @@ def cmd_router(ns: argparse.Namespace) -> int:
     state, background = build_state(ns)
     tracing = start_tracing(ns.otlp_traces_endpoint, "quire-router")
     app = build_app(state, background, admin_api=ns.admin_api,
-                    tracer=tracing.tracer if tracing is not None else None)
+                    tracer=tracing.tracer if tracing is not None else None,
+                    services=build_services(ns, state))
     logger.info("quire router: %s routing, %s://%s:%d, backends from %s", ns.routing, tls.scheme,
                 ns.host, ns.port, f"service {ns.k8s_service}" if ns.k8s_service
                 else ", ".join(ns.backend) or "the admin API")
