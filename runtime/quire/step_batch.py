@@ -42,11 +42,3 @@ class StepBatch:
     chunks: list[SequenceChunk]          # decodes (one token) first: backends batch them
     sampling: SamplingBatch              # one row per sample of the chunks, in their order
     lora_keys_in_use: frozenset[int] = field(default_factory=frozenset)  # pinned adapters
-
-    @property
-    def num_decodes(self) -> int:
-        """The leading one-token chunks."""
-        n = 0
-        while n < len(self.chunks) and len(self.chunks[n].token_ids) == 1:
-            n += 1
-        return n

@@ -23,9 +23,12 @@ def build_step_batch(out: SchedulerOutput, make_generator: Callable[[int], objec
     sequence's generator, if it has none yet; `structured`: the StructuredOutputManager that
     fills the grammar rows' masks."""
     counts = out.num_new_tokens
-    # decodes (one query token) first: attention backends batch them
-    order = [i for i, n in enumerate(counts) if n == 1]
-    order += [i for i, n in enumerate(counts) if n != 1]
+    # decodes (one query token) first, then sequences verifying proposals (the runner makes
+    # each position a decode row): attention backends batch them; prefill chunks last
+    verifying = {i for i, s in enumerate(out.requests) if out.spec_token_ids.get(s.request_id)}
+    order = [i for i, n in enumerate(counts) if n == 1 and i not in verifying]
+    order += sorted(verifying)
+    order += [i for i, n in enumerate(counts) if n != 1 and i not in verifying]
     chunks: list[SequenceChunk] = []
     rows: list[Request] = []
     ahead: list[int] = []  # per row: proposals before its position (0 but in verification)

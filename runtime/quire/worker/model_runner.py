@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from quire.attention.base import AttentionMetadata
-from quire.step_batch import StepBatch
+from quire.step_batch import SequenceChunk, StepBatch
 from quire.worker.kv_cache import KVCache
 from quire.worker.sampler import Sampler, SamplerOutput
 
@@ -144,7 +144,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_indices])
 
     def _prepare(self, step: StepBatch) -> HostBatch:
-        chunks = step.chunks
+        chunks = _verification_as_decodes(step.chunks)
         tokens: list[int] = []
         logits_indices: list[int] = []
         end = 0
@@ -152,8 +152,6 @@ class ModelRunner:
             end += len(c.token_ids)
             tokens.extend(c.token_ids)
             logits_indices.extend([end - 1] * c.num_samples)  # its rows sample its last token
-            if c.num_verified:  # proposals: a row per position from its known token on
-                logits_indices.extend(range(end - 1 - c.num_verified, end))
         b = len(chunks)
         starts_a = np.asarray([c.start for c in chunks], dtype=np.int64)
         ns_a = np.asarray([len(c.token_ids) for c in chunks], dtype=np.int64)
@@ -182,7 +180,7 @@ class ModelRunner:
         return HostBatch(
             input_ids=np.asarray(tokens, dtype=np.int64), positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
-            num_decodes=step.num_decodes, rope_seq_lens=rope_seq_lens,
+            num_decodes=_num_decodes(chunks), rope_seq_lens=rope_seq_lens,
             logits_indices=np.asarray(logits_indices, dtype=np.int64),
             num_prompt_tokens=num_prompt_tokens)
 
@@ -210,3 +208,29 @@ class ModelRunner:
             logits_indices=torch.from_numpy(b.logits_indices).to(dev),
             num_prompt_tokens=b.num_prompt_tokens,
         )
+
+
+def _verification_as_decodes(chunks: list[SequenceChunk]) -> list[SequenceChunk]:
+    """A sequence verifying k proposals computes k + 1 tokens and needs the logits of each:
+    as k + 1 one-token rows over its block table, at consecutive positions, each attending up
+    to its own position. Every layer writes the whole batch's K/V before any row attends, so
+    these are the rows of causal attention over the chunk; they join the decodes, which the
+    attention backends, the native decode stack and CUDA graphs batch."""
+    if not any(c.num_verified for c in chunks):
+        return chunks
+    out = []
+    for c in chunks:
+        if not c.num_verified:
+            out.append(c)
+            continue
+        out += [SequenceChunk([token], c.start + j, c.num_prompt_tokens, c.num_tokens,
+                              c.block_table, 1, c.lora) for j, token in enumerate(c.token_ids)]
+    return out
+
+
+def _num_decodes(chunks: list[SequenceChunk]) -> int:
+    """The leading one-token rows."""
+    n = 0
+    while n < len(chunks) and len(chunks[n].token_ids) == 1:
+        n += 1
+    return n
