@@ -34,7 +34,7 @@ class SpeculativeConfig:
     # while, so plain text costs what it costs without speculation
     disable_adaptive: bool = False
     adaptive_min_acceptance: float = 0.25  # accepted / proposed over the window
-    adaptive_window: int = 32              # proposed tokens the rate is judged over
+    adaptive_window: int = 8               # verifications the rate is judged over
 
     @classmethod
     def parse(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -104,7 +104,7 @@ class SpeculativeConfig:
                 or not 0.0 <= rate <= 1.0):
             raise _bad(f"speculative_config.adaptive_min_acceptance must be a number in [0, 1], "
                        f"got {rate!r}")
-        window = v.pop("adaptive_window", 32)
+        window = v.pop("adaptive_window", 8)
         _int("adaptive_window", window, 1, 4096)
         return cls(method, k, hi, lo, model, quant, off, float(rate), window)
 

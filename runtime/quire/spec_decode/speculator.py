@@ -52,8 +52,10 @@ class Speculator:
             if k <= 0:
                 continue
             if seq.spec is None:
-                seq.spec = SpecState(cfg.adaptive_window, cfg.adaptive_min_acceptance)
-            if not cfg.disable_adaptive and not seq.spec.may_propose():
+                seq.spec = SpecState(cfg.num_speculative_tokens, cfg.adaptive_window,
+                                     cfg.adaptive_min_acceptance)
+            k = min(k, seq.spec.proposals_now(not cfg.disable_adaptive))
+            if k <= 0:
                 continue
             if cfg.method == "ngram":
                 proposals = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min,
