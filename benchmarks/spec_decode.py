@@ -128,7 +128,7 @@ def main() -> None:
     counts: dict[tuple[str, str], int] = {}
     try:
         with StealMeter() as steal:
-            for name, llm in engines.items():  # warm-up: first-call costs
+            for llm in engines.values():  # warm-up: first-call costs
                 quire_decode(llm, prompts["plain chat"], 8)
             for rnd in range(args.rounds):
                 for pname, prompt in prompts.items():
