@@ -32,6 +32,22 @@ def test_two_ranks_match_transformers_with_chunks_prefix_hits_and_preemption(fam
                                         MAX_TOKENS)
 
 
+def test_two_ranks_verify_speculative_proposals(tp_models):
+    """n-gram speculation under tensor parallelism: the workers run the verification rows like
+    decodes, rank 0 verifies; the same greedy tokens, with proposals accepted."""
+    from transformers import AutoConfig
+    path = tp_models["llama"]
+
+    def accepted(engine):
+        assert engine.speculator.counters.num_accepted_tokens > 0
+    prompts = _prompts()
+    assert_two_ranks_match_transformers(
+        path, AutoConfig.from_pretrained(path), prompts + [p + p for p in prompts[:4]],
+        MAX_TOKENS, accepted, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3})
+
+
 def test_each_rank_holds_half_the_weights_and_half_the_kv_heads(tp_models):
     path = tp_models["llama"]  # untied LM head, 2 KV heads: everything splits
     budget = 64 << 10

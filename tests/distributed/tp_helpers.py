@@ -79,16 +79,17 @@ def spawned_children(parent: int) -> list[int]:
 
 
 def assert_two_ranks_match_transformers(path: str, hf_config, prompts, max_tokens: int,
-                                        check_engine=None) -> None:
+                                        check_engine=None, **engine_kwargs) -> None:
     """Two ranks with 64-token chunks, prefix caching and a KV budget that preempts give
     transformers' greedy output for every prompt, with a preemption, a prefix hit and no
-    block left in use; `check_engine(engine)` adds a caller's checks before shutdown."""
+    block left in use; `check_engine(engine)` adds a caller's checks before shutdown;
+    `engine_kwargs` more LLM(...) keywords."""
     from quire import LLM, SamplingParams
     expected = runtime_helpers.hf_greedy(runtime_helpers.hf_model(path), prompts, max_tokens)
     need = -(-(max(map(len, prompts)) + max_tokens) // 16)  # blocks of the longest request
     llm = LLM(path, dtype="float32", tensor_parallel_size=TP, num_threads=1,
               kv_cache_memory=kv_budget_for(hf_config, need + 4, TP),
-              max_num_batched_tokens=64, enable_prefix_caching=True)
+              max_num_batched_tokens=64, enable_prefix_caching=True, **engine_kwargs)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
                             use_tqdm=False)

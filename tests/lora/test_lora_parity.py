@@ -49,6 +49,24 @@ def test_mixed_batch_matches_transformers_peft_merged(tiny_llama, adapters, prom
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
 
 
+def test_speculation_under_adapters_matches_transformers_peft_merged(tiny_llama, adapters,
+                                                                    prompts, references):
+    """The mixed batch again with n-gram speculation: verification rows carry their
+    sequence's adapter like any decode (prompts said twice give the proposals a hit)."""
+    llm = make_llm(tiny_llama, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})
+    loras = lora_requests(adapters)
+    rows = [(i, name) for name in (None, "a", "b") for i in range(len(prompts))]
+    outs = llm.generate([prompts[i] for i, _ in rows], GREEDY, use_tqdm=False,
+                        lora_request=[loras.get(name) for _, name in rows])
+    for (i, name), out in zip(rows, outs):
+        assert out.outputs[0].token_ids == references[name][i], \
+            f"prompt {i} (length {len(prompts[i])}) under adapter {name}"
+    assert llm.engine.speculator.counters.num_accepted_tokens > 0
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
 def test_second_run_hits_the_prefix_cache_and_still_matches(tiny_llama, adapters, prompts,
                                                             references):
     """Run twice: the second run finds its own adapter's prompt blocks cached (and only
