@@ -52,11 +52,14 @@ class DraftProposer:
         logger.info("draft model %s (%s, %d layers) proposes for %s", config.model,
                     cfg.architecture, cfg.num_layers, target_cfg.architecture)
 
+    def mirror_copies(self, sched) -> None:
+        """The target copies these blocks this step (copy-on-write): so does the draft."""
+        if sched.block_copies:
+            self.kv_cache.copy_blocks(sched.block_copies)
+
     def fill(self, sched) -> None:
         """Write the draft's proposals into the sequences' proposal lists (in place: the
         scheduler output holds the same lists)."""
-        if sched.block_copies:  # the target copies these blocks this step: so does the draft
-            self.kv_cache.copy_blocks(sched.block_copies)
         rows = [(seq, table, sched.spec_token_ids[seq.request_id])
                 for seq, table in zip(sched.requests, sched.block_tables)
                 if seq.request_id in sched.spec_token_ids]

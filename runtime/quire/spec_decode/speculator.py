@@ -80,7 +80,10 @@ class Speculator:
     # --- after scheduling ----------------------------------------------------------------
     def fill(self, sched) -> None:
         """Draft proposals for the sequences the scheduler gave proposal slots."""
-        if self.draft is None or not sched.spec_token_ids:
+        if self.draft is None:
+            return
+        self.draft.mirror_copies(sched)  # every step's: a later proposal may read the block
+        if not sched.spec_token_ids:
             return
         self.draft.fill(sched)
         for i, seq in enumerate(sched.requests):  # a grammar keeps only what it allows
