@@ -26,7 +26,7 @@ serve: $(STAMP)
 
 # lint first: a style slip fails in a second, not after the whole suite
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 # one ruff config (pyproject.toml [tool.ruff]): lint rules and import order, over the tree
 lint: $(STAMP)
