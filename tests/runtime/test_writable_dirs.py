@@ -62,8 +62,8 @@ def test_the_cache_turned_off_still_gives_the_kernels_a_folder(monkeypatch):
 
 
 def test_the_loader_and_the_kernels_share_the_cache(monkeypatch, tmp_path):
-    from quire.native import loader
     from quire.models.loader import cache_root
+    from quire.native import loader
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == str(tmp_path / "xdg" / "quire")
     assert loader._cache_dir() == os.path.join(cache_root(), "kernels")
