@@ -23,6 +23,7 @@ import subprocess
 import time
 import urllib.request
 
+from llamacpp_compare import find_llama_bench, llama_bench
 from machine import StealMeter, describe_machine, machine_caption
 from plotting import add_plot_flag, grouped_bars
 from processes import free_port, stop, wait_ready
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--llama-server", default=LLAMA_SERVER)
     ap.add_argument("--llama-spec", default="--spec-type ngram-simple --spec-ngram-simple-size-n 3 "
                     "--spec-ngram-simple-size-m 8", help="llama-server's speculation flags")
+    ap.add_argument("--llama-bench", default=None, help="default: /tmp/llamabuild's, or PATH's")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--quick", action="store_true")
     add_plot_flag(ap, "spec_decode")
@@ -170,6 +172,11 @@ def main() -> None:
         print(f"| {pname} | {who} | {value:.1f} | {counts[(pname, who)]} | "
               f"{f'{100 * statistics.median(rate):.0f}%' if rate else '-'} | "
               f"{f'{value / base:.2f}x' if base and base != value else '-'} |")
+    bench = None if args.skip_llama else find_llama_bench(args.llama_bench)
+    if bench is not None:  # plain decode from an empty context, for reference
+        tg = llama_bench(bench, default_model_path(), threads, 0, args.max_tokens, 3)
+        print(f"llama-bench tg{args.max_tokens} ({threads} threads, 3 reps): "
+              f"{tg.get('decode', float('nan')):.1f} tok/s")
     if args.plot:
         names = list(dict.fromkeys(who for _, who in medians))
         grouped_bars(args.plot, "Single-stream decode with and without speculation",

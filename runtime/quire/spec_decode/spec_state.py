@@ -22,7 +22,7 @@ class SpecState:
 
     def __init__(self, max_k: int, window: int, min_rate: float) -> None:
         self.max_k, self.window, self.min_rate = max_k, window, min_rate
-        self.k = max(1, max_k // 2)  # proposals next time
+        self.k = max_k  # proposals next time: start hopeful, shrink on the first rejection
         self.recent: deque[tuple[int, int]] = deque()  # (proposed, accepted) per verification
         self.cooldown = 0          # steps left without proposals
         self.next_cooldown = FIRST_COOLDOWN
