@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .router_spec import _section  # one reader of optional spec sections
 from .spec_error import SpecError
 
 FAILURE_MODES = ("FailOpen", "FailClose")
@@ -57,15 +58,6 @@ class GatewaySpec:
     @property
     def http_route(self) -> bool:
         return self.inference_pool and bool(self.parent_refs)
-
-
-def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
-    value = raw.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{path}.{key}", f"must be an object, not {type(value).__name__}")
-    return value
 
 
 def _list(raw: Mapping[str, Any], key: str, path: str, maximum: int) -> list:

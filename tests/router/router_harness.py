@@ -7,6 +7,7 @@ never a sleep. Not a conftest.py (see tests/server/server_harness.py for why).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -122,6 +123,29 @@ def with_suppressed_unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def running_fakes(names: str, first_host: int):
+    """Fake replicas named by the letters of `names` on 127.0.0.<first_host + i>, ready."""
+    procs = {n: fake_backend(n, f"127.0.0.{first_host + i}") for i, n in enumerate(names)}
+    try:
+        for p in procs.values():
+            p.launch()
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def reset_fakes(fakes: dict) -> dict:
+    """Every fake replica back to idle, healthy, serving "fake", its request log cleared."""
+    for p in fakes.values():
+        requests.post(p.url + "/control", timeout=5,
+                      json={"waiting": 0, "kv": 0.0, "status": 200, "seen": [], "models": ["fake"]})
+    return fakes
 
 
 def fake_backend(name: str, host: str, chunks: int = 5, interval: float = 0.05,

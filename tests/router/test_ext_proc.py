@@ -24,8 +24,10 @@ from router_harness import (
     InProcessRouter,
     fake_backend,
     free_port,
+    reset_fakes,
     router,
     router_state,
+    running_fakes,
     server_harness,
     wait_until,
 )
@@ -35,24 +37,13 @@ HOST = "127.0.0.50"
 
 @pytest.fixture(scope="module")
 def fakes():
-    procs = {n: fake_backend(n, f"127.0.0.{51 + i}") for i, n in enumerate("ab")}
-    try:
-        for p in procs.values():
-            p.launch()
-        for p in procs.values():
-            p.wait_ready()
+    with running_fakes("ab", 51) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture
 def replicas(fakes):
-    for p in fakes.values():
-        requests.post(p.url + "/control", timeout=5,
-                      json={"waiting": 0, "kv": 0.0, "status": 200, "seen": [], "models": ["fake"]})
-    return fakes
+    return reset_fakes(fakes)
 
 
 def endpoint(proc) -> str:

@@ -9,30 +9,27 @@ import pytest
 import requests
 
 from router_harness import InProcessRouter as router
-from router_harness import fake_backend, router_state, server_harness, sse_texts, wait_until
+from router_harness import (
+    fake_backend,
+    reset_fakes,
+    router_state,
+    running_fakes,
+    server_harness,
+    sse_texts,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
 def fakes():
     """Three fake replicas shared by the tests of this file (a, b, c), reset before each."""
-    procs = {n: fake_backend(n, f"127.0.0.{11 + i}") for i, n in enumerate("abc")}
-    try:
-        for p in procs.values():
-            p.launch()
-        for p in procs.values():
-            p.wait_ready()
+    with running_fakes("abc", 11) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture
 def replicas(fakes):
-    for p in fakes.values():
-        requests.post(p.url + "/control", timeout=5,
-                      json={"waiting": 0, "kv": 0.0, "status": 200, "seen": [], "models": ["fake"]})
-    return fakes
+    return reset_fakes(fakes)
 
 
 def completion(r, prompt: str, stream: bool = False, **extra):
