@@ -5,7 +5,7 @@ For each case it prints the decode speed (steps timed after the prefill), then a
 torch.profiler table of the top ops over a stretch of decode steps: each op's share of the
 profiled step's wall time and its milliseconds per step; what no torch op accounts for (Python,
 the native kernels called through ctypes, scheduling, sampling) is the last row. Where decode
-steps run in the native decode stack (a quantized model: quire/models/decode_stack.py), a
+steps run in the native decode stack (a quantized model: quire/native/decode_stack.py), a
 second table splits the stack's time by phase (its own timers, summed over the layers).
 
     python benchmarks/decode_profile.py
@@ -54,7 +54,7 @@ def profile(llm, batch: int, args) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     _start(llm, batch, args.prompt_len, args.steps + 2, seed=2)
-    stack = getattr(llm.engine.runner, "decode_stack", None)
+    stack = getattr(llm.engine.executor.runner, "decode_stack", None)
     if stack is not None:
         stack.profile()
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -83,7 +83,7 @@ def profile(llm, batch: int, args) -> None:
     if stack is not None:
         phases = stack.timings()
         stack.profile(False)
-        print(f"  decode stack (all {len(llm.engine.model.layers)} layers in one native call), "
+        print(f"  decode stack (all {len(llm.engine.executor.model.layers)} layers in one native call), "
               f"by phase:")
         print("  | phase | % of step | ms/step |")
         print("  |---|---|---|")

@@ -13,8 +13,7 @@ from quire.lora.request import LoRARequest
 from quire.outputs import CompletionOutput, Logprob, RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
 from quire.validation import QuireValidationError
-
-__version__ = "0.1.0"
+from quire.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
            "CompletionOutput", "Logprob", "LoRARequest", "QuireValidationError", "__version__"]

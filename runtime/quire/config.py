@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from quire.spec_decode.config import SpeculativeConfig
+from quire.speculative_config import SpeculativeConfig
 from quire.validation import QuireValidationError, check_int, check_number
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -87,6 +87,9 @@ class EngineArgs:
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"model\": "
                 "DRAFT, \"num_speculative_tokens\": 4}"})
+    # the parsed speculative_config (set when validated; not a knob of its own)
+    speculative: SpeculativeConfig | None = field(default=None, init=False, repr=False,
+                                                  compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,7 +131,8 @@ class EngineArgs:
             check_int("num_threads", self.num_threads, lo=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
         _check_lora(self)
-        SpeculativeConfig.parse(self.speculative_config)  # a bad key fails here, named
+        # parsed once, here: a bad key fails at construction, named; the engine reads this
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise QuireValidationError(
                 "swap_space", "swap_space must be > 0 bytes when preemption_mode is 'swap'",
@@ -136,7 +140,7 @@ class EngineArgs:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

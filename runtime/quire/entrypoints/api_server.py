@@ -27,7 +27,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import quire
 from quire.engine.async_engine import AsyncLLMEngine
 from quire.entrypoints import memory
 from quire.entrypoints.errors import OpenAIError, bad_request
@@ -45,6 +44,7 @@ from quire.entrypoints.routers import (
 )
 from quire.entrypoints.serving import Serving
 from quire.entrypoints.tool_calls import get_tool_parser
+from quire.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
         await engine.shutdown()
         serving.shutdown()
 
-    app = FastAPI(title="Quire", version=quire.__version__, lifespan=lifespan)
+    app = FastAPI(title="Quire", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving

@@ -25,7 +25,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
+        if f.name in skip or not f.init:
             continue
         if f.name == "lora_modules":  # a dict in EngineArgs; a list of name=path here
             group.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
@@ -56,7 +56,7 @@ def model_help() -> str:
 def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
     """EngineArgs from the flags; a ValueError names the flag at fault."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(ns, f.name)}
+              if f.init and hasattr(ns, f.name)}
     values["model"] = model
     if values.get("lora_modules") is not None:
         values["lora_modules"] = lora_modules_dict(values["lora_modules"])

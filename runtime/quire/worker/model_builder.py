@@ -7,14 +7,14 @@ import logging
 
 import torch
 
+from quire import parallel_state as ps
+from quire.attention.selector import attention_backend_class
 from quire.config import EngineArgs
-from quire.distributed import parallel_state as ps
 from quire.layers.quantization import describe
 from quire.models import registry
 from quire.models.config import ModelConfig
 from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
 from quire.models.param_counts import ParameterCount
-from quire.platform import attention_backend_class
 
 logger = logging.getLogger(__name__)
 

@@ -94,8 +94,9 @@ class ModelRunner:
             self.cuda_graphs.capture_all()
         self.decode_stack = None  # decode steps' layers in one native call (CPU, quantized)
         if device.type == "cpu" and workers is None and lora is None:
-            from quire.models.decode_stack import DecodeStack
-            self.decode_stack = DecodeStack.build(model, kv_cache.layers)
+            from quire.models.llama import DecoderLayer
+            from quire.native.decode_stack import DecodeStack
+            self.decode_stack = DecodeStack.build(model, kv_cache.layers, DecoderLayer)
         if workers is not None:  # they allocate the same blocks for their KV heads
             workers.allocate_kv_cache(kv_cache.num_blocks,
                                       host_cache.num_blocks if host_cache else 0)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from quire.sampling_batch import SamplingBatch
-from quire.spec_decode.rejection import verify_greedy, verify_sampled
 from quire.structured.bitmask import apply_token_bitmask
+from quire.worker.rejection import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Sampler:
             logits[i, ids] = float("-inf")
         return logits
 
-    # --- speculative decoding: verification (spec_decode/rejection.py) --------------------
+    # --- speculative decoding: verification (worker/rejection.py) --------------------
     def _verify_and_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         grouped = {start + j for start, p in batch.spec_groups for j in range(len(p) + 1)}
         plain = [i for i in range(len(batch)) if i not in grouped]
