@@ -50,12 +50,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v)
 
 
-def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots of a sequence's first `length` tokens."""
-    pos = torch.arange(length, device=block_table.device)
-    return block_table[pos // block_size].long() * block_size + pos % block_size
-
-
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """[n * nb] block ids -> [n, nb * block_size, Hkv, D] in the compute dtype."""

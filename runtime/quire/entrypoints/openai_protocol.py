@@ -80,17 +80,12 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                        stream: bool, max_n: int | None = None,
+                        stream: bool,
                         guided_decoding: GuidedDecodingParams | None = None,
                         renames: dict[str, str] | None = None) -> SamplingParams:
         """SamplingParams, or OpenAIError 400 naming the parameter that is out of range
         (`renames`: SamplingParams' names this endpoint's request spells otherwise)."""
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise bad_request(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}",
-                              "seed")
-        if max_n is not None and isinstance(self.n, int) and self.n > max_n:
-            raise bad_request(f"n must be <= {max_n} (this server's --max-num-seqs), "
-                              f"got {self.n}", "n")
+        # (seed's range is SamplingParams'; n against max_num_seqs is the engine's check)
         values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
@@ -200,9 +195,6 @@ class ChatMessage(_Request):
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
         return msg
-
-    def has_tool_parts(self) -> bool:
-        return bool(self.tool_calls) or self.role == "tool"
 
     def num_chars(self) -> int:
         if isinstance(self.content, list):

@@ -68,7 +68,7 @@ async def chat_completions(request: Request):
                           "already; it can't be combined with response_format or guided_* "
                           "fields", "tool_choice")
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                 stream=req.stream, max_n=info.max_num_seqs,
+                                 stream=req.stream,
                                  guided_decoding=tools.guided or guided, renames=renames)
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,

@@ -44,7 +44,7 @@ async def completions(request: Request):
     _check(req, serving.limits)
     prompts = _prompts(req.prompt)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                 stream=req.stream, max_n=info.max_num_seqs,
+                                 stream=req.stream,
                                  guided_decoding=await guided_decoding(serving, req))
     prompt_ids = [await serving.prompt_ids(p, info) for p in prompts]
     # echo needs each prompt's text: the client's own, or its token ids decoded

@@ -33,7 +33,7 @@ async def generate(request: Request):
     info, lora = serving.model_for(req.model)
     check_stop(req.stop, req.stop_token_ids, serving.limits)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                 stream=req.stream, max_n=info.max_num_seqs)
+                                 stream=req.stream)
     ids = await serving.prompt_ids(req.prompt, info)
     prefix = req.prompt if isinstance(req.prompt, str) else await serving.pool.decode(ids)
     request_id = f"gen-{uuid.uuid4().hex}"
