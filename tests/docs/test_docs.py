@@ -1,0 +1,103 @@
+"""The documentation a newcomer reads: every link in it leads somewhere, every flag a command
+takes and every metric the server exports is described, and README.md stays a front door."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         ROOT / "benchmarks" / "README.md", ROOT / "operator" / "README.md",
+         ROOT / "runtime" / "quire" / "router" / "README.md"]
+# where a flag or a metric may be described
+REFERENCE = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "runtime" / "quire" / "router" / "README.md"]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+
+
+def prose(page: pathlib.Path) -> str:
+    """The page without its code blocks (a link in a code block is not a link)."""
+    return FENCE.sub("", page.read_text())
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: pathlib.Path) -> set[str]:
+    found, seen = set(), {}
+    for line in prose(page).splitlines():
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if m:
+            s = slug(m.group(1))
+            n = seen.get(s, 0)
+            seen[s] = n + 1
+            found.add(s if n == 0 else f"{s}-{n}")
+    return found
+
+
+def local_links(page: pathlib.Path):
+    for target in LINK.findall(prose(page)):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        yield target, (page.parent / path).resolve() if path else page, anchor
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_leads_to_a_file_and_heading_that_exist(page):
+    broken = []
+    for target, path, anchor in local_links(page):
+        if not path.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target}: no heading #{anchor} in {path.relative_to(ROOT)}")
+    assert not broken, broken
+
+
+def test_the_link_checker_sees_a_broken_anchor(tmp_path):
+    page = tmp_path / "a.md"
+    page.write_text("# Top\n\n## Engine options\n\n[ok](#engine-options) [bad](#engine-option)\n"
+                    "```\n[in code](#nowhere)\n```\n")
+    assert anchors(page) == {"top", "engine-options"}
+    assert [a for _, _, a in local_links(page)] == ["engine-options", "engine-option"]
+
+
+def command_options(name: str) -> list[list[str]]:
+    """Each option of `quire NAME` as its spellings (`--x` and `--no-x` for a switch)."""
+    from quire.entrypoints.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return [[o for o in a.option_strings if o.startswith("--")]
+            for a in sub.choices[name]._actions
+            if a.option_strings and "--help" not in a.option_strings]  # not the positionals
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "router"])
+def test_every_flag_of_a_command_is_described_in_the_docs(command):
+    text = "\n".join(p.read_text() for p in REFERENCE)
+    undocumented = [spellings[0] for spellings in command_options(command)
+                    if not any(re.search(re.escape(s) + r"(?![\w-])", text) for s in spellings)]
+    assert not undocumented, f"quire {command}: {undocumented}"
+
+
+def test_every_metric_the_server_exports_is_listed_in_operations():
+    from quire.metrics import SPECS
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    names = [s.name + ("_total" if s.kind.__name__ == "Counter" else "") for s in SPECS]
+    names += [v + ("_total" if s.kind.__name__ == "Counter" else "") for s in SPECS for v in s.vllm]
+    assert [n for n in names if f"`{n}" not in text] == []
+
+
+def test_readme_is_a_front_door():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for must in ("make serve", "make test", "Python 3.", "from quire import LLM", "curl",
+                 "kubectl apply", "## A map of the code", "pytest -q tests/"):
+        assert must in readme, must
+    linked = {path.resolve() for _, path, _ in local_links(ROOT / "README.md")}
+    assert set((ROOT / "docs").glob("*.md")) <= linked  # every docs page is reachable from it
