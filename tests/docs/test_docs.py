@@ -134,3 +134,33 @@ def test_design_lists_every_module(package):
         if not re.search(rf"(?<![\w/]){re.escape(path.name)}(?!\w)", folders.get(folder, "")):
             unlisted.append(str(rel))
     assert not unlisted, f"not in docs/DESIGN.md's file list: {unlisted}"
+
+
+def test_the_benchmark_guide_cites_only_scripts_the_repo_has():
+    guide = (ROOT / "benchmarks" / "README.md").read_text()
+    assert "/tmp/w/" not in guide  # the runner of its figures is benchmarks/run_all.sh
+    missing = [name for name in set(re.findall(r"`([\w/.]+\.(?:py|sh))`", guide))
+               if not any((base / name).exists() for base in
+                          (ROOT / "benchmarks", ROOT, ROOT / "runtime/quire/attention"))]
+    assert missing == []
+
+
+@pytest.mark.parametrize("env", [{}, {"QUICK": "1"}, {"BASELINE": "HEAD", "STEPS": "baseline"}],
+                         ids=["full", "quick", "baseline"])
+def test_run_all_runs_scripts_that_exist_with_flags_they_take(env, tmp_path):
+    import os
+    import subprocess
+
+    run = subprocess.run(["bash", "benchmarks/run_all.sh"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60,
+                         env={**os.environ, "DRY_RUN": "1", "STEPS": "all", "OUT": str(tmp_path),
+                              **env})
+    assert run.returncode == 0, run.stderr
+    commands = re.findall(r"^(\w+): python benchmarks/(\S+\.py)(.*)$", run.stdout, re.M)
+    assert len(commands) == (4 if "BASELINE" in env else 25)
+    for step, script, args in commands:
+        source = (ROOT / "benchmarks" / script).read_text()
+        if "add_plot_flag(" in source:  # --plot comes from plotting.py
+            source += (ROOT / "benchmarks" / "plotting.py").read_text()
+        unknown = [f for f in re.findall(r"(?<!\S)(--[\w-]+)", args) if f'"{f}"' not in source]
+        assert unknown == [], f"{step}: {script} takes no {unknown}"
