@@ -1,5 +1,5 @@
 """Every limit the server puts on a client, in one place: the numbers (each one a flag of
-`quire serve`, documented in the README) and the checks that enforce them on a request.
+`quire serve`, documented in docs/serving.md) and the checks that enforce them on a request.
 
 Work is refused by size before it is done: the body's bytes (before it is read), then the
 prompt's characters (before it is tokenized), then its tokens (before the engine sees it).
