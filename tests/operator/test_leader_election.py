@@ -18,6 +18,7 @@ import yaml
 
 from quire_operator import names
 
+from child_processes import die_with_parent
 from operator_harness import LLMD_API, cluster, llmdeployment, wait_for  # noqa: F401 (cluster is a fixture)
 
 LEASE = "quire-operator"
@@ -42,7 +43,7 @@ def operator_process(cluster, tmp_path: pathlib.Path, identity: str) -> Iterator
     process = subprocess.Popen(
         [sys.executable, "-m", "quire_operator", "--all-namespaces", "--liveness", "", "--identity", identity,
          "--lease-name", LEASE, "--lease-namespace", "default", *TIMINGS],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
+        env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     try:
         yield process
     finally:
