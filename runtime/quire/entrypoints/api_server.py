@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import quire
 from quire.engine.async_engine import AsyncLLMEngine
@@ -43,6 +44,7 @@ from quire.entrypoints.routers import (
     probes,
     tokenizer,
 )
+from quire.entrypoints.routers.common import client_gone_response
 from quire.entrypoints.serving import Serving
 from quire.entrypoints.tool_calls import get_tool_parser
 
@@ -127,6 +129,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
         return bad_request(f"invalid request: {err.get('msg', e)}",
                            str(loc[0]) if loc else None).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone_mid_upload(request: Request, e: ClientDisconnect):
+        # the client hung up before its body was whole: as quiet as any other disconnect
+        request.app.state.serving.client_gone()
+        return client_gone_response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):

@@ -31,7 +31,7 @@ async def generate(request: Request):
     serving = serving_of(request)
     req = await read_body(request, GenerateRequest)
     info, lora = serving.model_for(req.model)
-    check_stop(req.stop, req.stop_token_ids, serving.limits)
+    check_stop(req.stop, req.stop_token_ids, serving.limits, info.vocab_size)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  stream=req.stream, max_n=info.max_num_seqs)
     ids = await serving.prompt_ids(req.prompt, info)
