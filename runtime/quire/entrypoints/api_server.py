@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect
 
 import quire
 from quire.engine.async_engine import AsyncLLMEngine
-from quire.entrypoints import memory
+from quire.entrypoints import memory, openapi_docs
 from quire.entrypoints.errors import OpenAIError, bad_request
 from quire.entrypoints.limits import ServerLimits
 from quire.entrypoints.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -109,6 +109,7 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
         from quire.entrypoints.request_tracing import TracingMiddleware
         app.add_middleware(TracingMiddleware, tracer=tracer)
     _add_error_handlers(app)
+    openapi_docs.install(app)
     return app
 
 

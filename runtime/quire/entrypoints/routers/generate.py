@@ -14,6 +14,7 @@ from quire.engine.async_engine import EngineDeadError, RequestFailed
 from quire.entrypoints.errors import engine_error
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.openai_protocol import GenerateRequest
+from quire.entrypoints.openapi_docs import GENERATE_STREAM
 from quire.entrypoints.routers.common import (
     client_gone_response,
     disconnected,
@@ -42,7 +43,7 @@ async def generate(request: Request):
     if req.stream:
         guard = StreamGuard(serving, streams)
         return GuardedStreamingResponse(_chunks(serving, request_id, guard, params.n, prefix),
-                                        guard, "application/json")
+                                        guard, GENERATE_STREAM)
     try:
         out = (await serving.finals(streams, disconnected(request)))[0]
     except ClientDisconnected:
