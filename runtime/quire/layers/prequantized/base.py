@@ -69,6 +69,8 @@ def part_sizes(layer) -> list[int]:
 def _load_raw(layer, param: nn.Parameter, loaded, shard_id) -> None:
     spec: RawParam = param.raw
     target = param.data
+    if spec.name == "weight_scale":  # the dtype the checkpoint's library dequantizes in
+        layer.checkpoint_scale_dtype = loaded.dtype
     if spec.per_part:
         target = target[parts(layer).index(shard_id)]
     if spec.prepare is not None:
@@ -90,8 +92,6 @@ def _load_raw(layer, param: nn.Parameter, loaded, shard_id) -> None:
         loaded = narrow(loaded, dim, start, length)
         target = target.narrow(dim, dst, length)
     loaded = materialize(loaded)
-    if spec.name == "weight_scale":  # the dtype the checkpoint's library dequantizes in
-        layer.checkpoint_scale_dtype = loaded.dtype
     if spec.prepare is not None:  # expanded block rows may run past the checkpoint's rows
         for dim, size in enumerate(target.shape):
             if loaded.shape[dim] > size:
