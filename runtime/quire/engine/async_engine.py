@@ -95,6 +95,9 @@ class StatsSink(Protocol):
     def record_finished(self, output: RequestOutput) -> None: ...
 
 
+ERROR = "error"  # a CompletionOutput's finish_reason when the engine failed its sequence
+
+
 class RequestStream:
     """The outputs of one request, in order; iteration ends after the finished output."""
 
@@ -121,6 +124,11 @@ class RequestStream:
             self.finished = True
             if item.error:
                 raise RequestFailed(item.error)
+            if any(c.finish_reason == ERROR for c in item.outputs):
+                # a sequence the engine ended with no message of its own (its grammar
+                # rejected a token): the request failed, never an answer that looks done
+                raise RequestFailed("a sequence of this request failed in the engine "
+                                    "(finish_reason 'error'); the server log has the cause")
         return item
 
     def abort(self) -> None:
@@ -370,7 +378,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:  # shut down while loading
             raise
         except Exception as e:  # noqa: BLE001 - a failed load is fatal, whatever it was
-            self._die(e, "loading the model failed")
+            self._die(e, "loading the model failed", traceback_level=logging.DEBUG)
             return
         if self.stats is not None:
             self.stats.bind(self.served_model_name)
@@ -461,11 +469,18 @@ class AsyncLLMEngine:
             self.stats.record(self.last_snapshot, events)
         self.stats_log.record(self.last_snapshot, events)
 
-    def _die(self, error: Exception, what: str) -> None:
+    def _die(self, error: Exception, what: str, traceback_level: int = logging.ERROR) -> None:
+        """`traceback_level`: a failed load is mostly the model's or the setup's fault (a
+        truncated file, a missing folder): its one line says it, its traceback is for
+        --log-level debug. A failed step is a bug: its traceback goes with the error."""
         if self.state is EngineState.DEAD:
             return
         self._lifecycle.move_to(EngineState.DEAD, f"{what}: {type(error).__name__}: {error}")
-        logger.error("%s", what, exc_info=error)
+        if traceback_level >= logging.ERROR:
+            logger.error("%s", what, exc_info=error)
+        else:
+            logger.error("%s: %s: %s", what, type(error).__name__, error)
+            logger.log(traceback_level, "%s: the traceback", what, exc_info=error)
         dead = EngineDeadError(self.fatal_error)
         self._fail_commands(dead)
         for stream in self._streams.values():

@@ -26,9 +26,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from quire.engine.async_engine import AsyncLLMEngine
-from quire.entrypoints import memory
+from quire.entrypoints import memory, openapi_docs
 from quire.entrypoints.errors import OpenAIError, bad_request
 from quire.entrypoints.limits import ServerLimits
 from quire.entrypoints.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -42,6 +43,7 @@ from quire.entrypoints.routers import (
     probes,
     tokenizer,
 )
+from quire.entrypoints.routers.common import client_gone_response
 from quire.entrypoints.serving import Serving
 from quire.entrypoints.tool_calls import get_tool_parser
 from quire.version import __version__
@@ -107,6 +109,7 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
         from quire.entrypoints.request_tracing import TracingMiddleware
         app.add_middleware(TracingMiddleware, tracer=tracer)
     _add_error_handlers(app)
+    openapi_docs.install(app)
     return app
 
 
@@ -127,6 +130,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
         return bad_request(f"invalid request: {err.get('msg', e)}",
                            str(loc[0]) if loc else None).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone_mid_upload(request: Request, e: ClientDisconnect):
+        # the client hung up before its body was whole: as quiet as any other disconnect
+        request.app.state.serving.client_gone()
+        return client_gone_response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):

@@ -30,9 +30,11 @@ def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: kv[1].rank)
 
 
-def completion_logprobs(c: CompletionOutput, k: int | None,
-                        offset: int) -> CompletionLogprobs | None:
-    """`offset`: characters of this choice's text sent before this output."""
+def completion_logprobs(c: CompletionOutput, k: int | None, offset: int,
+                        textless: frozenset[int] = frozenset()) -> CompletionLogprobs | None:
+    """`offset`: characters of this choice's text sent before this output; `textless`: the
+    token ids that add nothing to the text (special tokens, when they are skipped), so each
+    text_offset is where the token's text starts in `text`."""
     if k is None or c.logprobs is None:
         return None
     result = CompletionLogprobs()
@@ -47,7 +49,8 @@ def completion_logprobs(c: CompletionOutput, k: int | None,
                 top.setdefault(lp.decoded_token or "", json_logprob(lp.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(offset)
-        offset += len(tok)
+        if tid not in textless:
+            offset += len(tok)
     return result
 
 

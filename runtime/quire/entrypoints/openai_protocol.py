@@ -10,6 +10,7 @@ limits.py.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -31,13 +32,26 @@ def parse_request(cls: type[_Request], raw: bytes) -> Any:
     try:
         return cls.model_validate_json(raw or b"")
     except ValidationError as e:
-        raise _validation_error(cls, e) from None
+        raise _validation_error(cls, e, raw or b"") from None
 
 
-def _validation_error(cls: type[BaseModel], exc: ValidationError) -> OpenAIError:
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or a \uDC00-\uDFFF alone
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _validation_error(cls: type[BaseModel], exc: ValidationError,
+                      raw: bytes = b"") -> OpenAIError:
     err = exc.errors(include_url=False)[0]
     kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
+        lone = _LONE_SURROGATE.search(raw)
+        if lone is not None:  # the parser's own words ("end of hex escape") mislead
+            return bad_request(
+                f"the request body is not valid JSON: {lone.group().decode()} at byte "
+                f"{lone.start()} is a lone UTF-16 surrogate, not a character (a \\uD800-"
+                f"\\uDBFF escape must be followed by a \\uDC00-\\uDFFF one)")
         return bad_request(f"the request body is not valid JSON: {err['msg']}")
     if kind == "model_type" or not loc:
         return bad_request("the request body must be a JSON object")

@@ -52,6 +52,7 @@ class Serving:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     default_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs
     _pool: TokenizerPool | None = None
+    _special_ids: frozenset[int] | None = None
 
     @property
     def pool(self) -> TokenizerPool:
@@ -88,6 +89,15 @@ class Serving:
             raise model_not_found(name)
         request_tracing.note_model(name, info.served_name, lora.name)
         return info, lora
+
+    def textless_ids(self, params: SamplingParams) -> frozenset[int]:
+        """Token ids that add nothing to a completion's text: the special tokens, when
+        skip_special_tokens leaves them out."""
+        if not params.skip_special_tokens:
+            return frozenset()
+        if self._special_ids is None:
+            self._special_ids = frozenset(getattr(self.engine.tokenizer, "all_special_ids", ()))
+        return self._special_ids
 
     # --- prompts, by size first: characters, then tokens ---------------------------------
     async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,

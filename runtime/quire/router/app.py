@@ -1,6 +1,7 @@
 """The router's ASGI app.
 
-    /v1/completions /v1/chat/completions /v1/models /generate /tokenize /detokenize  proxied
+    /v1/completions /v1/chat/completions /v1/models[/{id}] /generate /tokenize /detokenize
+                     proxied
     /health /ready   200 while the process runs (with no replica it holds, it does not fail)
     /metrics         the router's own metrics (see metrics.py)
     /router/state    the same figures as JSON: pending, idle seconds, replicas and their load
@@ -27,7 +28,8 @@ from quire.router.request_tracing import traced
 logger = logging.getLogger(__name__)
 
 PROXIED = {"/v1/completions": ["POST"], "/v1/chat/completions": ["POST"], "/generate": ["POST"],
-           "/tokenize": ["POST"], "/detokenize": ["POST"], "/v1/models": ["GET"]}
+           "/tokenize": ["POST"], "/detokenize": ["POST"], "/v1/models": ["GET"],
+           "/v1/models/{model_id:path}": ["GET"]}
 
 
 def build_app(state: RouterState, background=(), admin_api: bool = False,

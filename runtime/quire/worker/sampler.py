@@ -78,6 +78,12 @@ class Sampler:
         freq = self._tensor([batch.frequency_penalty[i] for i in idx])[:, None]
         pres = self._tensor([batch.presence_penalty[i] for i in idx])[:, None]
         x = x - freq * out_counts - pres * (out_counts > 0).float()
+        # a penalty near 0 (or huge) divides a logit past float's range: +inf would make the
+        # softmax NaN (and the draw token 0, whatever the grammar allows). Saturate at the
+        # largest finite value instead; a token that was -inf (a grammar's or a ban's "never")
+        # stays -inf.
+        big = torch.finfo(x.dtype).max
+        x = torch.where(torch.isneginf(logits[idx]), logits[idx], x.clamp(-big, big))
         logits[idx] = x
         return logits
 

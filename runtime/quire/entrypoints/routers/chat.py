@@ -53,7 +53,7 @@ async def chat_completions(request: Request):
     req = await read_body(request, ChatCompletionRequest)
     info, lora = serving.model_for(req.model)
     model = lora.name if lora else req.model or info.served_name  # the name asked for
-    _check(req, serving.limits)
+    _check(req, serving.limits, info.vocab_size)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -145,7 +145,7 @@ class ChatChunks:
         return ChatCompletionChunk(**self.head, choices=[], usage=usage)
 
 
-def _check(req: ChatCompletionRequest, limits) -> None:
+def _check(req: ChatCompletionRequest, limits, vocab_size: int) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if req.top_logprobs is not None and not req.logprobs:
@@ -153,4 +153,4 @@ def _check(req: ChatCompletionRequest, limits) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")
-    check_stop(req.stop, req.stop_token_ids, limits)
+    check_stop(req.stop, req.stop_token_ids, limits, vocab_size)

@@ -41,7 +41,7 @@ async def completions(request: Request):
     req = await read_body(request, CompletionRequest)
     info, lora = serving.model_for(req.model)
     model = lora.name if lora else req.model or info.served_name  # the name asked for
-    _check(req, serving.limits)
+    _check(req, serving.limits, info.vocab_size)
     prompts = _prompts(req.prompt)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  stream=req.stream,
@@ -56,7 +56,7 @@ async def completions(request: Request):
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = CompletionChunks(request_id, model, params, echoes)
+        fmt = CompletionChunks(request_id, model, params, echoes, serving.textless_ids(params))
         return GuardedStreamingResponse(
             sse_events(serving, request_id, guard, params.n, fmt, include_usage), guard,
             "text/event-stream")
@@ -72,7 +72,8 @@ async def completions(request: Request):
             completion_tokens += len(c.token_ids)
             choices.append(CompletionChoice(
                 index=p * params.n + c.index, text=echoes[p] + c.text,
-                logprobs=completion_logprobs(c, params.logprobs, 0),
+                logprobs=completion_logprobs(c, params.logprobs, 0,
+                                             serving.textless_ids(params)),
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     serving.log_done(request_id, completion_tokens, cached_tokens)
     return json_response(CompletionResponse(
@@ -84,9 +85,9 @@ class CompletionChunks:
     """The ChunkFormat of /v1/completions streams: text deltas, echo first."""
 
     def __init__(self, request_id: str, model: str, params: SamplingParams,
-                 echoes: list[str]) -> None:
+                 echoes: list[str], textless: frozenset[int] = frozenset()) -> None:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}
-        self.params, self.echoes = params, echoes
+        self.params, self.echoes, self.textless = params, echoes, textless
         self.offsets: dict[int, int] = {}  # characters sent per choice (logprobs' offsets)
 
     def opening(self) -> list:
@@ -98,7 +99,7 @@ class CompletionChunks:
         if index not in self.offsets:  # the first output of this choice
             self.offsets[index] = 0
             text = self.echoes[prompt_index] + text
-        lps = completion_logprobs(c, self.params.logprobs, self.offsets[index])
+        lps = completion_logprobs(c, self.params.logprobs, self.offsets[index], self.textless)
         self.offsets[index] += len(text)
         if not text and lps is None and c.finish_reason is None:
             return None
@@ -110,7 +111,7 @@ class CompletionChunks:
         return CompletionStreamChunk(**self.head, choices=[], usage=usage)
 
 
-def _check(req: CompletionRequest, limits) -> None:
+def _check(req: CompletionRequest, limits, vocab_size: int) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if req.suffix:
@@ -126,7 +127,7 @@ def _check(req: CompletionRequest, limits) -> None:
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)):
         check_count("prompt", req.prompt, limits.max_prompts_per_request,
                     "max-prompts-per-request")
-    check_stop(req.stop, req.stop_token_ids, limits)
+    check_stop(req.stop, req.stop_token_ids, limits, vocab_size)
 
 
 def _prompts(prompt) -> list:
