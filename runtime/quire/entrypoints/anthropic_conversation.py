@@ -31,7 +31,8 @@ from quire.entrypoints.errors import OpenAIError, bad_request
 from quire.entrypoints.openai_protocol import ChatCompletionRequest
 
 # chat's names for what the Messages API calls otherwise (in the 400s chat's checks raise)
-RENAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
+RENAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
+           "response_format": "output_config"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "cache_salt")
 
 
@@ -123,6 +124,9 @@ def chat_request(req: MessagesFields, stream: bool = False) -> ChatCompletionReq
                      if getattr(req, k) is not None})
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
+        if req.output_config is not None and req.output_config.format is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": req.output_config.format.schema_}}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:  # a value chat takes in a narrower type

@@ -94,6 +94,18 @@ class ThinkingParam(_Request):
     budget_tokens: int | None = None
 
 
+class JSONOutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    """`format`: the answer follows the JSON schema (the grammar masks every token);
+    `effort` is accepted and not acted on."""
+    effort: str | None = None
+    format: JSONOutputFormat | None = None
+
+
 class MessagesFields(_Request):
     """What /v1/messages and /v1/messages/count_tokens share: the conversation and tools."""
     model: str
@@ -117,6 +129,7 @@ class MessagesRequest(MessagesFields, CacheSaltField):
     top_p: float | None = Field(None, description="a finite number in (0, 1]")
     top_k: int | None = Field(None, description="a positive integer")
     stream: bool = False
+    output_config: OutputConfig | None = None
     metadata: dict | None = None
     service_tier: str | None = None
     seed: int | None = Field(None, description=f"an integer in [0, {MAX_SEED}] (vLLM's extra)")

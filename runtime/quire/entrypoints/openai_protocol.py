@@ -35,7 +35,11 @@ def parse_request(cls: type[_Request], raw: bytes) -> Any:
 
 
 def _validation_error(cls: type[BaseModel], exc: ValidationError) -> OpenAIError:
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # of the first bad field's errors, the deepest: a union's other branches fail at its top
+    # ("input should be a valid string") while the one the client meant says what is wrong
+    err = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+              key=lambda e: len(e["loc"]))
     kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {err['msg']}")
