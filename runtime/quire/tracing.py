@@ -40,7 +40,7 @@ OTEL_EXTRA_HINT = "pip install 'quire[otel]'"
 
 # The generation endpoints that get a span each, and their gen_ai.operation.name.
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
-              "/generate": "text_completion"}
+              "/generate": "text_completion", "/v1/responses": "chat", "/v1/messages": "chat"}
 
 
 class GenAI:

@@ -186,11 +186,12 @@ class ServerProcess:
 # runs: one torch thread each (oversubscribed OpenMP threads make every step several times
 # slower).
 def _smollm_config() -> ServerProcess:
-    # The default model (real text), vLLM metric names too, a served name of its own.
+    # The default model (real text), vLLM metric names too, a served name of its own, and
+    # vLLM's /tokenizer_info.
     return ServerProcess("smollm", [
         "--served-model-name", SMOLLM_NAME, "--dtype", "float32", "--max-model-len", "2048",
         "--kv-cache-memory", "128M", "--metrics-compat", "vllm", "--max-num-seqs", "16",
-        "--num-threads", "1"])
+        "--num-threads", "1", "--enable-tokenizer-info-endpoint"])
 
 
 # Every tiny-model server runs under fault_launcher.py: prompts starting with "__slow__" make

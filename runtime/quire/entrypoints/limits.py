@@ -45,6 +45,9 @@ class ServerLimits:
     allow_request_chat_template: bool = False
     chat_template_timeout: float = 1.0
     max_chat_template_chars: int = 64 << 10
+    # --- /v1/responses' stored responses (previous_response_id, GET) ---------------------
+    max_stored_responses: int = 1024
+    stored_response_ttl: float = 3600.0
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:
@@ -80,6 +83,9 @@ HELP = {
                                    "jinja2 sandbox within a time and size budget)",
     "chat_template_timeout": "seconds a request's own chat template may take to render",
     "max_chat_template_chars": "characters of a request's own chat template",
+    "max_stored_responses": "responses /v1/responses keeps in memory for "
+                            "previous_response_id and GET (the oldest are dropped first)",
+    "stored_response_ttl": "seconds a stored response is kept (after that its id is 404)",
 }
 
 

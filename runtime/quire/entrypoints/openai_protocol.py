@@ -43,7 +43,11 @@ _LONE_SURROGATE = re.compile(
 
 def _validation_error(cls: type[BaseModel], exc: ValidationError,
                       raw: bytes = b"") -> OpenAIError:
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # of the first bad field's errors, the deepest: a union's other branches fail at its top
+    # ("input should be a valid string") while the one the client meant says what is wrong
+    err = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+              key=lambda e: len(e["loc"]))
     kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
         lone = _LONE_SURROGATE.search(raw)

@@ -92,6 +92,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         f"(needs --enable-lora; also on with {RUNTIME_LORA_ENV}=true); "
                         "without it they answer 404")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (vLLM's: the tokenizer's configuration and "
+                        "chat template, which lm-eval's remote tokenizer reads); without it "
+                        "it answers 404")
     add_tls_flags(p)
     add_tracing_flag(p)
     add_limit_flags(p)
@@ -212,6 +216,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                     default_template_kwargs=ns.default_chat_template_kwargs,
                     allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns),
                     model_aliases=names[1:],
+                    enable_tokenizer_info=ns.enable_tokenizer_info_endpoint,
                     tracer=tracing.tracer if tracing is not None else None)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits, tls)
     server = QuireServer(config, engine, ns.shutdown_timeout)

@@ -5,6 +5,7 @@ the engine requests, wait for the answer unless the client goes away)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from quire.entrypoints.limits import (
     check_prompt_tokens,
 )
 from quire.entrypoints.reasoning import ReasoningParser
+from quire.entrypoints.responses_store import ResponseStore
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
@@ -51,8 +53,18 @@ class Serving:
     model_aliases: tuple[str, ...] = ()    # the base model's other --served-model-name names
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     default_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs
+    tokenizer_info: bool = False           # --enable-tokenizer-info-endpoint
     _pool: TokenizerPool | None = None
     _special_ids: frozenset[int] | None = None
+    _responses: ResponseStore | None = None
+
+    @property
+    def responses(self) -> ResponseStore:
+        """/v1/responses' stored responses, bounded by the limits."""
+        if self._responses is None:
+            self._responses = ResponseStore(self.limits.max_stored_responses,
+                                            self.limits.stored_response_ttl)
+        return self._responses
 
     @property
     def pool(self) -> TokenizerPool:
@@ -152,15 +164,19 @@ class Serving:
                      params: SamplingParams,
                      renames: dict[str, str] | None = None,
                      lora_request: LoRARequest | None = None,
-                     cache_salt: str | None = None) -> list[RequestStream]:
+                     cache_salt: str | None = None,
+                     priority: int | None = None) -> list[RequestStream]:
         """One engine request per prompt (token ids), all or none: if one is refused, the
         others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
-        the request's (checked when the body was parsed)."""
+        the request's (checked when the body was parsed). priority: the request's, handed to
+        the engine where its add_request takes one (else accepted and not acted on)."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
+        extra = {"priority": priority} if priority is not None and \
+            _takes_priority(self.engine.add_request) else {}
         results = await asyncio.gather(
             *(self.engine.add_request(rid, p, params, lora_request=lora_request,
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, **extra)
               for rid, p in zip(ids, prompts)),
             return_exceptions=True)  # added in the same step; every outcome retrieved
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -211,6 +227,14 @@ class Serving:
         if self.log_requests:
             logger.info("request %s finished: %d tokens, %d prompt tokens cached", request_id,
                         completion_tokens, cached_tokens)
+
+
+def _takes_priority(add_request) -> bool:
+    """Whether the engine schedules by priority (its add_request has the parameter)."""
+    try:
+        return "priority" in inspect.signature(add_request).parameters
+    except (TypeError, ValueError):  # not introspectable: don't pass what it may refuse
+        return False
 
 
 async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
