@@ -72,3 +72,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one dict per prompt token, the first None (vLLM's)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from quire.engine.prompt_logprobs import prompt_logprobs_ask
 from quire.engine.request import Request
 from quire.engine.scheduler_output import SchedulerOutput
 from quire.sampling_batch import SamplingBatch, has_penalty
@@ -55,7 +56,8 @@ def build_step_batch(out: SchedulerOutput, make_generator: Callable[[int], objec
         chunks.append(SequenceChunk(
             token_ids=seq.token_ids[start:start + n], start=start,
             num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
-            block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora))
+            block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora,
+            prompt_logprobs=prompt_logprobs_ask(seq, start, n)))
     sampling = build_sampling_batch(rows, make_generator, structured, ahead, groups)
     return StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
                      out.lora_keys_in_use), rows

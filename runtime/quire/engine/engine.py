@@ -419,6 +419,7 @@ class LLMEngine:
             self.scheduler.step_failed(sched)
             return outputs + self._fail(sched.requests, f"model step failed: {e}")
         self.num_prompt_tokens_computed += result.num_prompt_tokens
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         self.events.prompt_tokens += result.num_prompt_tokens
         sampled = {row.request_id: tok for row, tok in zip(rows, result.token_ids)
                    if tok is not None}  # a verification group answers on its first row
