@@ -20,7 +20,7 @@ from quire.entrypoints.chat_reasoning import (
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_stop
-from quire.entrypoints.logprobs import chat_logprobs
+from quire.entrypoints.logprobs import chat_logprobs, prompt_logprobs_out
 from quire.entrypoints.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -69,7 +69,8 @@ async def chat_completions(request: Request):
                           "fields", "tool_choice")
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                  stream=req.stream, max_n=info.max_num_seqs,
-                                 guided_decoding=tools.guided or guided, renames=renames)
+                                 guided_decoding=tools.guided or guided, renames=renames,
+                                 prompt_logprobs=req.prompt_logprobs)
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
@@ -104,7 +105,8 @@ async def chat_completions(request: Request):
     return json_response(ChatCompletionResponse(
         id=request_id, model=model, choices=choices,
         usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens,
-                           out.num_cached_tokens)))
+                           out.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs)))
 
 
 class ChatChunks:
@@ -153,4 +155,7 @@ def _check(req: ChatCompletionRequest, limits) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true",
+                          "prompt_logprobs")
     check_stop(req.stop, req.stop_token_ids, limits)
