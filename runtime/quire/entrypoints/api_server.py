@@ -5,6 +5,7 @@
     /v1/load_lora_adapter  /v1/unload_lora_adapter         vLLM's, with --allow-runtime-lora
     /generate                                              vLLM's simple API (NUL-separated stream)
     /tokenize  /detokenize  /version
+    /v1/embeddings  /score  /rerank                        the pooling runner (--runner pooling)
     /health   200 while the engine loop is alive (also while the model loads)
     /ready    200 once the model is loaded and the server admits requests, else 503
     /metrics  Prometheus text format
@@ -37,10 +38,12 @@ from quire.entrypoints.reasoning import get_reasoning_parser
 from quire.entrypoints.routers import (
     chat,
     completions,
+    embeddings,
     generate,
     lora,
     models,
     probes,
+    score,
     tokenizer,
 )
 from quire.entrypoints.serving import Serving
@@ -48,7 +51,7 @@ from quire.entrypoints.tool_calls import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = (probes, models, completions, chat, generate, tokenizer)
+ROUTERS = (probes, models, completions, chat, generate, tokenizer, embeddings, score)
 
 
 def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,

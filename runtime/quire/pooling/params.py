@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quire.sampling_params import RequestOutputKind
 from quire.validation import QuireValidationError, check_int
 
 
@@ -11,6 +12,7 @@ from quire.validation import QuireValidationError, check_int
 class PoolingParams:
     dimensions: int | None = None   # matryoshka: keep the first this many, renormalized
     normalize: bool | None = None   # None: as the model's sentence-transformers files say
+    output_kind = RequestOutputKind.FINAL_ONLY  # (not a field) one output, when it is done
 
     def __post_init__(self) -> None:
         if self.dimensions is not None:

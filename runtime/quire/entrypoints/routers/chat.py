@@ -51,7 +51,7 @@ router = APIRouter()
 async def chat_completions(request: Request):
     serving = serving_of(request)
     req = await read_body(request, ChatCompletionRequest)
-    info, lora = serving.model_for(req.model)
+    info, lora = serving.model_for(req.model, runner="generate")
     model = lora.name if lora else req.model or info.served_name  # the name asked for
     _check(req, serving.limits)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \

@@ -45,7 +45,7 @@ router = APIRouter()
 async def completions(request: Request):
     serving = serving_of(request)
     req = await read_body(request, CompletionRequest)
-    info, lora = serving.model_for(req.model)
+    info, lora = serving.model_for(req.model, runner="generate")
     model = lora.name if lora else req.model or info.served_name  # the name asked for
     _check(req, serving.limits)
     prompts = _prompts(req.prompt)

@@ -30,7 +30,7 @@ router = APIRouter()
 async def generate(request: Request):
     serving = serving_of(request)
     req = await read_body(request, GenerateRequest)
-    info, lora = serving.model_for(req.model)
+    info, lora = serving.model_for(req.model, runner="generate")
     check_stop(req.stop, req.stop_token_ids, serving.limits)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  stream=req.stream, max_n=info.max_num_seqs)
