@@ -14,11 +14,12 @@ import pytest
 import requests
 import torch
 
-from embedding_model import QUERY_PROMPT, save_embedding_model, sentence_transformer
 from quire import LLM, PoolingParams, QuireValidationError, SamplingParams
+
+from embedding_model import QUERY_PROMPT, save_embedding_model, sentence_transformer
 from runtime_helpers import assert_no_blocks_in_use
 from scoring_server import running_server, scoring_server_args
-from server_harness import openai_client, runtime_helpers, tiny_model
+from server_harness import openai_client, runtime_helpers
 
 TOL = 1e-4
 TEXTS = ["hello world", "x", "Paris is the capital of France. " * 6,
