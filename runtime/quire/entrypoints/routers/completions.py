@@ -170,8 +170,8 @@ def _check(req: CompletionRequest, limits) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     if req.max_tokens == 0 and not req.echo:
-        raise bad_request("max_tokens must be >= 1 (0 only with echo: the prompt scored, "
-                          "nothing generated), got 0", "max_tokens")
+        raise bad_request("max_tokens must be a positive integer (0 only with echo: the "
+                          "prompt scored, nothing generated), got 0", "max_tokens")
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs are not available when stream is true",
                           "prompt_logprobs")
