@@ -83,6 +83,16 @@ class EngineArgs:
         "help": "adapters kept read on the host (LRU); default: max_loras"})
     lora_modules: dict[str, str] | None = field(default=None, metadata={
         "help": "adapters loaded at start: name -> PEFT folder"})
+    runner: str = field(default="auto", metadata={
+        "choices": ("auto", "generate", "pooling"),
+        "help": "generate (text) or pooling (embeddings: prefill only, no KV kept after); "
+                "auto: pooling for a base model checkpoint (an architecture like Qwen3Model), "
+                "else generate"})
+    convert: str = field(default="auto", metadata={
+        "choices": ("auto", "none", "embed"),
+        "help": "embed: serve a generation checkpoint (ForCausalLM) as an embedding model "
+                "(last-token pooling, normalized, unless its sentence-transformers files say "
+                "otherwise); implies the pooling runner"})
     speculative_config: dict | str | None = field(default=None, metadata={
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"model\": "
@@ -130,6 +140,12 @@ class EngineArgs:
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, lo=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        _choice("runner", self.runner, ("auto", "generate", "pooling"))
+        _choice("convert", self.convert, ("auto", "none", "embed"))
+        if self.convert == "embed" and self.runner == "generate":
+            raise QuireValidationError(
+                "convert", "convert 'embed' makes an embedding model, which runs on the pooling "
+                "runner; drop runner 'generate'", self.convert)
         _check_lora(self)
         # parsed once, here: a bad key fails at construction, named; the engine reads this
         self.speculative = SpeculativeConfig.parse(self.speculative_config)

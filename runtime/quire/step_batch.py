@@ -18,6 +18,26 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class PromptLogprobsAsk:
+    """A prompt chunk's ask for prompt logprobs: position start + j predicts target_ids[j]."""
+    key: str               # whose they are (the engine's sequence id), handed back untouched
+    num_top: int           # top entries per position (the target's own comes besides)
+    target_ids: list[int]  # the prompt tokens its first len(target_ids) positions predict
+
+
+@dataclass
+class PromptLogprobsResult:
+    """Per position of an ask: the target's logprob and rank (1 = the most likely), and the
+    top ids and logprobs, most likely first."""
+    key: str
+    start: int             # the chunk's first position: its row j predicts token start + j + 1
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class SequenceChunk:
     """One sequence's part of a step."""
     token_ids: list[int]   # the tokens computed this step
@@ -32,6 +52,9 @@ class SequenceChunk:
     # speculative decoding: its last num_verified tokens are proposals; every position from
     # its known token on gives a logits row (1 + num_verified rows, num_samples is 0)
     num_verified: int = 0
+    prompt_logprobs: PromptLogprobsAsk | None = None  # logits of its prompt positions, scored
+    # the pooling runner: its last position's final hidden state comes back under this key
+    pool_key: str | None = None
 
 
 @dataclass

@@ -87,6 +87,8 @@ class ModelInfo:
     max_num_seqs: int
     capacity_tokens: int      # tokens the KV cache holds
     architecture: str = ""    # config.json's architecture (the server picks formats by it)
+    runner: str = "generate"  # or "pooling" (embeddings)
+    pooler: object = None     # the pooling runner's PoolerConfig (quire/pooling/config.py)
 
 
 class StatsSink(Protocol):
@@ -146,10 +148,10 @@ class AsyncLLMEngine:
         if engine_factory is None:
             if args is None:
                 raise ValueError("give EngineArgs or an engine_factory")
-            from quire.engine.engine import LLMEngine
+            from quire.engine.factory import create_engine
 
-            def engine_factory():
-                return LLMEngine(args, serving=True)
+            def engine_factory():  # LLMEngine, or PoolingEngine for embeddings
+                return create_engine(args, serving=True)
         self._factory = engine_factory
         self._served_model_name = served_model_name
         self.max_queue_len = max_queue_len
@@ -401,7 +403,8 @@ class AsyncLLMEngine:
             name=e.model_name, served_name=self._served_model_name or e.model_name,
             max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
             max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens,
-            architecture=getattr(e.model_config, "architecture", ""))
+            architecture=getattr(e.model_config, "architecture", ""),
+            runner=getattr(e, "runner_type", "generate"), pooler=getattr(e, "pooler", None))
         loras = e.list_loras() if getattr(e, "lora", None) is not None else []
         self.lora_adapters = {r.name: r for r in loras}
         self._next_lora_id = max((r.id for r in loras), default=0) + 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from quire.engine.prompt_logprobs import prompt_logprobs_ask
 from quire.engine.request import Request
 from quire.engine.step_plan import StepPlan
 from quire.sampling_batch import SamplingBatch, has_penalty
@@ -16,9 +17,9 @@ from quire.step_batch import SequenceChunk, StepBatch
 
 
 def build_step_batch(out: StepPlan, masks: Callable, has_grammar: Callable[[str], bool]
-                     ) -> tuple[StepBatch, list[Request]]:
-    """The step's batch, and the sequence each sampling row belongs to (in row order; a
-    sequence verifying k proposals has k + 1 rows). `masks(rows, groups)`: the rows' grammar
+                     ) -> tuple[StepBatch, list[Request], list[str]]:
+    """The step's batch, the sequence each sampling row belongs to (in row order; a
+    sequence verifying k proposals has k + 1 rows), and each chunk's sequence id. `masks(rows, groups)`: the rows' grammar
     bitmask or None; `has_grammar(seq id)`: a grammar decides when its EOS may come."""
     counts = out.num_new_tokens
     # decodes (one query token) first, then sequences verifying proposals (the runner makes
@@ -53,10 +54,12 @@ def build_step_batch(out: StepPlan, masks: Callable, has_grammar: Callable[[str]
         chunks.append(SequenceChunk(
             token_ids=seq.token_ids[start:start + n], start=start,
             num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
-            block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora))
+            block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora,
+            prompt_logprobs=prompt_logprobs_ask(seq, start, n)))
     sampling = build_sampling_batch(rows, masks, has_grammar, ahead, groups)
-    return StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
-                     out.lora_keys_in_use), rows
+    return (StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
+                      out.lora_keys_in_use), rows,
+            [out.requests[i].request_id for i in order])
 
 
 def build_sampling_batch(rows: list[Request], masks: Callable,

@@ -364,6 +364,7 @@ class LLMEngine:
         if result is None or not sched.seq_ids:
             return outputs
         self.num_prompt_tokens_computed += result.num_prompt_tokens
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         self.events.prompt_tokens += result.num_prompt_tokens
         rows = sched.row_seq_ids
         sampled = {rid: tok for rid, tok in zip(rows, result.token_ids)

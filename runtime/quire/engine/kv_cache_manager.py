@@ -37,6 +37,7 @@ from collections import Counter
 
 from quire.engine.block_hash import NO_EXTRA_KEYS, ExtraKeys, extend_block_hashes
 from quire.engine.block_pool import BlockPool, KVBlock
+from quire.engine.prompt_logprobs import wants_prompt_logprobs
 from quire.engine.request import Request
 
 
@@ -89,7 +90,11 @@ class KVCacheManager:
     # --- admission: prefix hits ------------------------------------------------------------
     def get_computed_blocks(self, seq: Request) -> tuple[list[KVBlock], int]:
         """The registered blocks that cover the longest prefix of the sequence's tokens. The
-        last token is always left to compute: its logits are needed to sample."""
+        last token is always left to compute: its logits are needed to sample. A sequence
+        that asks for prompt logprobs gets no hits: every prompt position's logits are needed
+        (its blocks are still cached for others)."""
+        if wants_prompt_logprobs(seq):
+            return [], 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
         hits: list[KVBlock] = []

@@ -170,12 +170,13 @@ class Scheduler:
             self.kv_manager.step_dropped()
 
     def _output(self, plan: StepPlan) -> SchedulerOutput:
-        batch, rows = build_step_batch(plan, self._masks, self._has_grammar)
+        batch, rows, chunk_seq_ids = build_step_batch(plan, self._masks, self._has_grammar)
         batch.swap_out, batch.swap_in = plan.swap_out, plan.swap_in
         batch.lora_keys_in_use = plan.lora_keys_in_use
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             batch=batch, seq_ids=[s.request_id for s in plan.requests],
+            chunk_seq_ids=chunk_seq_ids,
             num_new_tokens=list(plan.num_new_tokens),
             row_seq_ids=[r.request_id for r in rows],
             forks={p: [s.request_id for s in sibs] for p, sibs in plan.forks.items()},

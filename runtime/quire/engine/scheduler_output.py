@@ -12,6 +12,7 @@ from quire.step_batch import StepBatch
 class SchedulerOutput:
     batch: StepBatch                       # what the executor runs (chunks may be empty)
     seq_ids: list[str] = field(default_factory=list)  # the scheduled sequences
+    chunk_seq_ids: list[str] = field(default_factory=list)  # batch.chunks[i]'s sequence
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence in seq_ids
     row_seq_ids: list[str] = field(default_factory=list)  # sampling row -> its sequence
     forks: dict[str, list[str]] = field(default_factory=dict)  # parent id -> n>1 sibling ids

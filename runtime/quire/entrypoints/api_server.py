@@ -6,6 +6,7 @@
     /v1/load_lora_adapter  /v1/unload_lora_adapter         vLLM's, with --allow-runtime-lora
     /generate                                              vLLM's simple API (NUL-separated stream)
     /tokenize  /detokenize  /version  /tokenizer_info (--enable-tokenizer-info-endpoint)
+    /v1/embeddings  /score  /rerank                        the pooling runner (--runner pooling)
     /health   200 while the engine loop is alive (also while the model loads)
     /ready    200 once the model is loaded and the server admits requests, else 503
     /metrics  Prometheus text format
@@ -39,12 +40,14 @@ from quire.entrypoints.reasoning import get_reasoning_parser
 from quire.entrypoints.routers import (
     chat,
     completions,
+    embeddings,
     generate,
     lora,
     messages,
     models,
     probes,
     responses,
+    score,
     tokenizer,
 )
 from quire.entrypoints.routers.common import add_body_schemas, client_gone_response
@@ -54,7 +57,8 @@ from quire.version import __version__
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = (probes, models, completions, chat, responses, messages, generate, tokenizer)
+ROUTERS = (probes, models, completions, chat, responses, messages, generate, tokenizer,
+           embeddings, score)
 
 
 def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,

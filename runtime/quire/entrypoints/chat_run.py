@@ -57,7 +57,7 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
                      priority: int | None = None) -> ChatRun:
     """Checks the request, renders its prompt and submits it; OpenAIErrors (400 naming the
     chat field, 404 for an unknown model, 503) for anything refused."""
-    info, lora = serving.model_for(req.model)
+    info, lora = serving.model_for(req.model, runner="generate")
     model = lora.name if lora else req.model or info.served_name  # the name asked for
     check_chat_request(req, serving.limits, info.vocab_size)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -75,7 +75,8 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
                           "fields", "tool_choice")
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                  stream=req.stream,
-                                 guided_decoding=tools.guided or guided, renames=renames)
+                                 guided_decoding=tools.guided or guided, renames=renames,
+                                 prompt_logprobs=req.prompt_logprobs)
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
@@ -95,6 +96,9 @@ def check_chat_request(req: ChatCompletionRequest, limits, vocab_size: int) -> N
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true",
+                          "prompt_logprobs")
     check_stop(req.stop, req.stop_token_ids, limits, vocab_size)
 
 

@@ -100,7 +100,8 @@ class SamplingFields(_Request):
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         stream: bool,
                         guided_decoding: GuidedDecodingParams | None = None,
-                        renames: dict[str, str] | None = None) -> SamplingParams:
+                        renames: dict[str, str] | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams, or OpenAIError 400 naming the parameter that is out of range
         (`renames`: SamplingParams' names this endpoint's request spells otherwise)."""
         # (seed's range is SamplingParams'; n against max_num_seqs is the engine's check)
@@ -108,7 +109,8 @@ class SamplingFields(_Request):
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs,
-                                  output_kind=kind, guided_decoding=guided_decoding)
+                                  output_kind=kind, guided_decoding=guided_decoding,
+                                  prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise invalid_input(e, renames) from None
 
@@ -158,8 +160,11 @@ class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
                     "token ids")
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
+    # vLLM's extra: each prompt token's logprob and top-k (choices[].prompt_logprobs)
+    prompt_logprobs: int | None = Field(
+        None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -234,6 +239,9 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltFie
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
+    # vLLM's extra: each prompt token's logprob and top-k (the response's prompt_logprobs)
+    prompt_logprobs: int | None = Field(
+        None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
     stream: bool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
@@ -304,12 +312,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class LogprobOut(BaseModel):
+    """vLLM's Logprob, as prompt_logprobs carry it (keyed by token id)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one entry per prompt token, the first null: token id -> its Logprob
+PromptLogprobsOut = list[dict[int, LogprobOut] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -368,6 +388,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 # --- stream chunks -------------------------------------------------------------------------

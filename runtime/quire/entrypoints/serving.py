@@ -33,9 +33,13 @@ from quire.entrypoints.responses_store import ResponseStore
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
+from quire.pooling.params import PoolingParams
 from quire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+_GENERATE = SamplingParams()  # what check_runner reads a generation endpoint as
 
 
 class ClientDisconnected(Exception):
@@ -85,14 +89,19 @@ class Serving:
         neither the base model's served name nor a loaded LoRA adapter."""
         return self.model_for(name)[0]
 
-    def model_for(self, name: str | None) -> tuple[ModelInfo, LoRARequest | None]:
-        """check_model, and the adapter `name` picks (None: the base model)."""
+    def model_for(self, name: str | None,
+                  runner: str | None = None) -> tuple[ModelInfo, LoRARequest | None]:
+        """check_model, and the adapter `name` picks (None: the base model). `runner`: what
+        the endpoint needs ('generate' or 'pooling'); a server of the other runner says why
+        with a 400 before any work."""
         state = self.engine.state
         if state is EngineState.DEAD:
             raise engine_error(EngineDeadError(self.engine.fatal_error))
         info = self.engine.model_info
         if state is EngineState.LOADING or info is None:  # None: stopped while loading
             raise engine_error(EngineNotReady("the model is still loading"))
+        if runner is not None:
+            self.check_runner(PoolingParams() if runner == "pooling" else _GENERATE)
         if name is None or name == info.served_name or name in self.model_aliases:
             request_tracing.note_model(name, info.served_name, None)
             return info, None
@@ -169,7 +178,10 @@ class Serving:
         """One engine request per prompt (token ids), all or none: if one is refused, the
         others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
         the request's (checked when the body was parsed). priority: the request's, handed to
-        the engine where its add_request takes one (else accepted and not acted on)."""
+        the engine where its add_request takes one (else accepted and not acted on). A
+        request for the other runner (generation on a pooling server, embeddings on a
+        generation one) gets a 400."""
+        self.check_runner(params)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
         extra = {"priority": priority} if priority is not None and \
@@ -193,6 +205,19 @@ class Serving:
                             "cache_salt set" if cache_salt is not None else "no cache_salt",
                             params)
         return request_tracing.follow(request_id, prompts, params, streams)
+
+    def check_runner(self, params) -> None:
+        """400 for a generation request to a pooling server, or an embedding request to a
+        generation server (`params`: SamplingParams or PoolingParams)."""
+        runner = self.engine.model_info.runner
+        if isinstance(params, PoolingParams) and runner != "pooling":
+            raise bad_request("this model generates text; embeddings, score and rerank need a "
+                              "server started with --runner pooling (or --convert embed)",
+                              "model")
+        if isinstance(params, SamplingParams) and runner == "pooling":
+            raise bad_request("this server runs the pooling runner (embeddings): it can't "
+                              "generate text; use /v1/embeddings, /score or /rerank, or start "
+                              "a server without --runner pooling", "model")
 
     async def finals(self, streams: list[RequestStream], disconnected) -> list[RequestOutput]:
         """The final output of each stream. If the client goes away first, every request is

@@ -11,6 +11,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from quire.entrypoints.chat_run import ChatChunks, answer_parts, start_chat
+from quire.entrypoints.logprobs import prompt_logprobs_out
 from quire.entrypoints.openai_protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -62,4 +63,5 @@ async def chat_completions(request: Request):
     return json_response(ChatCompletionResponse(
         id=request_id, model=run.model, choices=choices,
         usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens,
-                           out.num_cached_tokens)))
+                           out.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs)))

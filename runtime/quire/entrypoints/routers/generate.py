@@ -31,7 +31,7 @@ router = APIRouter()
 async def generate(request: Request):
     serving = serving_of(request)
     req = await read_body(request, GenerateRequest)
-    info, lora = serving.model_for(req.model)
+    info, lora = serving.model_for(req.model, runner="generate")
     check_stop(req.stop, req.stop_token_ids, serving.limits, info.vocab_size)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  stream=req.stream)
