@@ -34,6 +34,7 @@ from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
 from quire.engine.request import Request, RequestStatus
+from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY
 from quire.engine.scheduler import Scheduler
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
@@ -97,7 +98,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager,
                                    self.lora.admission if self.lora else None,
-                                   self._rope_switch_length())
+                                   self._rope_switch_length(), args.scheduling_policy)
         self.eos_token_ids = self._eos_token_ids(cfg)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self.eos_token_ids)  # guided decoding
@@ -207,13 +208,17 @@ class LLMEngine:
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, priority: int = 0) -> str:
         """Validate and queue one request; raises QuireValidationError naming the field.
+        priority: lower is served first under scheduling_policy='priority' (ignored under
+        fcfs); an integer in [MIN_PRIORITY, MAX_PRIORITY] (sched_policy.py).
         lora_request: the adapter it runs with (read on first use); None: the base model.
         cache_salt: requests share prefix-cache blocks only with requests of the same salt
         (None shares with None)."""
         params = params or SamplingParams()
         check_cache_salt(cache_salt)
+        check_int("priority", priority, MIN_PRIORITY, MAX_PRIORITY,
+                  f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.group_of(request_id) is not None:
             raise _in_use(request_id)
@@ -234,6 +239,7 @@ class LLMEngine:
                 sample_index=i)
             tag_request(seq, adapter)
             seq.cache_salt = cache_salt
+            seq.priority = priority  # read by the scheduler's queue policy
             if seq_params.seed is not None and not seq_params.greedy:
                 seq.generator = self.sampler.make_generator(seq_params.seed)
             seqs.append(seq)

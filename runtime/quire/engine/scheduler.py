@@ -27,6 +27,7 @@ from collections import deque
 
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
+from quire.engine.sched_policy import make_queue_policy
 from quire.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,11 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, swapper=None, lora_admission=None,
-                 rope_switch_length: int | None = None) -> None:
+                 rope_switch_length: int | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.kv_manager = kv_manager
+        # fcfs or priority: queue order, service order, priority preemption (sched_policy.py)
+        self.policy = make_queue_policy(scheduling_policy)
         # LongRoPE (Phi-3): a sequence of this many tokens or more rotates with the long table,
         # shorter ones with the short table, and transformers recomputes a sequence's K/V when
         # it grows across the switch. So does this scheduler (by recompute), and the two
@@ -57,7 +61,7 @@ class Scheduler:
             self.lora_admission.hold(seq)
         if self.rope_switch_length and seq.num_tokens >= self.rope_switch_length:
             seq.long_rope = True
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -93,6 +97,7 @@ class Scheduler:
     # --- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.policy.preempt_for_waiting(self, out)  # priority: room for urgent waiters
         self._budget = self.max_num_batched_tokens
         self._scheduled: set[str] = set()
         self._num_compiling = 0
@@ -221,9 +226,9 @@ class Scheduler:
             seq.start_running(num_computed)
             self.running.append(seq)
             self._add(seq, n, copies, out)
-        if compiling or skipped:  # back in front, in their order of arrival
-            self.waiting.extendleft(sorted(compiling + skipped,
-                                           key=lambda s: s.metrics.arrival_time, reverse=True))
+        if compiling or skipped:  # back in their places (fcfs: in front, by arrival)
+            for seq in reversed(self.policy.arrival_order(compiling + skipped)):
+                self.policy.requeue(self.waiting, seq)
         self._num_compiling = len(compiling)
 
     def _add(self, seq: Request, n: int, copies: list[tuple[int, int]],
@@ -239,7 +244,7 @@ class Scheduler:
         units: dict[int, list[Request]] = {}
         for seq in self.running:
             units.setdefault(id(seq.beam_group or seq), []).append(seq)
-        return list(units.values())
+        return self.policy.order_units(list(units.values()))  # priority: most urgent first
 
     def _pick_victim(self, unit: list[Request], units: list[list[Request]]) -> list | None:
         """The youngest running unit admitted after `unit` that has nothing in this step."""
@@ -267,7 +272,7 @@ class Scheduler:
                 self.kv_manager.free(seq)
                 seq.num_computed_tokens = 0
                 seq.status = RequestStatus.WAITING
-                self.waiting.appendleft(seq)
+                self.policy.requeue(self.waiting, seq)
             self.num_preemptions[kind] += 1
             logger.debug("preempted %s by %s", seq.request_id, kind)
 
@@ -284,7 +289,7 @@ class Scheduler:
             seq.block_hashes = []
             seq.long_rope = True
             seq.status = RequestStatus.WAITING
-            self.waiting.appendleft(seq)
+            self.policy.requeue(self.waiting, seq)
             out.preempted.append(seq)
             logger.debug("%s crossed the long-rope switch: recomputing its K/V", seq.request_id)
 

@@ -142,15 +142,17 @@ class Serving:
                      params: SamplingParams,
                      renames: dict[str, str] | None = None,
                      lora_request: LoRARequest | None = None,
-                     cache_salt: str | None = None) -> list[RequestStream]:
+                     cache_salt: str | None = None,
+                     priority: int = 0) -> list[RequestStream]:
         """One engine request per prompt (token ids), all or none: if one is refused, the
         others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
-        the request's (checked when the body was parsed)."""
+        the request's (checked when the body was parsed). priority: the request's
+        (lower first under --scheduling-policy priority)."""
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, p, params, lora_request=lora_request,
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, **_priority(priority))
               for rid, p in zip(ids, prompts)),
             return_exceptions=True)  # added in the same step; every outcome retrieved
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -211,3 +213,8 @@ async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
             last = out
         finals.append(last)
     return finals
+
+
+def _priority(priority: int) -> dict:
+    """Only a set priority is passed on (an engine stand-in without it still works)."""
+    return {"priority": priority} if priority else {}

@@ -18,6 +18,7 @@ from quire.entrypoints.chat_reasoning import (
     split_answer,
 )
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
+from quire.entrypoints.continuation import continued_prompts
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.logprobs import chat_logprobs
@@ -73,18 +74,20 @@ async def chat_completions(request: Request):
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
+    prompt = continued_prompts([prompt], req)[0]
     reasoning = await reasoning_use(serving, req, prompt, params.guided_decoding is not None)
     if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers (harmony's) are special tokens
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.submit(request_id, [prompt], params, renames, lora,
-                                   cache_salt=req.cache_salt)
+                                   cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatChunks(request_id, model, params, tools, reasoning)
         return GuardedStreamingResponse(
-            sse_events(serving, request_id, guard, params.n, fmt, include_usage), guard,
+            sse_events(serving, request_id, guard, params.n, fmt, include_usage,
+                       token_ids=req.return_token_ids), guard,
             "text/event-stream")
     try:
         out = (await serving.finals(streams, disconnected(request)))[0]
