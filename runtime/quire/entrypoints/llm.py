@@ -57,8 +57,9 @@ class LLM:
                 f"{len(prompts)} prompts; give one, or one per prompt")
         loras = _per_prompt(lora_request, LoRARequest, len(prompts), "lora_request")
         salts = _per_prompt(cache_salt, str, len(prompts), "cache_salt")
-        priorities = _per_prompt(0 if priority is None else priority, int, len(prompts),
-                                 "priority")
+        priorities = _per_prompt(priority, type(None), len(prompts), "priority") \
+            if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        priorities = [0 if p is None else p for p in priorities]  # checked by add_request
         ids = []
         try:
             for prompt, params, lora, salt, prio in zip(prompts, sampling_params, loras, salts,
