@@ -34,7 +34,7 @@ from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
 from quire.engine.request import Request, RequestStatus
-from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY
+from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY, counts_by_band
 from quire.engine.scheduler import Scheduler
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
@@ -520,6 +520,8 @@ class LLMEngine:
             preemptions=dict(sched.num_preemptions),
             prefix_queries=self.kv_manager.prefix_queries,
             prefix_hits=self.kv_manager.prefix_hits,
+            waiting_by_priority=counts_by_band(sched.waiting),
+            running_by_priority=counts_by_band(sched.running),
         )
 
 

@@ -31,6 +31,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # from the gateway to the engine.
 MIN_PRIORITY = -(2 ** 31)
 MAX_PRIORITY = 2 ** 31 - 1
+BAND_LIMIT = 10  # priorities beyond +-10 share a metric band
 
 
 def priority_of(seq) -> int:
@@ -104,6 +105,23 @@ class PriorityPolicy(FcfsPolicy):
             logger.debug("priority %d request %s preempts priority %d %s", priority_of(head),
                          head.request_id, priority_of(victim[0]), victim[0].request_id)
             scheduler._preempt(victim, out)
+
+
+def priority_band(priority: int) -> str:
+    """A metric label with bounded cardinality: the priority itself within -10..10."""
+    if priority < -BAND_LIMIT:
+        return f"below_-{BAND_LIMIT}"
+    if priority > BAND_LIMIT:
+        return f"above_{BAND_LIMIT}"
+    return str(priority)
+
+
+def counts_by_band(seqs) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for seq in seqs:
+        band = priority_band(priority_of(seq))
+        counts[band] = counts.get(band, 0) + seq.num_seqs
+    return counts
 
 
 def make_queue_policy(name: str):
