@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from quire.engine.sched_policy import SCHEDULING_POLICIES
+from quire.priorities import SCHEDULING_POLICIES
 from quire.spec_decode.config import SpeculativeConfig
 from quire.validation import QuireValidationError, check_int, check_number
 

@@ -24,13 +24,10 @@ import bisect
 import logging
 from collections import deque
 
+from quire.priorities import MAX_PRIORITY, MIN_PRIORITY, SCHEDULING_POLICIES  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
-# GIE's InferenceObjective priority is an int32; the same range here keeps one contract
-# from the gateway to the engine.
-MIN_PRIORITY = -(2 ** 31)
-MAX_PRIORITY = 2 ** 31 - 1
 BAND_LIMIT = 10  # priorities beyond +-10 share a metric band
 
 

@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from quire.engine.block_hash import MAX_CACHE_SALT_CHARS
-from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY
 from quire.entrypoints.errors import OpenAIError, bad_request, invalid_input
+from quire.priorities import MAX_PRIORITY, MIN_PRIORITY
 from quire.sampling_params import MAX_LOGPROBS, MAX_SEED, RequestOutputKind, SamplingParams
 from quire.structured.params import GuidedDecodingParams
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 
-from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY
+from quire.priorities import MAX_PRIORITY, MIN_PRIORITY
 from quire.router.discovery_k8s import EndpointSliceWatch
 
 logger = logging.getLogger(__name__)
