@@ -290,8 +290,11 @@ class ProxyEndpoint:
             raise _Retry("unavailable", (503, headers, content))
         chunks = response.aiter_raw()
         try:
-            first = await chunks.__anext__()
-            more = True
+            if scope is not None and self._resends_aborted(scope, response):
+                first, more = await self._whole_unless_aborted(response, backend), False
+            else:
+                first = await chunks.__anext__()
+                more = True
         except StopAsyncIteration:
             first, more = b"", False
         except httpx.TransportError as e:
@@ -326,6 +329,25 @@ class ProxyEndpoint:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # --- migration (migration.py) --------------------------------------------------------
+    def _resends_aborted(self, scope, response: httpx.Response) -> bool:
+        """A whole (not streamed) answer of a generation endpoint: read before it is passed
+        on, so that one the replica aborted (a drain's timeout) is sent to another instead."""
+        return (self.state.migration_limit > 0 and scope["path"] in migration.MIGRATABLE_PATHS
+                and response.status_code == 200 and "content-encoding" not in response.headers
+                and response.headers.get("content-type", "").startswith("application/json"))
+
+    async def _whole_unless_aborted(self, response: httpx.Response, backend: Backend) -> bytes:
+        content = b"".join([chunk async for chunk in response.aiter_raw()])
+        try:
+            choices = json.loads(content).get("choices") or []
+        except (ValueError, AttributeError):
+            return content
+        if any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices):
+            backend.failed()
+            self.state.metrics.migrations.labels(reason="aborted").inc()
+            raise _Retry("aborted")
+        return content
+
     async def _relay_migrating(self, stream, chunks, send, backend: Backend, scope,
                                tried: set[str]) -> None:
         """The rest of a migratable stream: on to other replicas while it breaks, up to
