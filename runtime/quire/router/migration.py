@@ -55,6 +55,7 @@ class MigratingStream:
         self.done = False               # [DONE] was passed on
         self.finished = False           # the choice got its finish_reason
         self._buffer = b""
+        self.chunks = None              # the current continuation's byte iterator (the proxy's)
 
     # --- bodies --------------------------------------------------------------------------
     def forwarded_body(self) -> bytes:

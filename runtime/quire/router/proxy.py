@@ -352,8 +352,17 @@ class ProxyEndpoint:
                                tried: set[str]) -> None:
         """The rest of a migratable stream: on to other replicas while it breaks, up to
         --migration-limit times; the client's response ends exactly once."""
-        st = self.state
         span = scope.get(SPAN_KEY)
+        try:
+            await self._migrate_while_broken(stream, chunks, send, backend, scope, tried, span)
+        finally:  # a continuation's response, when the client left: its in-flight count too
+            close = getattr(stream.chunks, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def _migrate_while_broken(self, stream, chunks, send, backend: Backend, scope,
+                                    tried: set[str], span) -> None:
+        st = self.state
         migrations = 0
         while True:
             await self._pass_events(stream, chunks, send, backend)
@@ -380,7 +389,10 @@ class ProxyEndpoint:
                                                    "quire.migration.to": nxt[0].url,
                                                    "quire.migration.reason": reason,
                                                    "quire.migration.tokens": len(stream.token_ids)})
+            if stream.chunks is not None:  # the previous continuation's, given up
+                await stream.chunks.aclose()
             backend, chunks = nxt
+            stream.chunks = chunks  # closed by _relay_migrating however it ends
         st.metrics.migration_failures.inc()
         st.metrics.rejected.labels(reason="broken_stream").inc()
         message = ("the replica streaming this response failed and no other replica could "
@@ -389,6 +401,8 @@ class ProxyEndpoint:
         await send({"type": "http.response.body", "body": event, "more_body": False})
 
     async def _pass_events(self, stream, chunks, send, backend: Backend) -> None:
+        if stream.broken or stream.done:  # (already in the first bytes)
+            return
         try:
             async for chunk in chunks:
                 out = stream.feed(chunk)
