@@ -101,7 +101,13 @@ class PriorityPolicy(FcfsPolicy):
             victim = units[-1]
             logger.debug("priority %d request %s preempts priority %d %s", priority_of(head),
                          head.request_id, priority_of(victim[0]), victim[0].request_id)
-            scheduler._preempt(victim, out)
+            # by recompute even in swap mode: swapped units come back before any waiter, so a
+            # swapped victim would be back ahead of the request it made room for
+            swapper, scheduler.swapper = scheduler.swapper, None
+            try:
+                scheduler._preempt(victim, out)
+            finally:
+                scheduler.swapper = swapper
 
 
 def priority_band(priority: int) -> str:
