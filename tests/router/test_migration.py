@@ -162,7 +162,8 @@ def test_sigterm_drain_past_its_timeout_continues_elsewhere(tiny, reference):
         direct = read_events(requests.post(procs[0].url + "/v1/chat/completions", json=chat,
                                            stream=True, timeout=300).iter_lines())
         chunks = [e for e in direct[:-1] if e.get("choices")]
-        prompt_ids = chunks[0]["choices"][0]["prompt_token_ids"]
+        prompt_ids = next(c["choices"][0]["prompt_token_ids"] for c in chunks
+                          if "prompt_token_ids" in c["choices"][0])  # (after the role chunk)
         ids = [t for e in chunks for t in e["choices"][0].get("token_ids", [])]
         helpers = server_harness().runtime_helpers()
         assert ids == helpers.hf_greedy(helpers.hf_model(tiny), [prompt_ids], MAX_TOKENS)[0]
@@ -192,6 +193,9 @@ def test_sigterm_drain_past_its_timeout_continues_elsewhere(tiny, reference):
                 r.url + "/v1/chat/completions", json=whole, timeout=300)))
             worker.start()
             second = streaming_replica(r, [p for p in procs if p is not victim])
+            # running there (not just sent: a drain refuses what it has not admitted, a 503)
+            wait_until(lambda: metric(second, "quire:num_requests_running") == 1, 60,
+                       "the replica to run it")
             second.proc.send_signal(signal.SIGTERM)
             worker.join(300)
             assert second.proc.wait(60) == 0
