@@ -65,6 +65,8 @@ def router_args(name: str, spec: RouterSpec) -> list[str]:
             "--hold-timeout", f"{spec.hold_timeout_seconds:g}"]
     if spec.ext_proc_port is not None:  # spec.gateway.inferencePool: the pool's endpoint picker
         args += ["--ext-proc-port", str(spec.ext_proc_port)]
+    for objective, priority in spec.objectives:  # spec.gateway.objectives: flow control's priorities
+        args += ["--objective", f"{objective}={priority}"]
     args += tracing_args(spec.observability)
     if spec.routing == "prefix-aware":  # it tokenizes prompts as the replicas do
         args += ["--block-size", str(spec.block_size)]

@@ -51,6 +51,8 @@ class RouterSpec:
     # spec.gateway.inferencePool: the router also serves Envoy ext_proc here, as the pool's
     # endpoint picker (gateway_children.py).
     ext_proc_port: int | None = None
+    # spec.gateway.objectives: (name, priority) the router's flow control reads as --objective
+    objectives: tuple[tuple[str, int], ...] = ()
     # spec.tls: the router serves HTTPS with the Secret and verifies the replicas with its CA.
     tls: TLSSpec = TLSSpec()
     # spec.observability: the router sends its spans there too.

@@ -166,7 +166,8 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         tls=parse_tls(raw),
     )
     gateway = parse_gateway_spec(raw, router_enabled=parsed.router.enabled)
-    router = replace(parsed.router, ext_proc_port=EXT_PROC_PORT) if gateway.inference_pool else parsed.router
+    router = replace(parsed.router, ext_proc_port=EXT_PROC_PORT, objectives=gateway.objectives) \
+        if gateway.inference_pool else parsed.router
     observability = parse_observability_spec(raw)
     router = replace(router, observability=observability)
     parsed = replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router), gateway=gateway,

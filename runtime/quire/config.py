@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from quire.priorities import SCHEDULING_POLICIES
 from quire.speculative_config import SpeculativeConfig
 from quire.validation import QuireValidationError, check_int, check_number
 
@@ -62,6 +63,11 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse KV blocks of identical prompt prefixes"})
     preemption_mode: str = field(default="recompute", metadata={"choices": PREEMPTION_MODES})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "choices": SCHEDULING_POLICIES,
+        "help": "fcfs: first come, first served (a request's priority is accepted and ignored); "
+                "priority: lower priority values first, ties by arrival, and a waiting "
+                "request preempts running ones of a worse priority when KV blocks run short"})
     swap_space: int = field(default=0, metadata={
         "help": "bytes of host memory for swapped-out KV blocks (preemption_mode=swap)"})
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
@@ -115,6 +121,7 @@ class EngineArgs:
                 self.quantization_group_size)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_int("seed", self.seed, lo=0)
         check_int("block_size", self.block_size, lo=1)

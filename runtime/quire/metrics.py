@@ -74,6 +74,11 @@ SPECS = (
           "Sequences in the running batch."),
     _Spec("waiting", Gauge, "quire:num_requests_waiting", ("vllm:num_requests_waiting",),
           "Sequences waiting to be scheduled."),
+    _Spec("waiting_by_priority", Gauge, "quire:num_requests_waiting_by_priority", (),
+          "Sequences waiting, by priority band (the priority for -10..10, else below_-10 / "
+          "above_10).", labels=("priority",)),
+    _Spec("running_by_priority", Gauge, "quire:num_requests_running_by_priority", (),
+          "Sequences running, by priority band (as above).", labels=("priority",)),
     _Spec("swapped", Gauge, "quire:num_requests_swapped", ("vllm:num_requests_swapped",),
           "Sequences swapped out to host memory."),
     _Spec("kv_usage", Gauge, "quire:kv_cache_usage_perc",
@@ -196,6 +201,12 @@ class ServerMetrics:
         self._set("running", snap.num_running)
         self._set("waiting", snap.num_waiting)
         self._set("swapped", snap.num_swapped)
+        for key, counts in (("waiting_by_priority", snap.waiting_by_priority),
+                            ("running_by_priority", snap.running_by_priority)):
+            for family in self._families[key]:
+                family.clear()  # bands that emptied go away
+                for band, n in counts.items():
+                    family.labels(model_name=self.model_name, priority=band).set(n)
         self._set("kv_usage", snap.kv_usage)
         self._set("blocks_total", snap.blocks_total)
         self._set("blocks_used", snap.blocks_used)

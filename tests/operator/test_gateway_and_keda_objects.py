@@ -21,6 +21,7 @@ from operator_harness import (  # noqa: F401 (cluster is a fixture)
 from runtime_pod import fixed_metrics_pod, free_port
 
 POOL, ROUTE, SCALED = api_version("InferencePool"), api_version("HTTPRoute"), api_version("ScaledObject")
+OBJECTIVE = api_version("InferenceObjective")
 GATEWAY = {"name": "inference-gateway", "namespace": "gateways"}
 PROMETHEUS = "http://prometheus.monitoring.svc:9090"
 KEDA = {"enabled": True, "provider": "keda", "minReplicas": 2, "maxReplicas": 6,
@@ -94,6 +95,28 @@ def test_the_pool_and_route_follow_the_spec_until_turned_off(cluster):
         deleted = [e["message"] for e in cluster.events("chat") if e["reason"] == "Deleted"]
         assert any("HTTPRoute chat deleted" in m for m in deleted)
         assert any("InferencePool chat deleted" in m for m in deleted)
+
+
+def objective(cluster, name):
+    return cluster.get(OBJECTIVE, "inferenceobjectives", name)
+
+
+def test_objectives_are_written_changed_and_pruned_as_the_spec_lists_them(cluster):
+    with running_operator():
+        cluster.create(llmdeployment("chat", router={"enabled": True}, gateway={
+            "inferencePool": {"enabled": True},
+            "objectives": [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -1}]}))
+        made = wait_for(lambda: objective(cluster, "batch"), what="the InferenceObjectives")
+        assert problems(made) == [] and made["spec"]["priority"] == -1
+        assert objective(cluster, "interactive")["spec"]["poolRef"]["name"] == "chat"
+        # batch leaves the list and interactive changes: one deleted, one updated
+        change_spec(cluster, {"gateway": {"objectives": [{"name": "interactive", "priority": 5}]}})
+        wait_for(lambda: objective(cluster, "batch") is None, what="batch to be deleted")
+        wait_for(lambda: objective(cluster, "interactive")["spec"]["priority"] == 5,
+                 what="interactive's new priority")
+        wait_for(lambda: "interactive=5" in cluster.deployment("chat-router")["spec"]["template"]["spec"]
+                 ["containers"][0]["args"], what="the router's --objective flag")
+        assert any("InferenceObjective batch deleted" in e["message"] for e in cluster.events("chat"))
 
 
 def test_the_scaled_object_follows_the_spec_and_keda_scales_through_scale(cluster):

@@ -280,10 +280,10 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None,
                           lora_request: LoRARequest | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, priority: int = 0) -> RequestStream:
         """Queue a request and wait until the engine accepted it (between two steps).
-        lora_request: one of `lora_adapters`, or None for the base model. cache_salt: see
-        LLMEngine.add_request.
+        lora_request: one of `lora_adapters`, or None for the base model. cache_salt,
+        priority: see LLMEngine.add_request.
 
         Raises QuireValidationError (bad input, naming the field), AdapterNotFound, EngineNotReady,
         EngineOverloaded, EngineShuttingDown or EngineDeadError."""
@@ -303,7 +303,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self.num_requests_added += 1
         self._commands.put(AddRequest(request_id, prompt, params, arrival_time, lora_request,
-                                      future, cache_salt))
+                                      future, cache_salt, priority=priority))
         try:
             await future
         except asyncio.CancelledError:

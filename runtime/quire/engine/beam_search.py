@@ -148,7 +148,7 @@ class BeamSearchGroup:
                         parent.sampling_params, frozenset(), parent.max_tokens,
                         parent.metrics.arrival_time, client_request_id=self.request_id,
                         lora=parent.lora, cache_salt=parent.cache_salt,
-                        lockstep_group=self.request_id)
+                        lockstep_group=self.request_id, priority=parent.priority)
         self._next_id += 1
         child.token_ids = list(parent.token_ids)
         child.long_rope = parent.long_rope  # the same chain keys

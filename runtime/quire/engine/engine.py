@@ -35,6 +35,7 @@ from quire.engine.features.structured_output import StructuredOutput
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
 from quire.engine.request import Request, RequestStatus
+from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY, counts_by_band
 from quire.engine.scheduler import Scheduler
 from quire.engine.scheduler_output import SchedulerOutput
 from quire.engine.stats import EngineSnapshot, StepEvents
@@ -97,7 +98,8 @@ class LLMEngine:
         features.append(self.beams)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager,
-                                   self._rope_switch_length(), features)
+                                   self._rope_switch_length(), features,
+                                   args.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
@@ -160,13 +162,17 @@ class LLMEngine:
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, priority: int = 0) -> str:
         """Validate and queue one request; raises QuireValidationError naming the field.
+        priority: lower is served first under scheduling_policy='priority' (ignored under
+        fcfs); an integer in [MIN_PRIORITY, MAX_PRIORITY] (sched_policy.py).
         lora_request: the adapter it runs with (read on first use); None: the base model.
         cache_salt: requests share prefix-cache blocks only with requests of the same salt
         (None shares with None)."""
         params = params or SamplingParams()
         check_cache_salt(cache_salt)
+        check_int("priority", priority, MIN_PRIORITY, MAX_PRIORITY,
+                  f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self._in_use(request_id):
             raise _in_use(request_id)
@@ -186,7 +192,7 @@ class LLMEngine:
             seqs.append(Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
                 self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
-                sample_index=i, lora=adapter, cache_salt=cache_salt))
+                sample_index=i, lora=adapter, cache_salt=cache_salt, priority=priority))
         if params.guided_decoding is not None:  # compiles off this thread; waits till then
             self.structured.attach(seqs, params.guided_decoding)
         self.output_processor.add(request_id, text, token_ids, params, seqs)
@@ -443,6 +449,8 @@ class LLMEngine:
             preemptions=dict(sched.num_preemptions),
             prefix_queries=self.kv_manager.prefix_queries,
             prefix_hits=self.kv_manager.prefix_hits,
+            waiting_by_priority=counts_by_band(sched.waiting),
+            running_by_priority=counts_by_band(sched.running),
         )
 
 

@@ -65,6 +65,7 @@ class Request:
         lora: AdapterHandle | None = None,
         cache_salt: str | None = None,
         lockstep_group: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id  # this sequence's id
         self.client_request_id = client_request_id or request_id  # the id the client gave
@@ -91,6 +92,7 @@ class Request:
         # with the adapter, these seed its block-hash chain (block_hash.ExtraKeys): blocks
         # under other keys never match
         self.cache_salt = cache_salt  # the client's cache_salt (tenant isolation)
+        self.priority = priority  # lower first under the priority policy (sched_policy.py)
         self.long_rope = False  # its K/V use LongRoPE's long table (scheduler.py)
 
     # --- token bookkeeping ---------------------------------------------------------------

@@ -34,6 +34,7 @@ from quire.engine.batch_builder import build_step_batch
 from quire.engine.features.base import Feature
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
+from quire.engine.sched_policy import make_queue_policy
 from quire.engine.scheduler_output import SchedulerOutput
 from quire.engine.step_plan import StepPlan
 
@@ -44,8 +45,11 @@ class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, swapper=None,
                  rope_switch_length: int | None = None,
-                 features: list[Feature] = ()) -> None:
+                 features: list[Feature] = (),
+                 scheduling_policy: str = "fcfs") -> None:
         self.kv_manager = kv_manager
+        # fcfs or priority: queue order, service order, priority preemption (sched_policy.py)
+        self.policy = make_queue_policy(scheduling_policy)
         # LongRoPE (Phi-3): a sequence of this many tokens or more rotates with the long table,
         # shorter ones with the short table, and transformers recomputes a sequence's K/V when
         # it grows across the switch. So does this scheduler (by recompute), and the two
@@ -73,7 +77,7 @@ class Scheduler:
             self.requests[s.request_id] = s
         if self.rope_switch_length and seq.num_tokens >= self.rope_switch_length:
             seq.long_rope = True
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -119,6 +123,7 @@ class Scheduler:
         self._proposals = {}
         for f in self.features:  # tokens to verify after each running decode
             self._proposals.update(f.propose(self.running))
+        self.policy.preempt_for_waiting(self, out)  # priority: room for urgent waiters
         self._budget = self.max_num_batched_tokens
         self._scheduled: set[str] = set()
         # decodes come before proposals: what proposals may use is the budget less these
@@ -292,12 +297,17 @@ class Scheduler:
             seq.start_running(num_computed)
             self.running.append(seq)
             self._add(seq, n, copies, out)
-        if held:  # back in front, in their order of arrival
-            self.waiting.extendleft(sorted(held, key=lambda s: s.metrics.arrival_time,
-                                           reverse=True))
+        if held:  # back in their places (fcfs: in front, by arrival)
+            for seq in reversed(self.policy.arrival_order(held)):
+                self.policy.requeue(self.waiting, seq)
 
     def _features_admit(self, seq: Request) -> bool:
         return all(f.may_admit(seq) for f in self.features)
+
+    def runnable(self, seq: Request) -> bool:
+        """No feature holds it back for good reason now (its grammar is compiled); asks
+        without taking anything (a LoRA slot is taken at admission)."""
+        return all(f.runnable(seq) for f in self.features)
 
     @property
     def _num_waiting_for_features(self) -> int:
@@ -317,7 +327,7 @@ class Scheduler:
         units: dict[int, list[Request]] = {}
         for seq in self.running:
             units.setdefault(seq.lockstep_group or seq.request_id, []).append(seq)
-        return list(units.values())
+        return self.policy.order_units(list(units.values()))  # priority: most urgent first
 
     def _pick_victim(self, unit: list[Request], units: list[list[Request]]) -> list | None:
         """The youngest running unit admitted after `unit` that has nothing in this step."""
@@ -345,7 +355,7 @@ class Scheduler:
                 self.kv_manager.free(seq)
                 seq.num_computed_tokens = 0
                 seq.status = RequestStatus.WAITING
-                self.waiting.appendleft(seq)
+                self.policy.requeue(self.waiting, seq)
             self.num_preemptions[kind] += 1
             logger.debug("preempted %s by %s", seq.request_id, kind)
 
@@ -362,7 +372,7 @@ class Scheduler:
             seq.block_hashes = []
             seq.long_rope = True
             seq.status = RequestStatus.WAITING
-            self.waiting.appendleft(seq)
+            self.policy.requeue(self.waiting, seq)
             out.preempted.append(seq)
             logger.debug("%s crossed the long-rope switch: recomputing its K/V", seq.request_id)
 

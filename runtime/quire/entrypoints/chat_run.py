@@ -23,6 +23,7 @@ from quire.entrypoints.chat_reasoning import (
     split_answer,
 )
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
+from quire.entrypoints.continuation import continued_prompts
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.logprobs import chat_logprobs
@@ -80,6 +81,7 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
+    prompt = continued_prompts([prompt], req)[0]  # a migrated request goes on where it was
     reasoning = await reasoning_use(serving, req, prompt, params.guided_decoding is not None)
     if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers (harmony's) are special tokens

@@ -72,12 +72,15 @@ class LLM:
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  cache_salt: str | Sequence[str | None] | None = None,
+                 priority: int | Sequence[int] | None = None,
                  ) -> list[RequestOutput]:
         """Outputs in input order. `prompts`: a string, a list of token ids, a dict with
         'prompt' or 'prompt_token_ids', or a list of those. `lora_request`: one adapter for
         all prompts, or one (or None: the base model) per prompt. `cache_salt`: likewise one
         string or one per prompt; prompts share prefix-cache blocks only with prompts of the
-        same salt (RequestOutput.num_cached_tokens says how many prompt tokens were hits)."""
+        same salt (RequestOutput.num_cached_tokens says how many prompt tokens were hits).
+        `priority`: one integer, or one per prompt (vLLM's: lower first; it matters under
+        scheduling_policy='priority' and is ignored under fcfs)."""
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -89,12 +92,16 @@ class LLM:
                 f"{len(prompts)} prompts; give one, or one per prompt")
         loras = _per_prompt(lora_request, LoRARequest, len(prompts), "lora_request")
         salts = _per_prompt(cache_salt, str, len(prompts), "cache_salt")
+        priorities = _per_prompt(priority, type(None), len(prompts), "priority") \
+            if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        priorities = [0 if p is None else p for p in priorities]  # checked by add_request
         ids = []
         try:
-            for prompt, params, lora, salt in zip(prompts, sampling_params, loras, salts):
+            for prompt, params, lora, salt, prio in zip(prompts, sampling_params, loras, salts,
+                                                        priorities):
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(self.engine.add_request(None, prompt, params, lora_request=lora,
-                                                   cache_salt=salt))
+                                                   cache_salt=salt, priority=prio))
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             while self.engine.has_unfinished_requests():

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serial
 
 from quire.engine.block_hash import MAX_CACHE_SALT_CHARS
 from quire.entrypoints.errors import OpenAIError, bad_request, invalid_input
+from quire.priorities import MAX_PRIORITY, MIN_PRIORITY
 from quire.sampling_params import MAX_LOGPROBS, MAX_SEED, RequestOutputKind, SamplingParams
 from quire.structured.params import GuidedDecodingParams
 
@@ -132,6 +133,26 @@ class CacheSaltField(_Request):
         description=f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
 
 
+# --- scheduling priority, on /v1/completions, /v1/chat/completions and /generate ----------
+class PriorityField(_Request):
+    """vLLM's priority: lower is served first under --scheduling-policy priority (accepted
+    and ignored under fcfs)."""
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY,
+                          description=f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+
+
+# --- token ids for request migration (the router), on /v1/completions and chat -------------
+class TokenIdFields(_Request):
+    """`return_token_ids` (vLLM's name): each streamed choice chunk also carries the ids of
+    the tokens whose text it brings (`token_ids`; the first also `prompt_token_ids`).
+    `continue_token_ids` (Quire's): tokens of this answer already generated elsewhere (a
+    replica that died mid-stream); they follow the prompt and the stream goes on after
+    them, so the continuation is exactly what one uninterrupted run gives (greedy). The
+    router sends it with max_tokens already reduced; it needs n == 1 and one prompt."""
+    return_token_ids: bool = False
+    continue_token_ids: list[int] | None = Field(None, description="a list of token ids")
+
+
 # --- structured output, on /v1/completions and /v1/chat/completions -----------------------
 class StructuredOutputFields(_Request):
     """OpenAI's response_format and vLLM's extra-body spellings; request_formats.py checks
@@ -155,7 +176,8 @@ STRUCTURED_OUTPUT_FIELDS = tuple(StructuredOutputFields.model_fields)
 
 
 # --- /v1/completions ------------------------------------------------------------------------
-class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField):
+class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField, PriorityField,
+                        TokenIdFields):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
@@ -231,7 +253,8 @@ class ChatMessage(_Request):
         return n + len(self.name or "") + len(self.tool_call_id or "")
 
 
-class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField):
+class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField, PriorityField,
+                            TokenIdFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(
         description="a non-empty list of {'role', 'content'} messages")
@@ -259,7 +282,7 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltFie
 
 
 # --- /generate (vLLM's simple API) ----------------------------------------------------------
-class GenerateRequest(SamplingFields, CacheSaltField):
+class GenerateRequest(SamplingFields, CacheSaltField, PriorityField):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # no extras
     model: str | None = None
     prompt: str | list[int] = Field(description="a string or a list of token ids")

@@ -5,7 +5,6 @@ the engine requests, wait for the answer unless the client goes away)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -177,18 +176,15 @@ class Serving:
                      priority: int | None = None) -> list[RequestStream]:
         """One engine request per prompt (token ids), all or none: if one is refused, the
         others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
-        the request's (checked when the body was parsed). priority: the request's, handed to
-        the engine where its add_request takes one (else accepted and not acted on). A
-        request for the other runner (generation on a pooling server, embeddings on a
-        generation one) gets a 400."""
+        the request's (checked when the body was parsed). priority: the request's (lower
+        first under --scheduling-policy priority). A request for the other runner
+        (generation on a pooling server, embeddings on a generation one) gets a 400."""
         self.check_runner(params)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
-        extra = {"priority": priority} if priority is not None and \
-            _takes_priority(self.engine.add_request) else {}
         results = await asyncio.gather(
             *(self.engine.add_request(rid, p, params, lora_request=lora_request,
-                                      cache_salt=cache_salt, **extra)
+                                      cache_salt=cache_salt, **_priority(priority))
               for rid, p in zip(ids, prompts)),
             return_exceptions=True)  # added in the same step; every outcome retrieved
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -254,14 +250,6 @@ class Serving:
                         completion_tokens, cached_tokens)
 
 
-def _takes_priority(add_request) -> bool:
-    """Whether the engine schedules by priority (its add_request has the parameter)."""
-    try:
-        return "priority" in inspect.signature(add_request).parameters
-    except (TypeError, ValueError):  # not introspectable: don't pass what it may refuse
-        return False
-
-
 async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     finals = []
     for stream in streams:  # they all run at once in the engine; reading order is free
@@ -270,3 +258,8 @@ async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
             last = out
         finals.append(last)
     return finals
+
+
+def _priority(priority: int) -> dict:
+    """Only a set priority is passed on (an engine stand-in without it still works)."""
+    return {"priority": priority} if priority else {}

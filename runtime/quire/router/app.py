@@ -73,6 +73,7 @@ def build_app(state: RouterState, background=(), admin_api: bool = False,
     async def router_state(request: Request):
         return JSONResponse({
             "pending_requests": state.holding.pending,
+            "flow_control_queued": state.flow.queued if state.flow is not None else 0,
             "idle_seconds": round(time.time() - state.metrics.last_request_time, 3),
             "routing": state.policy.name,
             "backends": [{"url": b.url, "in_flight": b.in_flight, "waiting": b.waiting,

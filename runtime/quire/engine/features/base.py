@@ -11,7 +11,9 @@ The hooks, in the order a step runs them (each is a no-op unless a feature needs
                   propose(running)        {seq id: tokens to verify after its decode}
                   start_admission(running), may_admit(seq)
                                           a waiting sequence may start now (its grammar is
-                                          compiled; its adapter fits max_loras)
+                                          compiled; its adapter fits max_loras: may take it)
+                  runnable(seq)           the same question, asked without taking anything
+                                          (priority preemption: is the head ready at all)
                   preempted(seqs)         these left their blocks (recompute or swap)
                   after_schedule(plan, running)
                                           the step's sequences are chosen: fill draft
@@ -47,6 +49,9 @@ class Feature:
         pass
 
     def may_admit(self, seq) -> bool:
+        return True
+
+    def runnable(self, seq) -> bool:
         return True
 
     def preempted(self, seqs) -> None:

@@ -111,6 +111,9 @@ class StructuredOutput(Feature):
         return bool(self._compiling)
 
     def may_admit(self, seq: Request) -> bool:
+        return self.runnable(seq)
+
+    def runnable(self, seq: Request) -> bool:
         state = self.states.get(seq.request_id)
         return state is None or state.ready
 

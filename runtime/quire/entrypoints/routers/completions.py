@@ -14,6 +14,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from quire.entrypoints.continuation import continued_prompts
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_count, check_stop
 from quire.entrypoints.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs_out
@@ -54,7 +55,7 @@ async def completions(request: Request):
                                  logprobs=req.logprobs, stream=req.stream,
                                  guided_decoding=await guided_decoding(serving, req),
                                  prompt_logprobs=_engine_prompt_logprobs(req))
-    prompt_ids = [await serving.prompt_ids(p, info) for p in prompts]
+    prompt_ids = continued_prompts([await serving.prompt_ids(p, info) for p in prompts], req)
     # echo needs each prompt's text: the client's own, or its token ids decoded
     echoes = [(p if isinstance(p, str) else await serving.pool.decode(ids)) if req.echo
               else "" for p, ids in zip(prompts, prompt_ids)]
@@ -66,13 +67,14 @@ async def completions(request: Request):
                       serving.textless_ids(params))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.submit(request_id, prompt_ids, params, lora_request=lora,
-                                   cache_salt=req.cache_salt)
+                                   cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = CompletionChunks(request_id, model, params, echoes, scoring)
         return GuardedStreamingResponse(
-            sse_events(serving, request_id, guard, params.n, fmt, include_usage), guard,
+            sse_events(serving, request_id, guard, params.n, fmt, include_usage,
+                       token_ids=req.return_token_ids), guard,
             "text/event-stream")
     try:
         finals = await serving.finals(streams, disconnected(request))

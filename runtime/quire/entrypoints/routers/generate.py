@@ -39,7 +39,7 @@ async def generate(request: Request):
     prefix = req.prompt if isinstance(req.prompt, str) else await serving.pool.decode(ids)
     request_id = f"gen-{uuid.uuid4().hex}"
     streams = await serving.submit(request_id, [ids], params, lora_request=lora,
-                                   cache_salt=req.cache_salt)
+                                   cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         guard = StreamGuard(serving, streams)
         return GuardedStreamingResponse(_chunks(serving, request_id, guard, params.n, prefix),
