@@ -37,6 +37,7 @@ from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
+from quire.kv_tiers.setup import build_kv_tiers
 from quire.lora.adapters import EngineAdapters, tag_request
 from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
@@ -92,7 +93,14 @@ class LLMEngine:
 
         self.kv_cache = self._allocate_kv_cache(cfg)
         pool = BlockPool(self.kv_cache.num_blocks, args.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(pool, self.block_size)
+        # KV tiers under the pool and KV-cache events (issue 44), each None when off
+        self.kv_tiers, self.kv_events = build_kv_tiers(
+            args, model_path=source.path, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            num_layers=cfg.num_layers, num_kv_heads=self.model.num_kv_heads_per_rank,
+            head_dim=cfg.head_dim)
+        if self.kv_tiers is not None:
+            self.kv_cache.tier_sink = self.kv_tiers.store
+        self.kv_manager = KVCacheManager(pool, self.block_size, self.kv_tiers, self.kv_events)
         self.swap_manager, host_cache = self._swap_space(cfg)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager,
@@ -123,6 +131,13 @@ class LLMEngine:
         """Stop the tensor-parallel workers (a no-op at size 1); safe to call twice."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self.kv_tiers is not None:
+            self.kv_cache.flush_offloads()
+            self.kv_tiers.close()
+            self.kv_tiers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
@@ -410,6 +425,7 @@ class LLMEngine:
             if self.speculator is not None:  # a draft model's proposals, now they have slots
                 self.speculator.fill(sched)
             batch, rows = build_step_batch(sched, self.sampler.make_generator, self.structured)
+            batch.kv_load, batch.kv_store = self.kv_manager.take_tier_moves()
             result = self.runner.execute(batch)
         except TensorParallelError:  # a dead worker: the engine is dead, not just this step
             raise
