@@ -4,9 +4,9 @@ and a real redis-server per test that asks for one. Helpers live in tier_helpers
 from __future__ import annotations
 
 import pytest
+from tier_helpers import running_redis
 
 from runtime_helpers import save_tiny_model, smollm2_tokenizer, tiny_config
-from tier_helpers import running_redis
 
 FAMILIES = ("llama", "qwen2")
 

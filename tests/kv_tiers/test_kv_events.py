@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from tier_helpers import evict_with, free_port, generate, prompt, tiny_llm
 
 from quire.engine.block_hash import extend_block_hashes
-from tier_helpers import evict_with, free_port, generate, prompt, tiny_llm
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

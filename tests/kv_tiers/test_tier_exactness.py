@@ -6,10 +6,6 @@ from it: what it does not recompute comes from the host and disk tiers."""
 from __future__ import annotations
 
 import pytest
-
-from lora_helpers import merged_reference_model, save_random_adapter
-from quire.lora.request import LoRARequest
-from runtime_helpers import hf_greedy, hf_model
 from tier_helpers import (
     MAX_NEW_TOKENS,
     assert_no_blocks_in_use,
@@ -19,6 +15,11 @@ from tier_helpers import (
     tier_stats,
     tiny_llm,
 )
+
+from quire.lora.request import LoRARequest
+
+from lora_helpers import merged_reference_model, save_random_adapter
+from runtime_helpers import hf_greedy, hf_model
 
 SHARED = prompt(7, 96)  # a 6-block system prompt that most requests start with
 PROMPTS = [SHARED + prompt(10 + i, n) for i, n in enumerate((20, 37, 50, 64))] + [

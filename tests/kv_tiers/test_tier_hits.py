@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-
-from quire.kv_tiers.framing import frame, unframe
 from tier_helpers import (
     BLOCK_SIZE,
     RedisServer,
@@ -22,6 +20,8 @@ from tier_helpers import (
     tier_stats,
     tiny_llm,
 )
+
+from quire.kv_tiers.framing import frame, unframe
 
 POOL_BLOCKS = 16
 PROMPT = prompt(1, 200)                                  # 12 full blocks

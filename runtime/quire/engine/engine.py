@@ -530,6 +530,7 @@ class LLMEngine:
             preemptions=dict(sched.num_preemptions),
             prefix_queries=self.kv_manager.prefix_queries,
             prefix_hits=self.kv_manager.prefix_hits,
+            kv_tiers=self.kv_tiers.snapshot() if self.kv_tiers is not None else None,
         )
 
 

@@ -21,6 +21,7 @@ class EngineSnapshot:
     prefix_queries: int          # prompt tokens looked up in the prefix cache
     prefix_hits: int             # ... found there
     lora: object | None = None   # quire.lora.stats.LoRAStats when LoRA is on (async engine)
+    kv_tiers: dict | None = None  # tier -> lifetime counters (kv_tiers TierChain.snapshot)
 
 
 @dataclass

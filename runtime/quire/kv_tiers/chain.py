@@ -7,6 +7,7 @@
     store(entries, payloads)                 every tier takes the block: the host at once,
                                              disk and remote on a writer thread (off the step)
     flush()                                  wait for the writer (tests, shutdown)
+    snapshot()                               tier -> lifetime counters, for metrics
     close()
     tiers, stats: one TierStats per tier
 
@@ -49,6 +50,10 @@ class TierChain:
     @property
     def stats(self) -> dict[str, object]:
         return {t.name: t.stats for t in self.tiers}
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """tier -> its lifetime counters (plain numbers, for the metrics endpoint)."""
+        return {t.name: t.stats.counts() for t in self.tiers}
 
     # --- lookups -------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes], shared_ok: bool = True) -> list[bytes]:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+COUNTERS = ("hits", "misses", "stores", "evictions", "errors", "bytes_stored", "bytes_loaded",
+            "load_seconds", "num_loads")
+
 
 @dataclass
 class TierStats:
@@ -32,6 +35,10 @@ class TierStats:
     load_seconds: float = 0.0  # time spent in lookups that read payloads
     num_loads: int = 0       # such lookups
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def counts(self) -> dict[str, float]:
+        with self.lock:
+            return {name: getattr(self, name) for name in COUNTERS}
 
     def add(self, **counts) -> None:
         with self.lock:
