@@ -11,9 +11,9 @@ import time
 
 import pytest
 import requests
+from tier_helpers import BLOCK_SIZE, prompt
 
 from server_harness import ROOT, ServerProcess, metric, metrics_of, tiny_model
-from tier_helpers import BLOCK_SIZE, prompt
 
 POOL = str(32 * 6144)  # bytes: the server keeps 16 blocks of the tiny model in it
 PROMPT = prompt(5, 200)
