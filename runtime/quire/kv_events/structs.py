@@ -26,8 +26,8 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[bytes | int]  # ours are bytes; vLLM's ExternalBlockHash allows ints
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -35,7 +35,7 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
+    block_hashes: list[bytes | int]
     medium: str | None
 
 

@@ -69,7 +69,10 @@ def build_app(state: RouterState, background=(), admin_api: bool = False,
         return Response(state.metrics.render(state.backends), media_type=CONTENT_TYPE)
 
     async def router_state(request: Request):
-        return JSONResponse({
+        events = getattr(state.policy, "events_index", None)  # precise-prefix routing
+        extra = {} if events is None else {
+            "kv_events": {"blocks": len(events), "events": events.num_events}}
+        return JSONResponse({**extra,
             "pending_requests": state.holding.pending,
             "idle_seconds": round(time.time() - state.metrics.last_request_time, 3),
             "routing": state.policy.name,
