@@ -58,6 +58,19 @@ class SequenceChunk:
 
 
 @dataclass
+class TierStore:
+    """A block to copy out to the KV tiers after the step's forward has filled it (plain
+    data: the worker reads the block's bytes, the tier chain files them by hash; the rest
+    is what a KV-cache event says of the block)."""
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None   # the previous block's hash in its chain (None: the first)
+    token_ids: list[int]
+    lora_id: int | None
+    shared: bool                # may go to the tiers other processes read (disk, remote)
+
+
+@dataclass
 class StepBatch:
     swap_out: list[tuple[int, int]]      # (device, host) block ids
     swap_in: list[tuple[int, int]]       # (host, device)
@@ -65,3 +78,7 @@ class StepBatch:
     chunks: list[SequenceChunk]          # decodes (one token) first: backends batch them
     sampling: SamplingBatch              # one row per sample of the chunks, in their order
     lora_keys_in_use: frozenset[int] = field(default_factory=frozenset)  # pinned adapters
+    # KV tiers: (block id, payload) to write into the pool before the forward (prefix hits
+    # found in a tier), and blocks to copy out after it (blocks that filled this step)
+    kv_load: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_store: list[TierStore] = field(default_factory=list)

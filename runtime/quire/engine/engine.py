@@ -41,6 +41,7 @@ from quire.engine.scheduler_output import SchedulerOutput
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
 from quire.executor import Executor, StepResult
+from quire.kv_tiers.setup import build_kv_tiers
 from quire.lora.adapters import EngineAdapters
 from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
@@ -80,7 +81,15 @@ class LLMEngine:
         self.attention_backend = self.executor.attention_backend
 
         pool = BlockPool(self.executor.num_blocks, args.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(pool, self.block_size)
+        # KV tiers under the pool and KV-cache events, each None when off: the tiers file
+        # the blocks the executor copies out, and hand back those a prefix hit loads
+        self.kv_tiers, self.kv_events = build_kv_tiers(
+            args, model_path=source.path, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            num_layers=cfg.num_layers, num_kv_heads=self.executor.model.num_kv_heads_per_rank,
+            head_dim=cfg.head_dim)
+        if self.kv_tiers is not None:
+            self.executor.kv_cache.tier_sink = self.kv_tiers.store
+        self.kv_manager = KVCacheManager(pool, self.block_size, self.kv_tiers, self.kv_events)
         self.swap_manager = (SwapManager(self.kv_manager, self.executor.num_host_blocks)
                              if self.executor.host_cache is not None else None)
         self.eos_token_ids = self._eos_token_ids(cfg)
@@ -114,6 +123,13 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op at size 1); safe to call twice."""
         self.executor.shutdown()
+        if self.kv_tiers is not None:
+            self.executor.kv_cache.flush_offloads()
+            self.kv_tiers.close()
+            self.kv_tiers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
@@ -451,6 +467,7 @@ class LLMEngine:
             prefix_hits=self.kv_manager.prefix_hits,
             waiting_by_priority=counts_by_band(sched.waiting),
             running_by_priority=counts_by_band(sched.running),
+            kv_tiers=self.kv_tiers.snapshot() if self.kv_tiers is not None else None,
         )
 
 

@@ -178,6 +178,8 @@ class Scheduler:
         batch, rows, chunk_seq_ids = build_step_batch(plan, self._masks, self._has_grammar)
         batch.swap_out, batch.swap_in = plan.swap_out, plan.swap_in
         batch.lora_keys_in_use = plan.lora_keys_in_use
+        if plan.requests:  # KV tiers: hits to load before the forward, blocks to copy out
+            batch.kv_load, batch.kv_store = self.kv_manager.take_tier_moves()
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             batch=batch, seq_ids=[s.request_id for s in plan.requests],

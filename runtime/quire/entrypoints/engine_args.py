@@ -32,9 +32,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
                                metavar="NAME=PATH", help=f.metadata["help"] + " (name=path, "
                                "or vLLM's JSON {\"name\", \"path\", \"base_model_name\"})")
             continue
-        if f.name == "speculative_config":  # a dict in EngineArgs; JSON here, as vLLM's
-            group.add_argument("--speculative-config", type=str, default=None, metavar="JSON",
-                               help=f.metadata["help"])
+        if f.name in ("speculative_config", "kv_events_config"):  # dicts; JSON here, as vLLM's
+            group.add_argument("--" + f.name.replace("_", "-"), type=str, default=None,
+                               metavar="JSON", help=f.metadata["help"])
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]

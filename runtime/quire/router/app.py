@@ -71,7 +71,10 @@ def build_app(state: RouterState, background=(), admin_api: bool = False,
         return Response(state.metrics.render(state.backends), media_type=CONTENT_TYPE)
 
     async def router_state(request: Request):
-        return JSONResponse({
+        events = getattr(state.policy, "events_index", None)  # precise-prefix routing
+        extra = {} if events is None else {
+            "kv_events": {"blocks": len(events), "events": events.num_events}}
+        return JSONResponse({**extra,
             "pending_requests": state.holding.pending,
             "flow_control_queued": state.flow.queued if state.flow is not None else 0,
             "idle_seconds": round(time.time() - state.metrics.last_request_time, 3),

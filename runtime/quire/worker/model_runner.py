@@ -61,6 +61,8 @@ class StepInputs:
     swap_in: list[tuple[int, int]]
     block_copies: list[tuple[int, int]]
     batch: HostBatch | None
+    kv_load: list[tuple[int, bytes]] = field(default_factory=list)  # KV tiers: before
+    kv_store: list = field(default_factory=list)                    # ... and after the forward
 
 
 @dataclass
@@ -112,7 +114,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepBatch) -> StepResult:
         batch = self._prepare(step) if step.chunks else None
-        inputs = StepInputs(step.swap_out, step.swap_in, step.block_copies, batch)
+        inputs = StepInputs(step.swap_out, step.swap_in, step.block_copies, batch,
+                            step.kv_load, step.kv_store)
         if self.workers is not None:
             logits = self.workers.run_step(inputs, self.run)
         else:
@@ -140,6 +143,7 @@ class ModelRunner:
         sample (on rank 0; None elsewhere, and when no row samples)."""
         if inputs.swap_out or inputs.swap_in:
             self.kv_cache.swap(self.host_cache, inputs.swap_out, inputs.swap_in)
+        self.kv_cache.load_blocks(inputs.kv_load)  # tier hits, before anything reads them
         self.kv_cache.copy_blocks(inputs.block_copies)
         if inputs.batch is None:
             return None
@@ -156,6 +160,7 @@ class ModelRunner:
             self.model.prepare(batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, batch.meta,
                                 self.kv_cache.layers, batch.rope_seq_lens)
+        self.kv_cache.offload_blocks(inputs.kv_store)  # blocks this forward filled
         if not len(host.logits_indices):
             return None
         logits_indices = torch.from_numpy(host.logits_indices).to(self.device)
