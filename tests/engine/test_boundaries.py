@@ -30,13 +30,16 @@ FLOORS = [
      "quire.parallel_state", "quire.structured", "quire.version", "quire.priorities"],
     # what requests and steps are made of (values, no behaviour beyond validation)
     ["quire.sampling_params", "quire.outputs", "quire.step_batch", "quire.sampling_batch",
-     "quire.speculative_config", "quire.config"],
+     "quire.speculative_config", "quire.config",
+     # the KV tiers and KV-cache events: stores and a publisher the engine drives, which
+     # know only these values (their configs are EngineArgs')
+     "quire.kv_tiers", "quire.kv_events"],
     ["quire.native"],                          # the C++ kernels and their wrappers
     ["quire.attention", "quire.layers"],       # attention backends, linear/norm/MoE layers
     ["quire.models", "quire.lora"],            # model families, adapters
     ["quire.worker", "quire.distributed"],     # runner, sampler, KV tensors; TP workers
     ["quire.executor", "quire.spec_decode"],   # the step's tensor side; proposers
-    ["quire.engine"],                          # scheduler, features, bookkeeping, LLMEngine
+    ["quire.engine", "quire.pooling"],         # scheduler, features, LLMEngine; pooling
     ["quire.metrics", "quire.tracing", "quire.entrypoints", "quire.router"],
     ["quire"],                                 # the package's public names
 ]
@@ -223,7 +226,7 @@ REQUEST_FIELDS = {"request_id", "client_request_id", "sample_index", "sampling_p
                   "token_ids", "num_computed_tokens", "num_cached_tokens", "status",
                   "stop_reason", "metrics", "cumulative_logprob", "logprobs",
                   "pending_siblings", "block_hashes", "num_preemptions", "lockstep_group",
-                  "lora", "cache_salt", "long_rope"}
+                  "lora", "cache_salt", "long_rope", "priority"}
 REQUEST_MUTATORS = {"append_token", "drop_output_tokens_after", "start_running", "end"}
 # names a Request goes by in the runtime's code
 REQUEST_NAMES = {"seq", "req", "request", "s", "parent", "child", "root", "beam", "sibling",
