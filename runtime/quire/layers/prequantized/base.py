@@ -70,6 +70,7 @@ def _load_raw(layer, param: nn.Parameter, loaded, shard_id) -> None:
     spec: RawParam = param.raw
     target = param.data
     if spec.name == "weight_scale":  # the dtype the checkpoint's library dequantizes in
+        loaded = materialize(loaded)  # (a scale is small: read whole, then narrowed)
         layer.checkpoint_scale_dtype = loaded.dtype
     if spec.per_part:
         target = target[parts(layer).index(shard_id)]
