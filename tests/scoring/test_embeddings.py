@@ -159,6 +159,8 @@ def test_score_and_rerank_are_cosine_similarities(servers, st):
     ("pooled", "/v1/embeddings", {"input": "hi " * 5000}, "input"),
     ("pooled", "/v1/embeddings", {}, "input"),
     ("pooled", "/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
+    ("pooled", "/score", {"text_1": "a", "text_2": ["b", "c " * 5000]}, "text_2"),
+    ("pooled", "/rerank", {"query": "q " * 5000, "documents": ["d"]}, "query"),
     ("pooled", "/rerank", {"query": "q", "documents": []}, "documents"),
     ("pooled", "/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
 ])

@@ -176,4 +176,4 @@ def test_the_request_models_sampling_fields_are_sampling_params_fields():
     params = set(SamplingParams.__dataclass_fields__)
     assert set(SAMPLING_FIELDS) <= params
     assert params - set(SAMPLING_FIELDS) == {"max_tokens", "logprobs", "output_kind",
-                                             "guided_decoding"}
+                                             "guided_decoding", "prompt_logprobs"}

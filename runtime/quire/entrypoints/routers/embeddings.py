@@ -65,13 +65,15 @@ def pooling_params(serving: Serving, dimensions: int | None) -> PoolingParams:
 
 async def embed_all(serving: Serving, request: Request, request_id: str,
                     inputs: list[str | list[int]], params: PoolingParams,
-                    param: str) -> list[RequestOutput]:
+                    param: str | list[str]) -> list[RequestOutput]:
     """One embedding per input, in order (texts get the model's default prompt first); a
-    400 naming `param` for an input too long or out of the vocabulary."""
+    400 naming `param` (or each input's own) for an input too long or out of the
+    vocabulary."""
     info = serving.engine.model_info
     prompt = info.pooler.default_prompt if info.pooler is not None else ""
-    ids = [await serving.prompt_ids(prompt + p if isinstance(p, str) else p, info, param)
-           for p in inputs]
+    names = [param] * len(inputs) if isinstance(param, str) else param
+    ids = [await serving.prompt_ids(prompt + p if isinstance(p, str) else p, info, name)
+           for p, name in zip(inputs, names)]
     streams = await serving.submit(request_id, ids, params)
     return await serving.finals(streams, disconnected(request))
 

@@ -55,7 +55,8 @@ async def score(request: Request):
                           f"single string); got {len(firsts)} and {len(seconds)}", "text_2")
     request_id = f"score-{uuid.uuid4().hex}"
     try:
-        scores, tokens = await _cosines(request, request_id, firsts, seconds)
+        scores, tokens = await _cosines(request, request_id, firsts, seconds,
+                                        ("text_1", "text_2"))
     except ClientDisconnected:
         return client_gone_response()
     return json_response(ScoreResponse(
@@ -83,7 +84,7 @@ async def rerank(request: Request):
     request_id = f"rerank-{uuid.uuid4().hex}"
     try:
         scores, tokens = await _cosines(request, request_id, [req.query] * len(req.documents),
-                                        req.documents)
+                                        req.documents, ("query", "documents"))
     except ClientDisconnected:
         return client_gone_response()
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n]
@@ -95,14 +96,15 @@ async def rerank(request: Request):
                                         results=results))
 
 
-async def _cosines(request: Request, request_id: str, firsts: list[str],
-                   seconds: list[str]) -> tuple[list[float], int]:
+async def _cosines(request: Request, request_id: str, firsts: list[str], seconds: list[str],
+                   names: tuple[str, str]) -> tuple[list[float], int]:
     """Each pair's cosine similarity (each distinct text embedded once), and the tokens
-    embedded."""
+    embedded; `names`: the fields the two sides came from (a too-long text's 400 names it)."""
     serving = serving_of(request)
+    field = {t: names[1] for t in seconds} | {t: names[0] for t in firsts}
     texts = list(dict.fromkeys(firsts + seconds))
     finals = await embed_all(serving, request, request_id, texts, pooling_params(serving, None),
-                             "text_1")
+                             [field[t] for t in texts])
     vectors = {t: torch.tensor(out.embedding) for t, out in zip(texts, finals)}
     scores = [torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()
               for a, b in zip(firsts, seconds)]
