@@ -158,3 +158,18 @@ def test_offload_needs_prefix_caching():
                     "runtime": {"enablePrefixCaching": False}})
     assert e.value.field == "spec.kvCache.offload"
     assert not parse_kv_cache_spec({}).enabled
+
+
+def test_network_policy_lets_the_serving_pods_publish_events_to_the_router():
+    from quire_operator.network_policy import PolicySettings, desired_network_policies
+    settings = PolicySettings((), "quire-system", {"app": "quire-operator"})
+    spec = parse_spec({"router": {"enabled": True, "routing": "precise-prefix"}})
+    router_policy = desired_network_policies(OWNER, spec, settings)[1]
+    events_rule = router_policy["spec"]["ingress"][1]
+    assert events_rule["ports"] == [{"protocol": "TCP", "port": 5557}]
+    runtime_labels = pod_template("chat", spec, "img")["metadata"]["labels"]
+    selector = events_rule["from"][0]["podSelector"]["matchLabels"]
+    assert set(selector.items()) <= set(runtime_labels.items())
+    kubernetes_validate.validate(router_policy, "1.29.0", strict=True)
+    plain = desired_network_policies(OWNER, parse_spec({"router": {"enabled": True}}), settings)
+    assert len(plain[1]["spec"]["ingress"]) == 1
