@@ -10,6 +10,7 @@ import pathlib
 import crd_rules
 import kubernetes_validate
 import pytest
+import restricted_profile
 import yaml
 
 from quire_operator.kv_cache_spec import desired_valkey_children, parse_kv_cache_spec
@@ -85,6 +86,7 @@ def test_an_operator_run_valkey_for_the_shared_tier():
     for obj in (service, statefulset):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
         kubernetes_validate.validate(obj, "1.29.0", strict=True)
+    restricted_profile.assert_restricted(statefulset)  # as every pod the operator writes
     assert desired_valkey_children(OWNER, parse_spec({}).kv_offload) == []
 
 
