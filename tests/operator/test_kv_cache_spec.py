@@ -10,7 +10,6 @@ import pathlib
 import crd_rules
 import kubernetes_validate
 import pytest
-import restricted_profile
 import yaml
 
 from quire_operator.kv_cache_spec import desired_valkey_children, parse_kv_cache_spec
@@ -21,6 +20,8 @@ from quire_operator.router_children import (
     router_args,
 )
 from quire_operator.spec import SpecError, parse_spec
+
+import restricted_profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "llmdeployments.quire.dev.yaml").read_text())
