@@ -91,3 +91,22 @@ def test_the_topic_names_the_backend_and_a_batch_updates_the_index():
     sub.apply(b"kv@10.0.0.7:8000@chat", (2).to_bytes(8, "big"), payload)  # 1 was lost
     assert sub.num_gaps == 1
     assert index.scores(H[:2], {"http://10.0.0.7:8000"}) == {"http://10.0.0.7:8000": 2.0}
+
+
+def test_precise_prefix_picks_the_holder_unless_overloaded_else_least_load():
+    from quire.router.backends import Backend
+    from quire.router.policies import make_policy
+    index = KVEventIndex()
+    policy = make_policy("precise-prefix", events_index=index, load_factor=0.5, load_slack=0.0)
+    a, b = Backend("http://a"), Backend("http://b")
+    assert policy.pick([a, b], H[:3]).reason == "prefix_miss"
+    index.stored("http://b", H[:3], "CPU")
+    index.stored("http://a", H[:1], "GPU")
+    choice = policy.pick([a, b], H[:3])
+    assert (choice.backend, choice.reason) == (b, "prefix_hit")  # 2.4 beats 1.0
+    b.in_flight = 10  # far above the mean: bounded load sends it elsewhere
+    choice = policy.pick([a, b], H[:3])
+    assert (choice.backend, choice.reason) == (a, "prefix_overloaded")
+    policy.forget("http://b")
+    b.in_flight = 0
+    assert policy.pick([a, b], H[:3]).backend == a
