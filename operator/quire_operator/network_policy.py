@@ -6,7 +6,8 @@
                     (its /metrics scrapes, the adapter sync, the scale-from-zero probe)
     <name>-router   with spec.router: the router pods accept connections on their port only
                     from the allowed clients and the operator's pods (otherwise the router would
-                    be an open door to the serving pods)
+                    be an open door to the serving pods); with precise-prefix routing, also
+                    the serving pods' KV-cache events on port 5557
 
 The operator writes them, not the chart: a NetworkPolicy selects pods in its own namespace only,
 and LLMDeployments live in any namespace the operator watches, including namespaces made after
@@ -27,7 +28,13 @@ from typing import Any
 import kopf
 
 from . import names
-from .router_children import ROUTER_PORT, router_labels, router_name, router_selector_labels
+from .router_children import (
+    KV_EVENTS_PORT,
+    ROUTER_PORT,
+    router_labels,
+    router_name,
+    router_selector_labels,
+)
 from .spec import LLMSpec
 
 NETWORK_POLICY_ENV = "QUIRE_NETWORK_POLICY"
@@ -90,8 +97,13 @@ def desired_network_policies(owner: Mapping[str, Any], spec: LLMSpec,
     policies = [_policy(owner, name, names.child_labels(name), names.selector_labels(name),
                         spec.port, [router, *clients, operator])]
     if spec.router.enabled:
-        policies.append(_policy(owner, router_name(name), router_labels(name),
-                                router_selector_labels(name), ROUTER_PORT, [*clients, operator]))
+        policy = _policy(owner, router_name(name), router_labels(name),
+                         router_selector_labels(name), ROUTER_PORT, [*clients, operator])
+        if spec.router.routing == "precise-prefix":  # the serving pods publish KV events to it
+            policy["spec"]["ingress"].append({
+                "from": [{"podSelector": {"matchLabels": names.selector_labels(name)}}],
+                "ports": [{"protocol": "TCP", "port": KV_EVENTS_PORT}]})
+        policies.append(policy)
     return policies
 
 

@@ -21,6 +21,8 @@ from quire_operator.router_children import (
 )
 from quire_operator.spec import SpecError, parse_spec
 
+import restricted_profile
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "llmdeployments.quire.dev.yaml").read_text())
 OWNER = {"apiVersion": "quire.dev/v1alpha1", "kind": "LLMDeployment",
@@ -85,6 +87,7 @@ def test_an_operator_run_valkey_for_the_shared_tier():
     for obj in (service, statefulset):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
         kubernetes_validate.validate(obj, "1.29.0", strict=True)
+    restricted_profile.assert_restricted(statefulset)  # as every pod the operator writes
     assert desired_valkey_children(OWNER, parse_spec({}).kv_offload) == []
 
 
@@ -158,3 +161,18 @@ def test_offload_needs_prefix_caching():
                     "runtime": {"enablePrefixCaching": False}})
     assert e.value.field == "spec.kvCache.offload"
     assert not parse_kv_cache_spec({}).enabled
+
+
+def test_network_policy_lets_the_serving_pods_publish_events_to_the_router():
+    from quire_operator.network_policy import PolicySettings, desired_network_policies
+    settings = PolicySettings((), "quire-system", {"app": "quire-operator"})
+    spec = parse_spec({"router": {"enabled": True, "routing": "precise-prefix"}})
+    router_policy = desired_network_policies(OWNER, spec, settings)[1]
+    events_rule = router_policy["spec"]["ingress"][1]
+    assert events_rule["ports"] == [{"protocol": "TCP", "port": 5557}]
+    runtime_labels = pod_template("chat", spec, "img")["metadata"]["labels"]
+    selector = events_rule["from"][0]["podSelector"]["matchLabels"]
+    assert set(selector.items()) <= set(runtime_labels.items())
+    kubernetes_validate.validate(router_policy, "1.29.0", strict=True)
+    plain = desired_network_policies(OWNER, parse_spec({"router": {"enabled": True}}), settings)
+    assert len(plain[1]["spec"]["ingress"]) == 1
