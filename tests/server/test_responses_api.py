@@ -284,3 +284,15 @@ def test_openapi_declares_the_request_bodies(srv):
             "priority"} <= set(fields)
     assert "/v1/messages" in spec["paths"] and "/v1/messages/count_tokens" in spec["paths"]
     json.dumps(spec)
+
+
+def test_cache_salt_keeps_prefix_cache_hits_apart(client):
+    """The prefix cache reports its hits in usage, and a salt shares them only with itself
+    (the prompt is several blocks long: the instructions make it so)."""
+    ask = {"input": QUESTION, "instructions": INSTRUCTIONS * 4, "max_output_tokens": 2}
+    _respond(client, **ask)
+    assert _respond(client, **ask).usage.input_tokens_details.cached_tokens >= 16
+    salted = _respond(client, **ask, extra_body={"cache_salt": "tenant-7f3"})
+    assert salted.usage.input_tokens_details.cached_tokens == 0
+    again = _respond(client, **ask, extra_body={"cache_salt": "tenant-7f3"})
+    assert again.usage.input_tokens_details.cached_tokens >= 16
