@@ -4,6 +4,9 @@
              endpoint picker is the router's Service (<name>), ext_proc port 9002
     <name>   HTTPRoute (gateway.networking.k8s.io/v1), with spec.gateway.httpRoute.parentRefs:
              attaches the pool to those Gateways
+    <objective>  InferenceObjective (inference.networking.x-k8s.io/v1alpha2) per entry of
+             spec.gateway.objectives: its priority for requests whose
+             x-gateway-inference-objective header names it (the router gets them as flags)
 
 Each function returns None when the spec does not ask for its object; reconcile.py then deletes
 it (`gateway_child_names`).
@@ -23,6 +26,7 @@ from .spec import LLMSpec
 INFERENCE_GROUP = "inference.networking.k8s.io"
 INFERENCE_POOL_API = f"{INFERENCE_GROUP}/v1"
 HTTP_ROUTE_API = "gateway.networking.k8s.io/v1"
+INFERENCE_OBJECTIVE_API = "inference.networking.x-k8s.io/v1alpha2"
 
 
 def _adopted(obj: dict, owner: Mapping[str, Any]) -> dict:
@@ -83,9 +87,26 @@ def desired_http_route(owner: Mapping[str, Any], spec: LLMSpec) -> dict | None:
     }, owner)
 
 
+def desired_inference_objectives(owner: Mapping[str, Any], spec: LLMSpec) -> list[dict]:
+    """One InferenceObjective per spec.gateway.objectives entry, named as clients will name it
+    in the objective header, on this LLMDeployment's pool."""
+    if not spec.gateway.inference_pool:
+        return []
+    pool = owner["metadata"]["name"]
+    return [_adopted({
+        "apiVersion": INFERENCE_OBJECTIVE_API,
+        "kind": "InferenceObjective",
+        "metadata": {"name": name, "labels": names.child_labels(pool)},
+        "spec": {"poolRef": {"group": INFERENCE_GROUP, "kind": "InferencePool", "name": pool},
+                 "priority": priority},
+    }, owner) for name, priority in spec.gateway.objectives]
+
+
 def gateway_children(owner: Mapping[str, Any], spec: LLMSpec) -> list[dict]:
-    """What the spec asks for, in apply order (the pool before the route that names it)."""
-    return [obj for obj in (desired_inference_pool(owner, spec), desired_http_route(owner, spec)) if obj]
+    """What the spec asks for, in apply order (the pool before the route and the objectives
+    that name it)."""
+    return [obj for obj in (desired_inference_pool(owner, spec), desired_http_route(owner, spec)) if obj] \
+        + desired_inference_objectives(owner, spec)
 
 
 def gateway_child_names(name: str) -> list[tuple[str, str]]:

@@ -7,12 +7,17 @@
         inferencePool:
           enabled: true              # an InferencePool <name> over the runtime pods
           failureMode: FailClose     # FailOpen: the Gateway picks a pod itself when the router is down
-        httpRoute:
+        httpRoute:                   # only while the pool is on: its backend is the pool
           parentRefs:                # Gateways to attach an HTTPRoute <name> (backend: the pool) to
             - name: inference-gateway
               namespace: gateways
           hostnames: [llm.example.com]
           requestTimeout: 300s       # Gateway API Duration; generations outlast most defaults
+        objectives:                  # InferenceObjectives on the pool (GIE's request priorities)
+          - name: chat               # what clients send in x-gateway-inference-objective
+            priority: 10             # higher first; below 0: sheddable (429 while saturated)
+          - name: batch
+            priority: -1
 
 Errors are `SpecError`s naming the field, like the rest of the spec's.
 """
@@ -35,6 +40,8 @@ DEFAULT_REQUEST_TIMEOUT = "300s"
 # Gateway API's own limits and patterns (HTTPRoute, gateway.networking.k8s.io/v1), checked here
 # so that a bad value is reported against our field rather than as a rejected child.
 MAX_PARENT_REFS = 32
+MAX_OBJECTIVES = 32
+INT32 = (-(2 ** 31), 2 ** 31 - 1)  # GIE's priority range (and the router's, the engine's)
 MAX_HOSTNAMES = 16
 DURATION = re.compile(r"^([0-9]{1,5}(h|m|s|ms)){1,4}$")
 HOSTNAME = re.compile(r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -54,6 +61,8 @@ class GatewaySpec:
     parent_refs: tuple[dict, ...] = ()   # an HTTPRoute is written when this is not empty
     hostnames: tuple[str, ...] = ()
     request_timeout: str = DEFAULT_REQUEST_TIMEOUT
+    # (name, priority) of each InferenceObjective to write; the router gets them as flags too
+    objectives: tuple[tuple[str, int], ...] = ()
 
     @property
     def http_route(self) -> bool:
@@ -90,9 +99,8 @@ def parse_gateway_spec(raw_spec: Mapping[str, Any] | None, *, router_enabled: bo
 
     parent_refs = tuple(_parent_ref(ref, f"{route_path}.parentRefs[{i}]")
                         for i, ref in enumerate(_list(route, "parentRefs", route_path, MAX_PARENT_REFS)))
-    if parent_refs and not enabled:
-        raise SpecError(f"{route_path}.parentRefs", "needs inferencePool.enabled: true (the route's "
-                                                    "backend is the InferencePool)")
+    # parentRefs with the pool off are kept, unused: the pool's switch turns the route (whose
+    # backend it is) off with it, and back on with it
     hostnames = _list(route, "hostnames", route_path, MAX_HOSTNAMES)
     for i, hostname in enumerate(hostnames):
         if not isinstance(hostname, str) or len(hostname) > 253 or not HOSTNAME.match(hostname):
@@ -102,8 +110,35 @@ def parse_gateway_spec(raw_spec: Mapping[str, Any] | None, *, router_enabled: bo
     if not isinstance(timeout, str) or not DURATION.match(timeout):
         raise SpecError(f"{route_path}.requestTimeout", f"{timeout!r} is not a Gateway API duration "
                                                         "(e.g. 300s, 5m, 1h30m)")
+    objectives = _objectives(gateway, enabled)
     return GatewaySpec(inference_pool=enabled, failure_mode=failure_mode, parent_refs=parent_refs,
-                       hostnames=tuple(hostnames), request_timeout=timeout)
+                       hostnames=tuple(hostnames), request_timeout=timeout, objectives=objectives)
+
+
+def _objectives(gateway: Mapping[str, Any], pool_enabled: bool) -> tuple[tuple[str, int], ...]:
+    path = "spec.gateway.objectives"
+    raw = _list(gateway, "objectives", "spec.gateway", MAX_OBJECTIVES)
+    if raw and not pool_enabled:
+        raise SpecError(path, "needs inferencePool.enabled: true (objectives name the pool)")
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(raw):
+        here = f"{path}[{i}]"
+        if not isinstance(entry, Mapping):
+            raise SpecError(here, f"must be an object with name and priority, not {type(entry).__name__}")
+        unknown = set(entry) - {"name", "priority"}
+        if unknown:
+            raise SpecError(f"{here}.{sorted(unknown)[0]}", "is not a field of an objective (allowed: name, priority)")
+        name = entry.get("name")
+        if not isinstance(name, str) or len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+            raise SpecError(f"{here}.name", f"{name!r} is not an object name (RFC 1123 subdomain)")
+        if name in seen:
+            raise SpecError(f"{here}.name", f"{name!r} is listed twice")
+        priority = entry.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not INT32[0] <= priority <= INT32[1]:
+            raise SpecError(f"{here}.priority", f"must be an integer in [{INT32[0]}, {INT32[1]}] (higher is "
+                                                f"served first; below 0 is sheddable), not {priority!r}")
+        seen[name] = priority
+    return tuple(seen.items())
 
 
 def _parent_ref(ref: Any, path: str) -> dict:

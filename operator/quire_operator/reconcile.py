@@ -30,7 +30,8 @@ from .children import (
 from .drift import drift_of, patch_for
 from .gateway_children import gateway_child_names, gateway_children
 from .keda_children import desired_scaled_object, keda_child_names
-from .kube import ApiError, Kube
+from .kube import ApiError, Kube, resource_path
+from .kv_cache_spec import desired_valkey_children, valkey_child_names
 from .network_policy import desired_network_policies, policy_names, policy_settings
 from .pod_tls import with_trust_key
 from .router_children import desired_router_service, router_child_names, router_children
@@ -46,6 +47,7 @@ Announce = Callable[[str, str, str], None]
 # kind → (group, version, plural)
 KINDS = {
     "Deployment": ("apps", "v1", "deployments"),
+    "StatefulSet": ("apps", "v1", "statefulsets"),
     "Service": ("", "v1", "services"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
     "ServiceAccount": ("", "v1", "serviceaccounts"),
@@ -54,11 +56,13 @@ KINDS = {
     # Kinds of other projects' CRDs, written only when the spec asks (spec.gateway, KEDA).
     "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
     "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
+    "InferenceObjective": ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives"),
     "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
 }
 # Which install each of those kinds needs: its creation answering 404 means the CRD is missing.
 INSTALLED_BY = {"InferencePool": "the Gateway API Inference Extension CRDs",
+                "InferenceObjective": "the Gateway API Inference Extension's x-k8s.io CRDs",
                 "HTTPRoute": "the Gateway API CRDs", "ScaledObject": "KEDA"}
 # 4xx answers that say "not now" rather than "never": a race with another writer, or throttling.
 TRANSIENT_CLIENT_ERRORS = (404, 408, 409, 429)
@@ -177,8 +181,15 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
     else:
         _delete_child(kube, namespace, "PodDisruptionBudget", name, announce, "spec.podDisruptionBudget is off")
     # After the router's Service, which the InferencePool names as its endpoint picker.
-    _apply_optional(kube, namespace, gateway_children(owner, spec), gateway_child_names(name), announce,
+    gateway = gateway_children(owner, spec)
+    _apply_optional(kube, namespace, gateway, gateway_child_names(name), announce,
                     "spec.gateway does not ask for it")
+    if spec.gateway.inference_pool:
+        _prune_objectives(kube, namespace, name, {c["metadata"]["name"] for c in gateway
+                                                  if c["kind"] == "InferenceObjective"}, announce)
+    # spec.kvCache.offload.remote.valkey: the shared KV tier's server, before the pods need it
+    _apply_optional(kube, namespace, desired_valkey_children(owner, spec.kv_offload),
+                    valkey_child_names(name), announce, "spec.kvCache.offload does not ask for a Valkey")
     scaled_object = desired_scaled_object(owner, spec)
     _apply_optional(kube, namespace, [scaled_object] if scaled_object else [], keda_child_names(name),
                     announce, "spec.autoscaling.provider is not keda")
@@ -194,6 +205,24 @@ def _apply_optional(kube: Kube, namespace: str, wanted: list[dict], possible: li
     for kind, child_name in possible:
         if (kind, child_name) not in have:
             _delete_child(kube, namespace, kind, child_name, announce, why)
+
+
+def _prune_objectives(kube: Kube, namespace: str, name: str, wanted: set[str],
+                      announce: Announce) -> None:
+    """InferenceObjectives this LLMDeployment wrote (its labels) that spec.gateway.objectives no
+    longer lists: user-named, so found by listing, not by name."""
+    group, version, plural = KINDS["InferenceObjective"]
+    try:
+        found = kube.request("GET", resource_path(group, version, plural, namespace),
+                             query={"labelSelector": names.selector_string(name)})
+    except ApiError as e:
+        if e.status == 404:  # the CRD is not installed: nothing of ours can exist
+            return
+        raise
+    for item in found.get("items") or []:
+        if item["metadata"]["name"] not in wanted:
+            _delete_child(kube, namespace, "InferenceObjective", item["metadata"]["name"], announce,
+                          "spec.gateway.objectives no longer lists it")
 
 
 def _with_router_trust(kube: Kube, namespace: str, spec: LLMSpec) -> LLMSpec:

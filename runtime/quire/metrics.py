@@ -14,6 +14,9 @@ once it is unloaded and nothing uses it), and alongside them, whatever `compat`,
 comma-joined, value the time of the update), which LoRA-aware routers and endpoint pickers
 read; unlike vLLM, only the current label set is exported, not one series per set ever seen.
 
+With KV tiers on (`--kv-offloading-*`), `quire:kv_offload_{hits,misses,stores,evictions,errors,
+stored_bytes,loaded_bytes,load_seconds,lookups}_total` with a `tier` label (kv_tiers/metrics.py).
+
 With `compat="vllm"` the server also exports what the Gateway API Inference Extension's
 endpoint picker reads besides the queue and KV figures: `vllm:lora_requests_info` even with
 LoRA off (max_lora "0", no adapters: the picker treats a missing family as a failed scrape), and
@@ -74,6 +77,11 @@ SPECS = (
           "Sequences in the running batch."),
     _Spec("waiting", Gauge, "quire:num_requests_waiting", ("vllm:num_requests_waiting",),
           "Sequences waiting to be scheduled."),
+    _Spec("waiting_by_priority", Gauge, "quire:num_requests_waiting_by_priority", (),
+          "Sequences waiting, by priority band (the priority for -10..10, else below_-10 / "
+          "above_10).", labels=("priority",)),
+    _Spec("running_by_priority", Gauge, "quire:num_requests_running_by_priority", (),
+          "Sequences running, by priority band (as above).", labels=("priority",)),
     _Spec("swapped", Gauge, "quire:num_requests_swapped", ("vllm:num_requests_swapped",),
           "Sequences swapped out to host memory."),
     _Spec("kv_usage", Gauge, "quire:kv_cache_usage_perc",
@@ -155,6 +163,7 @@ class ServerMetrics:
         self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
         self.compat = compat
         self._lora: _LoRAMetrics | None = None  # made on the first snapshot with LoRA on
+        self._tiers = None  # kv_tiers.metrics.TierMetrics, on the first snapshot with tiers
         # vLLM's LoRA info: from the start with compat="vllm", else with LoRA's first snapshot
         self._lora_info = _LoRAInfo(self.registry) if compat == "vllm" else None
         self._cache_config = dict(cache_config or {})
@@ -196,6 +205,12 @@ class ServerMetrics:
         self._set("running", snap.num_running)
         self._set("waiting", snap.num_waiting)
         self._set("swapped", snap.num_swapped)
+        for key, counts in (("waiting_by_priority", snap.waiting_by_priority),
+                            ("running_by_priority", snap.running_by_priority)):
+            for family in self._families[key]:
+                family.clear()  # bands that emptied go away
+                for band, n in counts.items():
+                    family.labels(model_name=self.model_name, priority=band).set(n)
         self._set("kv_usage", snap.kv_usage)
         self._set("blocks_total", snap.blocks_total)
         self._set("blocks_used", snap.blocks_used)
@@ -217,6 +232,11 @@ class ServerMetrics:
                     self._lora_info = _LoRAInfo(self.registry)
                 self._lora = _LoRAMetrics(self.registry, self.model_name, self._lora_info)
             self._lora.record(snap.lora)
+        if snap.kv_tiers is not None:
+            if self._tiers is None:
+                from quire.kv_tiers.metrics import TierMetrics
+                self._tiers = TierMetrics(self.registry, self.model_name)
+            self._tiers.record(snap.kv_tiers)
         if self._cache_info is not None:
             self._record_cache_info(snap.blocks_total)
         for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),

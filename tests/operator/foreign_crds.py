@@ -68,7 +68,7 @@ def problems(obj: Mapping[str, Any]) -> list[str]:
 
 
 def install(emulator: Any) -> None:
-    """Register the three kinds in the emulated API server, refusing invalid objects with 422."""
+    """Register the vendored kinds in the emulated API server, refusing invalid objects with 422."""
     for kind, crd in CRDS.items():
         emulator.register_crd(crd)
         emulator.add_validation(plural(kind), lambda obj: "; ".join(problems(obj)) or None)

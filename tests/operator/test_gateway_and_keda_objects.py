@@ -10,10 +10,18 @@ from foreign_crds import api_version, problems
 from quire_operator import names
 
 from deployment_controller import DeploymentController
-from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
+from operator_harness import (  # noqa: F401 (cluster is a fixture)
+    LLMD_API,
+    cluster,
+    llmdeployment,
+    operator_process,
+    running_operator,
+    wait_for,
+)
 from runtime_pod import fixed_metrics_pod, free_port
 
 POOL, ROUTE, SCALED = api_version("InferencePool"), api_version("HTTPRoute"), api_version("ScaledObject")
+OBJECTIVE = api_version("InferenceObjective")
 GATEWAY = {"name": "inference-gateway", "namespace": "gateways"}
 PROMETHEUS = "http://prometheus.monitoring.svc:9090"
 KEDA = {"enabled": True, "provider": "keda", "minReplicas": 2, "maxReplicas": 6,
@@ -89,6 +97,28 @@ def test_the_pool_and_route_follow_the_spec_until_turned_off(cluster):
         assert any("InferencePool chat deleted" in m for m in deleted)
 
 
+def objective(cluster, name):
+    return cluster.get(OBJECTIVE, "inferenceobjectives", name)
+
+
+def test_objectives_are_written_changed_and_pruned_as_the_spec_lists_them(cluster):
+    with running_operator():
+        cluster.create(llmdeployment("chat", router={"enabled": True}, gateway={
+            "inferencePool": {"enabled": True},
+            "objectives": [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -1}]}))
+        made = wait_for(lambda: objective(cluster, "batch"), what="the InferenceObjectives")
+        assert problems(made) == [] and made["spec"]["priority"] == -1
+        assert objective(cluster, "interactive")["spec"]["poolRef"]["name"] == "chat"
+        # batch leaves the list and interactive changes: one deleted, one updated
+        change_spec(cluster, {"gateway": {"objectives": [{"name": "interactive", "priority": 5}]}})
+        wait_for(lambda: objective(cluster, "batch") is None, what="batch to be deleted")
+        wait_for(lambda: objective(cluster, "interactive")["spec"]["priority"] == 5,
+                 what="interactive's new priority")
+        wait_for(lambda: "interactive=5" in cluster.deployment("chat-router")["spec"]["template"]["spec"]
+                 ["containers"][0]["args"], what="the router's --objective flag")
+        assert any("InferenceObjective batch deleted" in e["message"] for e in cluster.events("chat"))
+
+
 def test_the_scaled_object_follows_the_spec_and_keda_scales_through_scale(cluster):
     with running_operator():
         cluster.create(llmdeployment("chat", autoscaling=KEDA))
@@ -141,3 +171,19 @@ def test_the_builtin_autoscaler_leaves_a_keda_scaled_object_alone(cluster):
         assert scale_calls(cluster, "chat") == []
         assert cluster.llmd("chat")["spec"]["replicas"] == 1
         assert not (cluster.llmd("chat").get("status") or {}).get("autoscaler")
+
+
+def test_every_child_goes_when_its_switch_goes_off_with_the_operator_as_a_process(cluster, tmp_path):
+    """Issue 49: the pool's switch off (its route's parentRefs still in the spec) and the
+    autoscaler off: the InferencePool, its HTTPRoute and the ScaledObject are deleted within
+    seconds, by `quire-operator` as it runs in a pod (its own process, leader election on)."""
+    with operator_process(cluster, tmp_path):
+        cluster.create(llmdeployment("chat", port=9000, router={"enabled": True}, autoscaling=KEDA, gateway={
+            "inferencePool": {"enabled": True}, "httpRoute": {"parentRefs": [GATEWAY]}}))
+        for get, what in ((pool, "the InferencePool"), (route, "the HTTPRoute"), (scaled_object, "the ScaledObject")):
+            wait_for(lambda get=get: get(cluster), timeout=90, what=what)
+        change_spec(cluster, {"gateway": {"inferencePool": {"enabled": False}}, "autoscaling": {"enabled": False}})
+        for get, what in ((pool, "InferencePool"), (route, "HTTPRoute"), (scaled_object, "ScaledObject")):
+            wait_for(lambda get=get: get(cluster) is None, timeout=15, what=f"the {what} to be deleted")
+        log = (tmp_path / "operator.log").read_text()
+        assert "InvalidSpec" not in log, log[-4000:]

@@ -11,7 +11,12 @@ from foreign_crds import problems
 
 from quire_operator import names
 from quire_operator.children import desired_deployment
-from quire_operator.gateway_children import desired_http_route, desired_inference_pool
+from quire_operator.gateway_children import (
+    desired_http_route,
+    desired_inference_objectives,
+    desired_inference_pool,
+    gateway_children,
+)
 from quire_operator.pod_template import server_args
 from quire_operator.router_children import desired_router_deployment, desired_router_service
 from quire_operator.spec import SpecError, parse_spec
@@ -72,6 +77,12 @@ def test_without_parent_refs_there_is_a_pool_and_no_route():
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen" and problems(pool) == []
 
 
+def test_the_pools_switch_turns_its_route_off_too():
+    spec = parse_spec({"router": {"enabled": True}, "gateway": {
+        "inferencePool": {"enabled": False}, "httpRoute": {"parentRefs": GATEWAYS}}})
+    assert desired_inference_pool(OWNER, spec) is None and desired_http_route(OWNER, spec) is None
+
+
 def test_nothing_without_the_pool_and_the_router_keeps_its_plain_ports():
     spec = parse_spec({"router": {"enabled": True}})
     assert desired_inference_pool(OWNER, spec) is None and desired_http_route(OWNER, spec) is None
@@ -101,8 +112,6 @@ def _llmd(spec):
 @pytest.mark.parametrize("spec, field, crd_says", [
     ({"gateway": {"inferencePool": {"enabled": True}}},
      "spec.gateway.inferencePool.enabled", "needs router.enabled"),
-    ({"router": {"enabled": True}, "gateway": {"httpRoute": {"parentRefs": GATEWAYS}}},
-     "spec.gateway.httpRoute.parentRefs", "needs inferencePool.enabled"),
     ({**SPEC, "gateway": {"inferencePool": {"enabled": True, "failureMode": "Retry"}}},
      "spec.gateway.inferencePool.failureMode", "is not one of"),
     ({**SPEC, "gateway": {**SPEC["gateway"], "httpRoute": {"parentRefs": [{"namespace": "gw"}]}}},
@@ -111,6 +120,14 @@ def _llmd(spec):
      "spec.gateway.httpRoute.requestTimeout", "does not match"),
     ({**SPEC, "gateway": {**SPEC["gateway"], "httpRoute": {"parentRefs": GATEWAYS, "hostnames": ["10.0.0.1:80"]}}},
      "spec.gateway.httpRoute.hostnames[0]", "does not match"),
+    ({"router": {"enabled": True}, "gateway": {"objectives": [{"name": "chat", "priority": 1}]}},
+     "spec.gateway.objectives", "objectives need inferencePool.enabled"),
+    ({**SPEC, "gateway": {**SPEC["gateway"], "objectives": [{"name": "chat", "priority": "high"}]}},
+     "spec.gateway.objectives[0].priority", "is not of type 'integer'"),
+    ({**SPEC, "gateway": {**SPEC["gateway"], "objectives": [{"name": "Chat!", "priority": 1}]}},
+     "spec.gateway.objectives[0].name", "does not match"),
+    ({**SPEC, "gateway": {**SPEC["gateway"], "objectives": [{"name": "chat", "priority": 2 ** 31}]}},
+     "spec.gateway.objectives[0].priority", "is greater than the maximum"),
 ])
 def test_bad_gateway_specs_are_refused_naming_the_field(spec, field, crd_says):
     with pytest.raises(SpecError) as refused:
@@ -158,3 +175,31 @@ def test_the_names_the_pool_uses_are_the_operators():
     pool = desired_inference_pool(OWNER, parse_spec(SPEC))
     assert pool["spec"]["selector"]["matchLabels"] == {names.SELECTOR_LABEL: "chat"}
     assert pool["metadata"]["labels"][names.MANAGED_BY_LABEL] == names.MANAGED_BY
+
+
+def test_objectives_become_inference_objectives_on_the_pool_and_router_flags():
+    objectives = [{"name": "chat", "priority": 10}, {"name": "batch", "priority": -1},
+                  {"name": "default-ish"}]
+    spec = parse_spec({**SPEC, "gateway": {**SPEC["gateway"], "objectives": objectives}})
+    written = desired_inference_objectives(OWNER, spec)
+    assert [problems(o) for o in written] == [[], [], []]
+    assert [(o["metadata"]["name"], o["spec"]["priority"]) for o in written] == \
+        [("chat", 10), ("batch", -1), ("default-ish", 0)]
+    for o in written:
+        assert o["spec"]["poolRef"] == {"group": "inference.networking.k8s.io",
+                                        "kind": "InferencePool", "name": "chat"}
+        assert o["metadata"]["labels"] == names.child_labels("chat")
+        (ref,) = o["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"]) == ("LLMDeployment", "chat")
+    # after the pool they name, in apply order
+    assert [c["kind"] for c in gateway_children(OWNER, spec)] == \
+        ["InferencePool", "HTTPRoute", "InferenceObjective", "InferenceObjective", "InferenceObjective"]
+    # the router's flow control weighs requests by the same priorities
+    (container,) = desired_router_deployment(OWNER, spec.router, "img")["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--objective"] == \
+        ["chat=10", "batch=-1", "default-ish=0"]
+    assert crd_rules.violations(_llmd({**SPEC, "gateway": {**SPEC["gateway"], "objectives": objectives}}),
+                                LLMD_CRD) == []
+    with pytest.raises(SpecError, match="listed twice"):
+        parse_spec({**SPEC, "gateway": {**SPEC["gateway"], "objectives": [{"name": "a"}, {"name": "a"}]}})

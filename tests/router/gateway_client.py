@@ -81,9 +81,11 @@ async def _read(call, routed: Routed) -> pb.ProcessingResponse:
     return response
 
 
-def request_headers(path: str, method: str, end_of_stream: bool) -> pb.HttpHeaders:
+def request_headers(path: str, method: str, end_of_stream: bool,
+                    extra: dict[str, str] | None = None) -> pb.HttpHeaders:
     pairs = [(":method", method), (":path", path), (":authority", "llm.example.com"),
-             (":scheme", "http"), ("content-type", "application/json")]
+             (":scheme", "http"), ("content-type", "application/json"),
+             *(extra or {}).items()]
     return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
         end_of_stream=end_of_stream)
@@ -96,14 +98,17 @@ def _pieces(body: bytes, chunks: int) -> list[bytes]:
 
 async def route(target: str, path: str, body: bytes | None, mode: str = FULL_DUPLEX,
                 chunks: int = 1, subset: list[str] | None = None, announce: bool = True,
-                response_body: bytes | None = None) -> Routed:
+                response_body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> Routed:
     """One request through the picker at `target` ("host:port"). `body` None: a GET without
     one. `announce`: send protocol_config as Envoy does (else the picker assumes GIE's mode).
-    `response_body`: then play the replica's answer through (headers, one body chunk)."""
+    `response_body`: then play the replica's answer through (headers, one body chunk).
+    `headers`: more request headers (an objective, a tenant)."""
     async with grpc.aio.insecure_channel(target) as channel:
         call = ExternalProcessorStub(channel).Process()
         method = "GET" if body is None else "POST"
-        first = pb.ProcessingRequest(request_headers=request_headers(path, method, body is None))
+        first = pb.ProcessingRequest(request_headers=request_headers(path, method, body is None,
+                                                                     headers))
         if announce:
             first.protocol_config.CopyFrom(pb.ProtocolConfiguration(
                 request_body_mode=ProcessingMode.BodySendMode.Value(mode),

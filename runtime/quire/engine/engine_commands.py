@@ -43,10 +43,13 @@ class AddRequest(Command):
     lora_request: LoRARequest | None
     future: asyncio.Future
     cache_salt: str | None = None   # keeps its KV blocks apart from other salts' (tenants)
+    priority: int = 0               # lower first under --scheduling-policy priority
     error: Exception | None = None  # why the engine refused it (after run)
 
     def run(self, engine) -> None:
         salt = {} if self.cache_salt is None else {"cache_salt": self.cache_salt}
+        if self.priority:  # (passed only when set: engines that predate it still work)
+            salt["priority"] = self.priority
         try:
             if self.lora_request is None:
                 engine.add_request(self.request_id, self.prompt, self.params, self.arrival_time,

@@ -21,6 +21,10 @@ class EngineSnapshot:
     prefix_queries: int          # prompt tokens looked up in the prefix cache
     prefix_hits: int             # ... found there
     lora: object | None = None   # quire.lora.stats.LoRAStats when LoRA is on (async engine)
+    # sequences per priority band (sched_policy.counts_by_band), for the queue metrics
+    waiting_by_priority: dict[str, int] = field(default_factory=dict)
+    running_by_priority: dict[str, int] = field(default_factory=dict)
+    kv_tiers: dict | None = None  # tier -> lifetime counters (kv_tiers TierChain.snapshot)
 
 
 @dataclass

@@ -6,6 +6,7 @@
     /v1/load_lora_adapter  /v1/unload_lora_adapter         vLLM's, with --allow-runtime-lora
     /generate                                              vLLM's simple API (NUL-separated stream)
     /tokenize  /detokenize  /version  /tokenizer_info (--enable-tokenizer-info-endpoint)
+    /v1/embeddings  /score  /rerank                        the pooling runner (--runner pooling)
     /health   200 while the engine loop is alive (also while the model loads)
     /ready    200 once the model is loaded and the server admits requests, else 503
     /metrics  Prometheus text format
@@ -28,10 +29,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-import quire
 from quire.engine.async_engine import AsyncLLMEngine
-from quire.entrypoints import memory
+from quire.entrypoints import memory, openapi_docs
 from quire.entrypoints.errors import OpenAIError, bad_request, error_response
 from quire.entrypoints.limits import ServerLimits
 from quire.entrypoints.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -39,21 +40,25 @@ from quire.entrypoints.reasoning import get_reasoning_parser
 from quire.entrypoints.routers import (
     chat,
     completions,
+    embeddings,
     generate,
     lora,
     messages,
     models,
     probes,
     responses,
+    score,
     tokenizer,
 )
-from quire.entrypoints.routers.common import add_body_schemas
+from quire.entrypoints.routers.common import add_body_schemas, client_gone_response
 from quire.entrypoints.serving import Serving
 from quire.entrypoints.tool_calls import get_tool_parser
+from quire.version import __version__
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = (probes, models, completions, chat, responses, messages, generate, tokenizer)
+ROUTERS = (probes, models, completions, chat, responses, messages, generate, tokenizer,
+           embeddings, score)
 
 
 def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
@@ -96,7 +101,7 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
         await engine.shutdown()
         serving.shutdown()
 
-    app = FastAPI(title="Quire", version=quire.__version__, lifespan=lifespan)
+    app = FastAPI(title="Quire", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving
@@ -116,7 +121,8 @@ def build_app(engine: AsyncLLMEngine, metrics=None, api_key: str | None = None,
         from quire.entrypoints.request_tracing import TracingMiddleware
         app.add_middleware(TracingMiddleware, tracer=tracer)
     _add_error_handlers(app)
-    _declare_bodies(app)
+    openapi_docs.install(app)  # the endpoints' bodies, answers and errors
+    _declare_bodies(app)  # and the bodies routes declare with json_body()
     return app
 
 
@@ -150,6 +156,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
         return error_response(bad_request(f"invalid request: {err.get('msg', e)}",
                                           str(loc[0]) if loc else None), request.url.path)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone_mid_upload(request: Request, e: ClientDisconnect):
+        # the client hung up before its body was whole: as quiet as any other disconnect
+        request.app.state.serving.client_gone()
+        return client_gone_response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):

@@ -23,6 +23,7 @@ from quire.entrypoints.chat_reasoning import (
     split_answer,
 )
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
+from quire.entrypoints.continuation import continued_prompts
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.logprobs import chat_logprobs
@@ -57,9 +58,9 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
                      priority: int | None = None) -> ChatRun:
     """Checks the request, renders its prompt and submits it; OpenAIErrors (400 naming the
     chat field, 404 for an unknown model, 503) for anything refused."""
-    info, lora = serving.model_for(req.model)
+    info, lora = serving.model_for(req.model, runner="generate")
     model = lora.name if lora else req.model or info.served_name  # the name asked for
-    check_chat_request(req, serving.limits)
+    check_chat_request(req, serving.limits, info.vocab_size)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -74,11 +75,13 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
                           "already; it can't be combined with response_format or guided_* "
                           "fields", "tool_choice")
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                 stream=req.stream, max_n=info.max_num_seqs,
-                                 guided_decoding=tools.guided or guided, renames=renames)
+                                 stream=req.stream,
+                                 guided_decoding=tools.guided or guided, renames=renames,
+                                 prompt_logprobs=req.prompt_logprobs)
     prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                            req.chat_template, tools=tools.tools,
                                            template_kwargs=req.chat_template_kwargs)
+    prompt = continued_prompts([prompt], req)[0]  # a migrated request goes on where it was
     reasoning = await reasoning_use(serving, req, prompt, params.guided_decoding is not None)
     if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers (harmony's) are special tokens
@@ -87,7 +90,7 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
     return ChatRun(request_id, model, params, tools, reasoning, streams, prompt)
 
 
-def check_chat_request(req: ChatCompletionRequest, limits) -> None:
+def check_chat_request(req: ChatCompletionRequest, limits, vocab_size: int) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if req.top_logprobs is not None and not req.logprobs:
@@ -95,7 +98,10 @@ def check_chat_request(req: ChatCompletionRequest, limits) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")
-    check_stop(req.stop, req.stop_token_ids, limits)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true",
+                          "prompt_logprobs")
+    check_stop(req.stop, req.stop_token_ids, limits, vocab_size)
 
 
 # --- whole answers ----------------------------------------------------------------------

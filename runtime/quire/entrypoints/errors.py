@@ -71,6 +71,13 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param, "invalid_value")
 
 
+def unsupported_media_type(content_type: str) -> OpenAIError:
+    """vLLM's answer to a body that is not declared as JSON (its words, and 415)."""
+    return OpenAIError(415, "Unsupported Media Type: Only 'application/json' is allowed "
+                       f"(the request's Content-Type is {content_type!r})",
+                       "invalid_request_error", None, "unsupported_media_type")
+
+
 def server_busy(message: str) -> OpenAIError:
     return OpenAIError(503, message, "server_error", None, "server_busy",
                        {"Retry-After": RETRY_AFTER_QUEUE_FULL})

@@ -9,9 +9,11 @@ from tqdm.auto import tqdm
 
 from quire.config import EngineArgs
 from quire.engine.beam_search import BeamSearchParams
-from quire.engine.engine import LLMEngine, PromptType
+from quire.engine.engine import PromptType
+from quire.engine.factory import create_engine
 from quire.lora.request import LoRARequest
-from quire.outputs import RequestOutput
+from quire.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from quire.pooling.params import PoolingParams
 from quire.sampling_params import RequestOutputKind, SamplingParams
 from quire.validation import QuireValidationError
 
@@ -19,30 +21,66 @@ Message = dict[str, str]
 
 
 class LLM:
-    """`LLM()` loads the default SmolLM2-135M-Instruct; every EngineArgs field is a keyword."""
+    """`LLM()` loads the default SmolLM2-135M-Instruct; every EngineArgs field is a keyword.
+    `LLM(model, runner="pooling")` (or `convert="embed"`, or a base-model checkpoint such as
+    a sentence-transformers Qwen3-Embedding folder) embeds instead: `LLM.embed`."""
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        self.engine = create_engine(EngineArgs(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(args)
+        llm.engine = create_engine(args)
         llm.tokenizer = llm.engine.tokenizer
         return llm
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (`.outputs.embedding`), on the pooling
+        runner. Text prompts get the checkpoint's default prompt first, as
+        sentence-transformers' encode() does; `pooling_params.dimensions` cuts a matryoshka
+        model's embedding (renormalized)."""
+        if getattr(self.engine, "runner_type", "generate") != "pooling":
+            raise QuireValidationError(
+                "runner", "embed needs the pooling runner: LLM(model, runner='pooling') (or "
+                "convert='embed'); this one generates text")
+        prompts = _as_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise QuireValidationError(
+                "pooling_params", f"pooling_params has {len(pooling_params)} entries for "
+                f"{len(prompts)} prompts; give one, or one per prompt")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, pooling_params):
+                ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            self.engine.abort_request(ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids,
+                                       EmbeddingOutput(out.embedding))
+                for out in self._run(ids, use_tqdm)]
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  cache_salt: str | Sequence[str | None] | None = None,
+                 priority: int | Sequence[int] | None = None,
                  ) -> list[RequestOutput]:
         """Outputs in input order. `prompts`: a string, a list of token ids, a dict with
         'prompt' or 'prompt_token_ids', or a list of those. `lora_request`: one adapter for
         all prompts, or one (or None: the base model) per prompt. `cache_salt`: likewise one
         string or one per prompt; prompts share prefix-cache blocks only with prompts of the
-        same salt (RequestOutput.num_cached_tokens says how many prompt tokens were hits)."""
+        same salt (RequestOutput.num_cached_tokens says how many prompt tokens were hits).
+        `priority`: one integer, or one per prompt (vLLM's: lower first; it matters under
+        scheduling_policy='priority' and is ignored under fcfs)."""
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -54,12 +92,16 @@ class LLM:
                 f"{len(prompts)} prompts; give one, or one per prompt")
         loras = _per_prompt(lora_request, LoRARequest, len(prompts), "lora_request")
         salts = _per_prompt(cache_salt, str, len(prompts), "cache_salt")
+        priorities = _per_prompt(priority, type(None), len(prompts), "priority") \
+            if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        priorities = [0 if p is None else p for p in priorities]  # checked by add_request
         ids = []
         try:
-            for prompt, params, lora, salt in zip(prompts, sampling_params, loras, salts):
+            for prompt, params, lora, salt, prio in zip(prompts, sampling_params, loras, salts,
+                                                        priorities):
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(self.engine.add_request(None, prompt, params, lora_request=lora,
-                                                   cache_salt=salt))
+                                                   cache_salt=salt, priority=prio))
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             while self.engine.has_unfinished_requests():

@@ -5,7 +5,6 @@ the engine requests, wait for the answer unless the client goes away)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,9 +32,13 @@ from quire.entrypoints.responses_store import ResponseStore
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
+from quire.pooling.params import PoolingParams
 from quire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+_GENERATE = SamplingParams()  # what check_runner reads a generation endpoint as
 
 
 class ClientDisconnected(Exception):
@@ -54,6 +57,7 @@ class Serving:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     default_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs
     _pool: TokenizerPool | None = None
+    _special_ids: frozenset[int] | None = None
     _responses: ResponseStore | None = None
 
     @property
@@ -83,14 +87,19 @@ class Serving:
         neither the base model's served name nor a loaded LoRA adapter."""
         return self.model_for(name)[0]
 
-    def model_for(self, name: str | None) -> tuple[ModelInfo, LoRARequest | None]:
-        """check_model, and the adapter `name` picks (None: the base model)."""
+    def model_for(self, name: str | None,
+                  runner: str | None = None) -> tuple[ModelInfo, LoRARequest | None]:
+        """check_model, and the adapter `name` picks (None: the base model). `runner`: what
+        the endpoint needs ('generate' or 'pooling'); a server of the other runner says why
+        with a 400 before any work."""
         state = self.engine.state
         if state is EngineState.DEAD:
             raise engine_error(EngineDeadError(self.engine.fatal_error))
         info = self.engine.model_info
         if state is EngineState.LOADING or info is None:  # None: stopped while loading
             raise engine_error(EngineNotReady("the model is still loading"))
+        if runner is not None:
+            self.check_runner(PoolingParams() if runner == "pooling" else _GENERATE)
         if name is None or name == info.served_name or name in self.model_aliases:
             request_tracing.note_model(name, info.served_name, None)
             return info, None
@@ -99,6 +108,15 @@ class Serving:
             raise model_not_found(name)
         request_tracing.note_model(name, info.served_name, lora.name)
         return info, lora
+
+    def textless_ids(self, params: SamplingParams) -> frozenset[int]:
+        """Token ids that add nothing to a completion's text: the special tokens, when
+        skip_special_tokens leaves them out."""
+        if not params.skip_special_tokens:
+            return frozenset()
+        if self._special_ids is None:
+            self._special_ids = frozenset(getattr(self.engine.tokenizer, "all_special_ids", ()))
+        return self._special_ids
 
     # --- prompts, by size first: characters, then tokens ---------------------------------
     async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
@@ -157,15 +175,15 @@ class Serving:
                      priority: int | None = None) -> list[RequestStream]:
         """One engine request per prompt (token ids), all or none: if one is refused, the
         others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
-        the request's (checked when the body was parsed). priority: the request's, handed to
-        the engine where its add_request takes one (else accepted and not acted on)."""
+        the request's (checked when the body was parsed). priority: the request's (lower
+        first under --scheduling-policy priority). A request for the other runner
+        (generation on a pooling server, embeddings on a generation one) gets a 400."""
+        self.check_runner(params)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
-        extra = {"priority": priority} if priority is not None and \
-            _takes_priority(self.engine.add_request) else {}
         results = await asyncio.gather(
             *(self.engine.add_request(rid, p, params, lora_request=lora_request,
-                                      cache_salt=cache_salt, **extra)
+                                      cache_salt=cache_salt, **_priority(priority))
               for rid, p in zip(ids, prompts)),
             return_exceptions=True)  # added in the same step; every outcome retrieved
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -182,6 +200,19 @@ class Serving:
                             "cache_salt set" if cache_salt is not None else "no cache_salt",
                             params)
         return request_tracing.follow(request_id, prompts, params, streams)
+
+    def check_runner(self, params) -> None:
+        """400 for a generation request to a pooling server, or an embedding request to a
+        generation server (`params`: SamplingParams or PoolingParams)."""
+        runner = self.engine.model_info.runner
+        if isinstance(params, PoolingParams) and runner != "pooling":
+            raise bad_request("this model generates text; embeddings, score and rerank need a "
+                              "server started with --runner pooling (or --convert embed)",
+                              "model")
+        if isinstance(params, SamplingParams) and runner == "pooling":
+            raise bad_request("this server runs the pooling runner (embeddings): it can't "
+                              "generate text; use /v1/embeddings, /score or /rerank, or start "
+                              "a server without --runner pooling", "model")
 
     async def finals(self, streams: list[RequestStream], disconnected) -> list[RequestOutput]:
         """The final output of each stream. If the client goes away first, every request is
@@ -218,14 +249,6 @@ class Serving:
                         completion_tokens, cached_tokens)
 
 
-def _takes_priority(add_request) -> bool:
-    """Whether the engine schedules by priority (its add_request has the parameter)."""
-    try:
-        return "priority" in inspect.signature(add_request).parameters
-    except (TypeError, ValueError):  # not introspectable: don't pass what it may refuse
-        return False
-
-
 async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     finals = []
     for stream in streams:  # they all run at once in the engine; reading order is free
@@ -234,3 +257,8 @@ async def _last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
             last = out
         finals.append(last)
     return finals
+
+
+def _priority(priority: int) -> dict:
+    """Only a set priority is passed on (an engine stand-in without it still works)."""
+    return {"priority": priority} if priority else {}

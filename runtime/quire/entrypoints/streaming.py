@@ -11,6 +11,7 @@ response class.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -74,8 +75,12 @@ class GuardedStreamingResponse(StreamingResponse):
 
 
 async def sse_events(serving, request_id: str, guard: StreamGuard, n: int, fmt: ChunkFormat,
-                     include_usage: bool) -> AsyncIterator[str]:
+                     include_usage: bool, token_ids: bool = False) -> AsyncIterator[str]:
+    """`token_ids` (return_token_ids): each choice chunk also carries the ids of the tokens
+    since the choice's last chunk, the first one the prompt's ids too."""
     done: set[int] = set()
+    pending: dict[int, list[int]] = {}  # ids of tokens whose text no chunk has carried yet
+    prompted: set[int] = set()          # choices whose chunks carried the prompt's ids
     prompt_tokens = [0] * len(guard.streams)
     cached_tokens = [0] * len(guard.streams)
     completion_tokens = 0
@@ -93,8 +98,17 @@ async def sse_events(serving, request_id: str, guard: StreamGuard, n: int, fmt: 
                 if c.finish_reason is not None:
                     done.add(i)
                 chunk = fmt.choice(i, p, out, c)
+                if not token_ids:
+                    if chunk is not None:
+                        yield sse(chunk)
+                    continue
+                ids = pending.setdefault(i, [])
+                ids.extend(c.token_ids)
                 if chunk is not None:
-                    yield sse(chunk)
+                    first = i not in prompted
+                    prompted.add(i)
+                    yield _with_token_ids(chunk, ids, out.prompt_token_ids if first else None)
+                    pending[i] = []
         if include_usage:
             yield sse(fmt.usage(UsageInfo.of(sum(prompt_tokens), completion_tokens,
                                              sum(cached_tokens))))
@@ -103,6 +117,14 @@ async def sse_events(serving, request_id: str, guard: StreamGuard, n: int, fmt: 
         yield sse(ErrorChunk.of(engine_error(e)))
     guard.completed = True
     yield SSE_DONE
+
+
+def _with_token_ids(chunk: BaseModel, ids: list[int], prompt_ids: list[int] | None) -> str:
+    data = chunk.model_dump(mode="json")
+    data["choices"][0]["token_ids"] = list(ids)
+    if prompt_ids is not None:
+        data["choices"][0]["prompt_token_ids"] = list(prompt_ids)
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -15,6 +15,8 @@ import os
 import sys
 
 from quire.entrypoints.tls import add_tls_flags, tls_from
+from quire.router.flow_control import DEFAULT_KV_USAGE, DEFAULT_QUEUE_DEPTH
+from quire.router.objectives import FAIRNESS_HEADER
 from quire.router.policies import POLICIES
 from quire.tracing import add_tracing_flag, start_tracing
 
@@ -58,6 +60,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefix-aware: a replica is overloaded above (1 + this) x the mean "
                         "load plus --prefix-load-slack; then least-load decides")
     p.add_argument("--prefix-load-slack", type=float, default=4.0)
+    p.add_argument("--kv-events-bind", default=None, metavar="ENDPOINT",
+                   help="precise-prefix: the ZMQ endpoint the router binds for the replicas' "
+                        "KV-cache events (e.g. tcp://*:5557); each replica connects with "
+                        "--kv-events-config topic kv@<its host:port>@<model>")
+    p.add_argument("--kv-events-max-blocks", type=int, default=1_000_000,
+                   help="precise-prefix: block hashes the events index keeps at most")
     p.add_argument("--scrape-interval", type=float, default=1.0,
                    help="seconds between reads of each replica's /metrics")
     p.add_argument("--max-pending", type=int, default=256,
@@ -69,6 +77,35 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retries", type=int, default=2,
                    help="other replicas tried when one fails before its first byte")
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    # flow control and priorities (flow_control.py, objectives.py)
+    p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=True,
+                   help="while every replica is saturated, hold requests in the router by "
+                        "priority and tenant; shed sheddable ones (priority < 0) with 429")
+    p.add_argument("--saturation-queue-depth", type=float, default=DEFAULT_QUEUE_DEPTH,
+                   help="a replica with this many waiting requests is saturated (GIE's "
+                        "default: 5)")
+    p.add_argument("--saturation-kv-usage", type=float, default=DEFAULT_KV_USAGE,
+                   help="... or with its KV cache this full (GIE's default: 0.8)")
+    p.add_argument("--flow-max-wait", type=float, default=60.0,
+                   help="seconds a request waits for a replica with room before a 503")
+    p.add_argument("--flow-max-queued", type=int, default=1024,
+                   help="requests waiting at most; beyond, 503 at once")
+    p.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                   help="an InferenceObjective's priority (GIE's: higher first, < 0 "
+                        "sheddable), for requests whose x-gateway-inference-objective header "
+                        "names it (repeatable)")
+    p.add_argument("--watch-objectives", action="store_true",
+                   help="with --k8s-service: also watch the InferenceObjectives "
+                        "(inference.networking.x-k8s.io/v1alpha2) of the namespace")
+    p.add_argument("--inference-pool", default=None, metavar="NAME",
+                   help="with --watch-objectives: only objectives whose poolRef names it")
+    p.add_argument("--tenant-header", default=FAIRNESS_HEADER,
+                   help="the header whose value is a request's tenant for fair waiting "
+                        "(default GIE's x-gateway-inference-fairness-id; else the API key)")
+    # request migration (migration.py)
+    p.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                   help="other replicas a stream may continue on when its replica dies, is "
+                        "drained or drops it (0: off)")
     p.add_argument("--admin-api", action="store_true",
                    help="serve POST/DELETE /router/backends (add or remove replicas at runtime)")
     add_tls_flags(p)
@@ -93,9 +130,11 @@ def build_state(ns: argparse.Namespace):
 
     from quire.router.backend_tls import backend_verify
     from quire.router.backends import BackendSet
+    from quire.router.flow_control import FlowControl, Saturation
     from quire.router.holding import Holding
     from quire.router.load_scraper import LoadScraper
     from quire.router.metrics import RouterMetrics
+    from quire.router.objectives import ObjectiveTable, parse_objective_flags
     from quire.router.policies import make_policy
     from quire.router.prefix_index import PrefixIndex
     from quire.router.prompt_hashing import PromptHasher, load_tokenizer
@@ -103,29 +142,55 @@ def build_state(ns: argparse.Namespace):
 
     if ns.backend and ns.k8s_service:
         raise ValueError("give --backend or --k8s-service, not both")
-    for name in ("max_pending", "max_retries", "prefix_cache_entries"):
+    for name in ("max_pending", "max_retries", "prefix_cache_entries", "migration_limit",
+                 "flow_max_queued"):
         if getattr(ns, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     verify = backend_verify(ns.backend_ca_certs, ns.backend_check_hostname)
     backends = BackendSet(ns.backend, scheme=ns.backend_scheme)
     metrics = RouterMetrics()
     hasher = None
+    events_index = subscriber = None
+    if ns.routing == "precise-prefix":
+        from quire.router.kv_event_index import KVEventIndex
+        from quire.router.kv_event_subscriber import KVEventSubscriber
+        if not ns.kv_events_bind or "://" not in ns.kv_events_bind:
+            raise ValueError("--routing precise-prefix needs --kv-events-bind, a ZMQ endpoint "
+                             f"such as tcp://*:5557; got {ns.kv_events_bind!r}")
+        if ns.kv_events_max_blocks < 1:
+            raise ValueError("--kv-events-max-blocks must be >= 1")
+        events_index = KVEventIndex(ns.kv_events_max_blocks)
+        subscriber = KVEventSubscriber(ns.kv_events_bind, events_index, ns.backend_scheme)
     policy = make_policy(ns.routing, PrefixIndex(max(1, ns.prefix_cache_entries)),
-                         ns.prefix_load_factor, ns.prefix_load_slack)
-    if ns.routing == "prefix-aware":
-        hasher = PromptHasher(load_tokenizer(ns.model, ns.tokenizer), ns.block_size)
+                         ns.prefix_load_factor, ns.prefix_load_slack, events_index)
+    if ns.routing in ("prefix-aware", "precise-prefix"):
+        hasher = PromptHasher(load_tokenizer(ns.model, ns.tokenizer), ns.block_size,
+                              seed_with_model=ns.routing == "prefix-aware")
         backends.on_removed.append(policy.forget)
     client = httpx.AsyncClient(
         verify=verify, timeout=httpx.Timeout(ns.connect_timeout, read=None, write=30.0, pool=None),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    flow = FlowControl(backends, metrics, Saturation(ns.saturation_queue_depth,
+                                                     ns.saturation_kv_usage),
+                       ns.flow_max_wait, ns.flow_max_queued, enabled=ns.flow_control)
+    objectives = ObjectiveTable(parse_objective_flags(ns.objective))
     state = RouterState(backends=backends, policy=policy, metrics=metrics, client=client,
                         holding=Holding(backends, metrics, ns.max_pending, ns.hold_timeout),
-                        hasher=hasher, max_retries=ns.max_retries, retry_after=ns.retry_after)
+                        hasher=hasher, max_retries=ns.max_retries, retry_after=ns.retry_after,
+                        flow=flow, objectives=objectives, tenant_header=ns.tenant_header.lower()
+                        if ns.tenant_header else None, migration_limit=ns.migration_limit)
     # The replicas' API key (the operator sets it from spec.runtime.apiKeySecret): only for the
     # router's own reads of /v1/models; clients' requests carry their own.
-    background = [LoadScraper(backends, client, ns.scrape_interval, api_key=os.environ.get("QUIRE_API_KEY")).run]
+    background = [LoadScraper(backends, client, ns.scrape_interval, api_key=os.environ.get("QUIRE_API_KEY"),
+                              on_scrape=flow.notify).run]
     if ns.k8s_service:
         background.append(_endpoint_slice_watch(ns, backends).run)
+    if ns.watch_objectives:
+        if not ns.k8s_service:
+            raise ValueError("--watch-objectives needs --k8s-service (its namespace's API)")
+        background.append(_objective_watch(ns, objectives).run)
+    if subscriber is not None:
+        background.append(subscriber.run)
     return state, background
 
 
@@ -138,6 +203,17 @@ def build_services(ns: argparse.Namespace, state) -> list:
                          f"({ns.port}), got {ns.ext_proc_port}")
     from quire.router.ext_proc import ExtProcServer
     return [ExtProcServer(state, ns.host, ns.ext_proc_port)]
+
+
+def _objective_watch(ns, table):
+    from quire.router.discovery_k8s import in_cluster, pod_namespace
+    from quire.router.objectives import InferenceObjectiveWatch
+    if ns.kube_api:
+        api, headers, verify = ns.kube_api, {}, True
+    else:
+        api, headers, verify = in_cluster()
+    return InferenceObjectiveWatch(api, ns.k8s_namespace or pod_namespace(), table,
+                                   pool=ns.inference_pool, headers=headers, verify=verify)
 
 
 def _endpoint_slice_watch(ns, backends):

@@ -21,7 +21,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from quire.router.backends import Backend
+from quire.router.flow_control import Shed, WaitExpired
 from quire.router.holding import HoldRejected
+from quire.router.objectives import BadPriority, request_priority, tenant_of
 from quire.router.policies import Choice
 from quire.router.proxy import RouterState
 
@@ -34,11 +36,12 @@ class BadRequestBody(ValueError):
 
 
 class NoEndpoint(Exception):
-    """No replica may take the request now (a 503)."""
+    """No replica may take the request now (a 503; 429 for a shed sheddable request)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, status: int = 503) -> None:
         super().__init__(message)
         self.reason = reason  # the rejected-requests metric's label
+        self.status = status
 
 
 def endpoint_of(backend: Backend) -> str:
@@ -86,12 +89,21 @@ class EndpointPicker:
     def __init__(self, state: RouterState) -> None:
         self.state = state
 
-    async def pick(self, path: str, body: dict | None, subset: list[str] | None = None) -> Choice:
+    async def pick(self, path: str, body: dict | None, subset: list[str] | None = None,
+                   headers: dict[str, str] | None = None) -> Choice:
         """The replica for this request (body None: none was read; load alone decides).
         `subset`: the gateway's endpoint-subset hint, "ip:port" strings to choose among.
-        Raises NoEndpoint when no replica may take it (after the hold, as in HTTP mode)."""
+        `headers` (lower-case names): the objective and tenant headers flow control reads.
+        Raises NoEndpoint when no replica may take it (after the hold, as in HTTP mode; a
+        429 for a sheddable request while every replica is saturated, a 503 after the flow
+        control's wait bound), BadRequestBody for an invalid priority."""
         st = self.state
         st.metrics.request_arrived()
+        headers = headers or {}
+        try:
+            priority, _ = request_priority(headers, body, st.objectives, st.metrics)
+        except BadPriority as e:
+            raise BadRequestBody(f"priority: {e}") from None
         hashes = []
         if st.hasher is not None and body is not None:
             hashes = await asyncio.to_thread(st.hasher.hashes, path, body)
@@ -99,6 +111,24 @@ class EndpointPicker:
             await st.holding.until_backend()
         except HoldRejected as e:
             raise self._rejected(e.reason, str(e)) from None
+        ticket = None
+        if st.flow is not None:
+            try:
+                ticket = await st.flow.admit(priority, tenant_of(headers, st.tenant_header))
+            except Shed as e:
+                raise NoEndpoint("saturated", str(e), 429) from None
+            except WaitExpired as e:
+                raise self._rejected(e.reason, str(e)) from None
+        try:
+            return self._choose(path, body, subset, hashes)
+        finally:
+            # the conversation counts it on its replica at once: the next waiter may be judged
+            if st.flow is not None:
+                st.flow.dispatched(ticket)
+
+    def _choose(self, path: str, body: dict | None, subset: list[str] | None,
+                hashes: list[bytes]) -> Choice:
+        st = self.state
         candidates = st.backends.all()
         if subset is not None:
             wanted = set(subset)

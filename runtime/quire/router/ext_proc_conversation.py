@@ -53,6 +53,7 @@ class Conversation:
         self.response_mode = Mode.FULL_DUPLEX_STREAMED
         self.body_before_headers_answer = True
         self.path = "/"
+        self.headers: dict[str, str] = {}  # the request's (objective and tenant headers)
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []
         self.headers_held = False  # their answer waits for the body
@@ -87,10 +88,14 @@ class Conversation:
         if self.backend is not None:
             self.backend.in_flight -= 1
             self.backend = None
+            flow = self.picker.state.flow
+            if flow is not None:
+                flow.notify()  # room on that replica, perhaps, for a waiter
 
     # --- the request direction -----------------------------------------------------------
     async def _request_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
-        self.path = msg.header_map(headers.headers).get(":path", "/").split("?", 1)[0]
+        self.headers = {k.lower(): v for k, v in msg.header_map(headers.headers).items()}
+        self.path = self.headers.get(":path", "/").split("?", 1)[0]
         if headers.end_of_stream or self.request_mode == Mode.NONE:
             return await self._route(None, "request_headers")
         if self.request_mode in BUFFERED_MODES:
@@ -144,10 +149,13 @@ class Conversation:
 
     async def _route(self, body: dict | None, phase: str) -> list[pb.ProcessingResponse]:
         try:
-            choice = await self.picker.pick(self.path, body, self.subset)
+            choice = await self.picker.pick(self.path, body, self.subset, self.headers)
         except NoEndpoint as e:
             self.finished = True
-            return [msg.immediate(503, str(e), e.reason, self.retry_after)]
+            return [msg.immediate(e.status, str(e), e.reason, self.retry_after)]
+        except BadRequestBody as e:  # an invalid priority
+            self.finished = True
+            return [msg.immediate(400, str(e), "bad_request")]
         self.backend = choice.backend
         self.backend.in_flight += 1
         return [msg.destination(endpoint_of(self.backend), phase)]

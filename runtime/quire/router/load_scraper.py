@@ -45,8 +45,10 @@ def parse_load(text: str) -> tuple[float, float, float]:
 
 class LoadScraper:
     def __init__(self, backends: BackendSet, client: httpx.AsyncClient, interval: float,
-                 timeout: float = 2.0, api_key: str | None = None) -> None:
+                 timeout: float = 2.0, api_key: str | None = None,
+                 on_scrape=None) -> None:
         self.backends = backends
+        self.on_scrape = on_scrape  # called after each round (flow control re-judges room)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = client
         self.interval = interval
@@ -55,6 +57,8 @@ class LoadScraper:
 
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(b) for b in self.backends.all()))
+        if self.on_scrape is not None:
+            self.on_scrape()
 
     async def _scrape(self, backend: Backend) -> None:
         await asyncio.gather(self._scrape_load(backend), self._read_models(backend))

@@ -36,6 +36,27 @@ class RouterMetrics:
                                 "Requests answered 503 by the router itself, by why.",
                                 ("reason",), registry=r)
         self.requests = Counter("quire_router:requests", "Requests received.", registry=r)
+        # flow control (flow_control.py) and priorities (objectives.py)
+        self.flow_queued = Gauge("quire_router:flow_control_queued_requests",
+                                 "Requests waiting because every replica is saturated, by "
+                                 "priority (GIE's: higher first).", ("priority",), registry=r)
+        self.flow_wait_seconds = Histogram("quire_router:flow_control_wait_seconds",
+                                           "How long requests waited for a replica with room.",
+                                           buckets=HOLD_BUCKETS, registry=r)
+        self.shed = Counter("quire_router:shed_requests",
+                            "Sheddable requests (priority < 0) answered 429 while every "
+                            "replica was saturated.", ("reason",), registry=r)
+        self.unknown_objectives = Counter(
+            "quire_router:unknown_objectives", "Requests naming an InferenceObjective the "
+            "router does not know (they got the default priority).", registry=r)
+        # request migration (migration.py)
+        self.migrations = Counter("quire_router:migrations",
+                                  "Requests sent on to another replica after theirs broke off "
+                                  "(connection_lost, aborted, error_event).", ("reason",),
+                                  registry=r)
+        self.migration_failures = Counter(
+            "quire_router:migration_failures", "Broken streams no replica could continue "
+            "(they ended with an error event).", registry=r)
         self.hold_seconds = Histogram("quire_router:hold_seconds",
                                       "How long held requests waited for a replica.",
                                       buckets=HOLD_BUCKETS, registry=r)

@@ -40,7 +40,8 @@ class _TracedProxy:
             f"POST {scope['path']}", context=parent, kind=server_span_kind(),
             attributes={GenAI.OPERATION: operation, HTTP.METHOD: "POST",
                         HTTP.PATH: scope["path"]})
-        scope = {**scope, "headers": with_span_context(scope["headers"], span, parent)}
+        scope = {**scope, "headers": with_span_context(scope["headers"], span, parent),
+                 "quire.router.span": span}  # the proxy records migrations on it
         status: int | None = None
         error: str | None = None
 

@@ -11,6 +11,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from quire.entrypoints.chat_run import ChatChunks, answer_parts, start_chat
+from quire.entrypoints.logprobs import prompt_logprobs_out
 from quire.entrypoints.openai_protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -36,13 +37,14 @@ async def chat_completions(request: Request):
     serving = serving_of(request)
     req = await read_body(request, ChatCompletionRequest)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    run = await start_chat(serving, req, request_id)
+    run = await start_chat(serving, req, request_id, priority=req.priority)
     if req.stream:
         guard = StreamGuard(serving, run.streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatChunks(request_id, run.model, run.params, run.tools, run.reasoning)
         return GuardedStreamingResponse(
-            sse_events(serving, request_id, guard, run.params.n, fmt, include_usage), guard,
+            sse_events(serving, request_id, guard, run.params.n, fmt, include_usage,
+                       token_ids=req.return_token_ids), guard,
             "text/event-stream")
     try:
         out = (await serving.finals(run.streams, disconnected(request)))[0]
@@ -62,4 +64,5 @@ async def chat_completions(request: Request):
     return json_response(ChatCompletionResponse(
         id=request_id, model=run.model, choices=choices,
         usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens,
-                           out.num_cached_tokens)))
+                           out.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
+from quire.entrypoints.errors import unsupported_media_type
 from quire.entrypoints.openai_protocol import parse_request
 from quire.entrypoints.serving import Serving
 
@@ -20,7 +21,13 @@ def serving_of(request: Request) -> Serving:
 
 async def read_body(request: Request, cls):
     """The body parsed as `cls` (400 naming the field); its size was bounded before it was
-    read (the body-limit middleware)."""
+    read (the body-limit middleware). A body declared as anything but JSON is vLLM's 415,
+    before it is read (no Content-Type at all is taken as JSON)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None:
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise unsupported_media_type(content_type)
     return parse_request(cls, await request.body())
 
 
