@@ -369,3 +369,20 @@ def test_no_kv_block_left_in_use(servers):
     for srv in servers.values():
         assert metric(wait_idle(srv), "quire:kv_cache_blocks_used") == 0
     assert not servers["runtime"].error_lines()
+
+
+def test_responses_and_messages_pick_the_adapter_by_model(srv, reference):
+    """/v1/responses and /v1/messages serve an adapter named by `model` as chat does: the
+    greedy answer to CHAT is the adapter's reference, not the base model's."""
+    r = post(srv, "/v1/responses", {"model": "b", "input": CHAT, "temperature": 0,
+                                    "max_output_tokens": MAX_TOKENS})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "b"
+    assert r.json()["output"][0]["content"][0]["text"] == reference["b"][-1]
+    m = post(srv, "/v1/messages", {"model": "b", "messages": CHAT, "temperature": 0,
+                                   "max_tokens": MAX_TOKENS}, headers={"x-api-key": API_KEY})
+    assert m.status_code == 200, m.text
+    assert m.json()["content"][0]["text"] == reference["b"][-1] != reference[None][-1]
+    m = post(srv, "/v1/messages", {"model": "no-such-adapter", "messages": CHAT,
+                                   "max_tokens": 2})
+    assert m.status_code == 404 and m.json()["error"]["type"] == "not_found_error"

@@ -18,6 +18,7 @@ from quire.entrypoints.responses_conversation import chat_request, conversation_
 from quire.entrypoints.responses_protocol import ResponsesRequest
 from quire.entrypoints.responses_store import ResponseStore, StoredResponse
 from quire.entrypoints.serving import Serving
+from quire.sampling_params import SamplingParams
 
 
 def _stored(text: str) -> StoredResponse:
@@ -46,25 +47,24 @@ class _Stream:
 
 
 def _serving(add_request) -> Serving:
-    return Serving(SimpleNamespace(add_request=add_request), ServerLimits())
+    engine = SimpleNamespace(add_request=add_request,
+                             model_info=SimpleNamespace(runner="generate"))
+    return Serving(engine, ServerLimits())
 
 
-@pytest.mark.parametrize("takes_priority", [True, False])
-def test_priority_reaches_an_engine_that_takes_it(monkeypatch, takes_priority):
+@pytest.mark.parametrize(("priority", "passed"), [(-4, -4), (7, 7), (None, "unset")])
+def test_priority_reaches_the_engine(monkeypatch, priority, passed):
     from quire.entrypoints import serving as serving_module
     monkeypatch.setattr(serving_module, "RequestStream", _Stream)
     calls = []
-    if takes_priority:
-        async def add_request(rid, prompt, params, lora_request=None, cache_salt=None,
-                              priority=0):
-            calls.append(priority)
-            return _Stream()
-    else:
-        async def add_request(rid, prompt, params, lora_request=None, cache_salt=None):
-            calls.append(None)
-            return _Stream()
-    asyncio.run(_serving(add_request).submit("r", [[1, 2]], object(), priority=-4))
-    assert calls == ([-4] if takes_priority else [None])
+
+    async def add_request(rid, prompt, params, lora_request=None, cache_salt=None,
+                          priority="unset"):
+        calls.append(priority)
+        return _Stream()
+    asyncio.run(_serving(add_request).submit("r", [[1, 2]], SamplingParams(),
+                                             priority=priority))
+    assert calls == [passed]
 
 
 def test_response_items_become_the_chat_conversation():

@@ -262,3 +262,18 @@ def test_the_api_key_is_also_taken_as_x_api_key():
     # the OpenAI endpoints keep OpenAI's shape
     r = requests.post(tiny.url + "/v1/responses", json={"input": "hi"}, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_cache_salt_keeps_prefix_cache_hits_apart(aclient):
+    ask = {"messages": USER, "system": SYSTEM * 4, "max_tokens": 2}
+    aclient.messages.create(model=SMOLLM_NAME, **ask)
+    hit = aclient.messages.create(model=SMOLLM_NAME, **ask)
+    assert hit.usage.cache_read_input_tokens >= 16
+    salted = aclient.messages.create(model=SMOLLM_NAME, **ask,
+                                     extra_body={"cache_salt": "tenant-9c1"})
+    assert salted.usage.cache_read_input_tokens == 0
+    total = salted.usage.input_tokens
+    again = aclient.messages.create(model=SMOLLM_NAME, **ask,
+                                    extra_body={"cache_salt": "tenant-9c1"})
+    assert again.usage.cache_read_input_tokens >= 16
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total

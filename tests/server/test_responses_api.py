@@ -113,6 +113,24 @@ def test_max_output_tokens_cut_is_incomplete(client):
     assert events[-1].response.output_text == r.output_text
 
 
+def test_top_logprobs_equal_the_chat_logprobs(client):
+    r = _respond(client, input=QUESTION, top_logprobs=2, max_output_tokens=6)
+    c = _chat(client, [{"role": "user", "content": QUESTION}], max_tokens=6, logprobs=True,
+              top_logprobs=2)
+    want = [(t.token, round(t.logprob, 5), [(x.token, round(x.logprob, 5))
+                                            for x in t.top_logprobs])
+            for t in c.choices[0].logprobs.content]
+    got = [(t.token, round(t.logprob, 5), [(x.token, round(x.logprob, 5))
+                                           for x in t.top_logprobs])
+           for t in r.output[0].content[0].logprobs]
+    assert got == want and len(got) == 6
+    events = list(_respond(client, input=QUESTION, top_logprobs=2, max_output_tokens=6,
+                           stream=True))
+    streamed = [(t.token, round(t.logprob, 5)) for e in events
+                if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert streamed == [w[:2] for w in want]
+
+
 def _calls_of_chat(c) -> list[tuple[str, str]]:
     return [(t.function.name, t.function.arguments) for t in c.choices[0].message.tool_calls]
 
@@ -182,6 +200,9 @@ def test_stored_responses_are_retrieved_and_unknown_ids_are_404(client, srv):
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
     body = requests.post(srv.url + "/v1/responses", timeout=60, json={
         "input": "hi", "previous_response_id": unstored.id}).json()
     assert body["error"]["param"] == "previous_response_id"
@@ -263,3 +284,15 @@ def test_openapi_declares_the_request_bodies(srv):
             "priority"} <= set(fields)
     assert "/v1/messages" in spec["paths"] and "/v1/messages/count_tokens" in spec["paths"]
     json.dumps(spec)
+
+
+def test_cache_salt_keeps_prefix_cache_hits_apart(client):
+    """The prefix cache reports its hits in usage, and a salt shares them only with itself
+    (the prompt is several blocks long: the instructions make it so)."""
+    ask = {"input": QUESTION, "instructions": INSTRUCTIONS * 4, "max_output_tokens": 2}
+    _respond(client, **ask)
+    assert _respond(client, **ask).usage.input_tokens_details.cached_tokens >= 16
+    salted = _respond(client, **ask, extra_body={"cache_salt": "tenant-7f3"})
+    assert salted.usage.input_tokens_details.cached_tokens == 0
+    again = _respond(client, **ask, extra_body={"cache_salt": "tenant-7f3"})
+    assert again.usage.input_tokens_details.cached_tokens >= 16

@@ -56,7 +56,6 @@ class Serving:
     model_aliases: tuple[str, ...] = ()    # the base model's other --served-model-name names
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     default_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs
-    tokenizer_info: bool = False           # --enable-tokenizer-info-endpoint
     _pool: TokenizerPool | None = None
     _special_ids: frozenset[int] | None = None
     _responses: ResponseStore | None = None

@@ -112,6 +112,8 @@ class MessageEvents:
         self.kind: str | None = None  # its type: thinking, text or tool_use
 
     async def stream(self, guard: StreamGuard) -> AsyncIterator[str]:
+        # the prefix-cache hit is known only once the engine has the request: message_start
+        # counts the whole prompt, message_delta splits it (input + cache_read)
         start = MessageResponse(id=self.run.request_id, model=self.run.model,
                                 usage=MessagesUsage(input_tokens=len(self.run.prompt),
                                                     output_tokens=0))

@@ -1,7 +1,8 @@
 """/v1/responses (OpenAI's Responses API, as vLLM serves it): the input items, after the
 stored conversation `previous_response_id` names, answered as a chat completion (chat_run.py:
 the same template, tools, reasoning parser, grammar, limits, cache_salt, LoRA and metrics),
-whole or as the Responses event stream; GET /v1/responses/{id} returns a stored response.
+whole or as the Responses event stream; GET /v1/responses/{id} returns a stored response and
+DELETE forgets it.
 
 The stream: response.created, response.in_progress, then per output item (reasoning, the
 message, each function call) output_item.added, its content part's added / deltas / done
@@ -106,6 +107,13 @@ async def retrieve_response(request: Request, response_id: str):
     if stored is None:
         raise response_not_found(response_id, "response_id")
     return JSONResponse(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str):
+    if not serving_of(request).responses.delete(response_id):
+        raise response_not_found(response_id, "response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 def response_not_found(response_id: str, param: str) -> OpenAIError:
