@@ -243,3 +243,4 @@ def test_a_migration_is_counted_and_traced_on_the_routers_span():
     assert (attributes["quire.migration.from"], attributes["quire.migration.to"]) == \
         (victim.url, other.url)
     assert attributes["quire.migration.reason"] == "connection_lost"
+    assert span.attributes["quire.request.priority"] == 0
