@@ -42,7 +42,10 @@ async def _stream(body: dict, sse: bool):
                 os._exit(1)
             text = f"{ARGS.name}-{i} "
             if sse:
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text}], 'backend': ARGS.name})}\n\n"
+                choice = {"index": 0, "text": text}
+                if body.get("return_token_ids"):  # the runtime's contract, as a router asks
+                    choice["token_ids"] = [1000 + i]
+                yield f"data: {json.dumps({'choices': [choice], 'backend': ARGS.name})}\n\n"
             else:
                 yield json.dumps({"text": [text], "backend": ARGS.name}) + "\0"
             await asyncio.sleep(ARGS.interval)
