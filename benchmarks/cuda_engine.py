@@ -117,7 +117,7 @@ def quire_greedy(path: str, prompts, max_new: int, **engine) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     used = llm.engine.kv_manager.pool.num_used_blocks
-    graphs = llm.engine.runner.cuda_graphs
+    graphs = llm.engine.executor.runner.cuda_graphs
     captured = sorted(graphs.graphs) if graphs is not None else "none (eager)"
     del llm
     free_gpu()

@@ -5,17 +5,30 @@ For each case it prints the decode speed (steps timed after the prefill), then a
 torch.profiler table of the top ops over a stretch of decode steps: each op's share of the
 profiled step's wall time and its milliseconds per step; what no torch op accounts for (Python,
 the native kernels called through ctypes, scheduling, sampling) is the last row. Where decode
-steps run in the native decode stack (a quantized model: quire/models/decode_stack.py), a
+steps run in the native decode stack (a quantized model: quire/native/decode_stack.py), a
 second table splits the stack's time by phase (its own timers, summed over the layers).
 
     python benchmarks/decode_profile.py
     python benchmarks/decode_profile.py --cases bf16-1 --steps 64 --top 12
+
+With `--baseline REV` it measures the engine-step cost of this checkout beside an older
+commit's engine (a `git archive` snapshot of its runtime/), in alternating rounds in fresh
+processes, and prints each case's median ms per decode step for both and their ratio:
+
+    python benchmarks/decode_profile.py --baseline e189fa3 --rounds 5 --cases bf16-1,bf16-32
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 
 from machine import StealMeter
@@ -54,7 +67,7 @@ def profile(llm, batch: int, args) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     _start(llm, batch, args.prompt_len, args.steps + 2, seed=2)
-    stack = getattr(llm.engine.runner, "decode_stack", None)
+    stack = getattr(llm.engine.executor.runner, "decode_stack", None)
     if stack is not None:
         stack.profile()
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -83,7 +96,7 @@ def profile(llm, batch: int, args) -> None:
     if stack is not None:
         phases = stack.timings()
         stack.profile(False)
-        print(f"  decode stack (all {len(llm.engine.model.layers)} layers in one native call), "
+        print(f"  decode stack (all {len(llm.engine.executor.model.layers)} layers in one native call), "
               f"by phase:")
         print("  | phase | % of step | ms/step |")
         print("  |---|---|---|")
@@ -103,7 +116,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--no-profile", action="store_true", help="speed only")
+    ap.add_argument("--baseline", default=None,
+                    help="a git revision: compare this engine's step cost with that one's")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (--baseline)")
     args = ap.parse_args()
+    if args.baseline:
+        compare_with_baseline(args)
+        return
     from quire import LLM, SamplingParams
     for case in args.cases.split(","):
         dtype, batch = CASES[case]
@@ -117,6 +136,42 @@ def main() -> None:
         if not args.no_profile:
             profile(llm, batch, args)
         llm.engine.shutdown()
+
+
+def compare_with_baseline(args) -> None:
+    """This checkout and `args.baseline`, each case in a fresh process, rounds alternating
+    (so a drift of the host shows as spread, not as a ratio); medians per case."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    snapshot = tempfile.mkdtemp(prefix="quire-baseline-")
+    archive = subprocess.run(["git", "-C", root, "archive", args.baseline, "runtime"],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+        tar.extractall(snapshot)
+    engines = {"this": os.path.join(root, "runtime"),
+               args.baseline: os.path.join(snapshot, "runtime")}
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.rounds):
+        for name, path in engines.items():
+            for case in args.cases.split(","):
+                cmd = [sys.executable, os.path.abspath(__file__), "--cases", case,
+                       "--no-profile", "--prompt-len", str(args.prompt_len),
+                       "--max-tokens", str(args.max_tokens)]
+                if args.num_threads:
+                    cmd += ["--num-threads", str(args.num_threads)]
+                env = dict(os.environ, PYTHONPATH=path)
+                out = subprocess.run(cmd, env=env, check=True, capture_output=True,
+                                     text=True).stdout
+                ms = float(re.search(r"([0-9.]+) ms per decode step", out).group(1))
+                times.setdefault((name, case), []).append(ms)
+                print(f"round {r + 1} {name:>10} {case}: {ms:.2f} ms/step", flush=True)
+    for case in args.cases.split(","):
+        new = statistics.median(times[("this", case)])
+        old = statistics.median(times[(args.baseline, case)])
+        print(f"{case}: this {new:.2f} ms/step, {args.baseline} {old:.2f} ms/step, "
+              f"ratio {new / old:.3f} (median of {args.rounds}; spread this "
+              f"{min(times[('this', case)]):.2f}-{max(times[('this', case)]):.2f}, "
+              f"{args.baseline} {min(times[(args.baseline, case)]):.2f}-"
+              f"{max(times[(args.baseline, case)]):.2f})")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def agreement(num_prompts: int, max_tokens: int) -> None:
                add_special_tokens=False).input_ids for c in prompts(num_prompts, 0)]
     folder, name = os.path.split(default_model_path())
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    hf = hf_with_weights(hf, dequantized_state_dict(llm.engine.model))
+    hf = hf_with_weights(hf, dequantized_state_dict(llm.engine.executor.model))
     del llm
 
     def generate() -> list[list[int]]:

@@ -190,7 +190,7 @@ def main() -> None:
 
     cfg = llm.engine.model_config
     kv_value_bytes = torch.empty((), dtype=llm.engine.kv_dtype).element_size()
-    quire_bytes = (quire_weight_bytes(llm.engine.model)
+    quire_bytes = (quire_weight_bytes(llm.engine.executor.model)
                    + kv_bytes_per_token(cfg, args.prompt_len + args.decode_tokens / 2,
                                         kv_value_bytes))
     file_bytes, unread_embd = gguf_weight_bytes(gguf)

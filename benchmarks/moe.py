@@ -200,7 +200,7 @@ llm = LLM(folder, dtype=dtype, quantization=quant, kv_cache_memory=1 << 20)
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 kb = lambda k: int(status[k].split()[0]) * 1024
 print(json.dumps({"rss": kb("VmRSS"), "peak": kb("VmHWM"),
-                  "weights": parameter_bytes(llm.engine.model)}))
+                  "weights": parameter_bytes(llm.engine.executor.model)}))
 """
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from quire.layers import quant_formats as qf
 from quire.layers import quant_kernels
-from quire.models import packed_linear
+from quire.native import packed_linear
 
 # SmolLM2-135M: fused qkv, o, fused gate/up, down, the tied LM head (N, K)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

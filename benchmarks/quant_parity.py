@@ -51,11 +51,11 @@ def main() -> None:
                    add_special_tokens=False).input_ids for c in chats]
         got = [o.outputs[0].token_ids for o in
                llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)]
-        kernel = llm.engine.model.layers[0].qkv_proj
+        kernel = llm.engine.executor.model.layers[0].qkv_proj
         kernel = getattr(getattr(kernel, "quant_kernel", None), "name", "float")
         hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                   dtype=torch.float32).eval()
-        hf = hf_with_weights(hf, dequantized_state_dict(llm.engine.model))
+        hf = hf_with_weights(hf, dequantized_state_dict(llm.engine.executor.model))
         want = []
         with torch.no_grad():
             for p in ids:

@@ -56,7 +56,7 @@ def run(model: str, tp: int, threads: int, args) -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
-        weights = parameter_bytes(llm.engine.model)
+        weights = parameter_bytes(llm.engine.executor.model)
         print(f"TP={tp} x {threads} thread(s), {str(llm.engine.dtype).removeprefix('torch.')}: "
               f"{args.num_requests} requests in {wall:.1f} s, {generated / wall:.1f} generated "
               f"tok/s, {(generated + args.input_len * len(prompts)) / wall:.1f} total tok/s; "

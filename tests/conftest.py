@@ -2,15 +2,66 @@
 tiny models, live servers and emulators that wait more than they compute, so two workers
 overlap the waits; each worker's engines then take one CPU thread (QUIRE_NUM_THREADS, torch's
 pool), so two workers on two cores never ask for more threads than there are CPUs. A test that
-sets its own threads keeps them."""
+sets its own threads keeps them.
+
+No process outlives the run: the session marks its environment (child_processes.SESSION_MARK,
+inherited by the workers and everything they start); each worker stops the shared servers it
+started at its session's end, and the run's own end (the controller, after the workers are
+gone) fails the run, naming them, if any marked process is still alive after a grace period,
+and then ends them."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
+import uuid
+
+import pytest
+
+# servers given SIGTERM at a worker's end drain and exit within seconds
+SURVIVOR_GRACE_S = float(os.environ.get("QUIRE_TEST_SURVIVOR_GRACE", "30"))
 
 
 def pytest_configure(config):
+    from child_processes import SESSION_MARK  # tests/server, on pytest's pythonpath
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # a fresh run
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("QUIRE_NUM_THREADS", "1")
         import torch
         torch.set_num_threads(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(session, exitstatus):
+    from child_processes import stop_shared
+    stop_shared()  # (an xdist worker may never run atexit handlers)
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller checks, once every worker has ended
+    from child_processes import SESSION_MARK, describe, survivors
+    mark = os.environ.get(SESSION_MARK)
+    deadline = time.monotonic() + SURVIVOR_GRACE_S
+    left = survivors(mark, {os.getpid()})
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = survivors(mark, {os.getpid()})
+    if not left:
+        return
+    lines = [f"{len(left)} process(es) started by this test run outlived it "
+             f"({SURVIVOR_GRACE_S:.0f} s after its end); ending them:",
+             *(f"  {describe(p)}" for p in left)]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(line, file=sys.stderr)
+    for proc in left:  # ours by the mark in their environment
+        try:
+            proc.kill()
+        except Exception:
+            pass
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+

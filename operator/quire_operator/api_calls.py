@@ -45,6 +45,8 @@ API_CALLS: tuple[ApiCall, ...] = (
             "never called: the router's Role grants it, and RBAC lets one grant only what one holds"),
     ApiCall("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete"),
             "the optional PDB; watched (by label) for drift"),
+    ApiCall("apps", "statefulsets", ("get", "create", "patch", "delete"),
+            "spec.kvCache.offload.remote.valkey's Valkey; not watched: the resync repairs it"),
     # Kinds of optional CRDs: not watched (kopf would stall on a kind the cluster lacks); the
     # periodic resync repairs their drift. Deleted when the spec stops asking for them.
     ApiCall("inference.networking.k8s.io", "inferencepools", ("get", "create", "patch", "delete"),

@@ -7,7 +7,7 @@
         inferencePool:
           enabled: true              # an InferencePool <name> over the runtime pods
           failureMode: FailClose     # FailOpen: the Gateway picks a pod itself when the router is down
-        httpRoute:
+        httpRoute:                   # only while the pool is on: its backend is the pool
           parentRefs:                # Gateways to attach an HTTPRoute <name> (backend: the pool) to
             - name: inference-gateway
               namespace: gateways
@@ -99,9 +99,8 @@ def parse_gateway_spec(raw_spec: Mapping[str, Any] | None, *, router_enabled: bo
 
     parent_refs = tuple(_parent_ref(ref, f"{route_path}.parentRefs[{i}]")
                         for i, ref in enumerate(_list(route, "parentRefs", route_path, MAX_PARENT_REFS)))
-    if parent_refs and not enabled:
-        raise SpecError(f"{route_path}.parentRefs", "needs inferencePool.enabled: true (the route's "
-                                                    "backend is the InferencePool)")
+    # parentRefs with the pool off are kept, unused: the pool's switch turns the route (whose
+    # backend it is) off with it, and back on with it
     hostnames = _list(route, "hostnames", route_path, MAX_HOSTNAMES)
     for i, hostname in enumerate(hostnames):
         if not isinstance(hostname, str) or len(hostname) > 253 or not HOSTNAME.match(hostname):

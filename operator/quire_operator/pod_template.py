@@ -7,7 +7,9 @@ import math
 from . import names, pod_security
 from .adapter_spec import ADAPTERS_MOUNT, adapter_claims, claim_volume_name, lora_flags
 from .gateway_children import gateway_runtime_args
+from .kv_cache_spec import kv_offload_args, kv_offload_env, kv_offload_volumes
 from .observability_spec import tracing_args, tracing_env
+from .router_children import kv_events_args, kv_events_env
 from .spec import LLMSpec, RuntimeSpec
 from .tls_spec import server_tls_args, tls_volume, with_https
 
@@ -30,8 +32,9 @@ def model_argument(spec: LLMSpec) -> str | None:
     return source
 
 
-def server_args(spec: LLMSpec) -> list[str]:
-    """The arguments after `quire`: the runtime's CLI, vLLM-style flag names."""
+def server_args(spec: LLMSpec, name: str = "") -> list[str]:
+    """The arguments after `quire`: the runtime's CLI, vLLM-style flag names (`name`: the
+    LLMDeployment's, which the KV tiers' and events' Services take)."""
     args = ["serve"]
     model = model_argument(spec)
     if model is not None:
@@ -50,6 +53,8 @@ def server_args(spec: LLMSpec) -> list[str]:
     args += gateway_runtime_args(spec)
     args += server_tls_args(spec.tls)
     args += tracing_args(spec.observability)
+    args += kv_offload_args(name, spec.kv_offload)
+    args += kv_events_args(name, spec.router, spec.port)
     args += list(spec.runtime.extra_args)
     return args
 
@@ -129,8 +134,10 @@ def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTERS_MOUNT}/{claim}", "readOnly": True})
     tls_volumes, tls_mounts = tls_volume(spec.tls)  # spec.tls's Secret
+    kv_volumes, kv_mounts = kv_offload_volumes(spec.kv_offload)  # the disk tier
     writable, writable_mounts = pod_security.writable_volumes()  # the root filesystem is read-only
-    return volumes + tls_volumes + writable, mounts + tls_mounts + writable_mounts
+    return (volumes + tls_volumes + kv_volumes + writable,
+            mounts + tls_mounts + kv_mounts + writable_mounts)
 
 
 def _probes(spec: LLMSpec) -> dict:
@@ -159,9 +166,10 @@ def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
         "name": names.CONTAINER_NAME,
         "image": spec.image or default_image,
         "command": ["quire"],
-        "args": server_args(spec),
+        "args": server_args(spec, name),
         "ports": [{"name": names.PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
-        "env": _env(spec) + tracing_env(spec.observability, name, spec.env),
+        "env": (_env(spec) + tracing_env(spec.observability, name, spec.env)
+                + kv_offload_env(spec.kv_offload) + kv_events_env(spec.router)),
         "resources": _resources(spec),
         "volumeMounts": mounts,
         "securityContext": pod_security.container_security_context(),

@@ -31,6 +31,7 @@ from .drift import drift_of, patch_for
 from .gateway_children import gateway_child_names, gateway_children
 from .keda_children import desired_scaled_object, keda_child_names
 from .kube import ApiError, Kube, resource_path
+from .kv_cache_spec import desired_valkey_children, valkey_child_names
 from .network_policy import desired_network_policies, policy_names, policy_settings
 from .pod_tls import with_trust_key
 from .router_children import desired_router_service, router_child_names, router_children
@@ -46,6 +47,7 @@ Announce = Callable[[str, str, str], None]
 # kind → (group, version, plural)
 KINDS = {
     "Deployment": ("apps", "v1", "deployments"),
+    "StatefulSet": ("apps", "v1", "statefulsets"),
     "Service": ("", "v1", "services"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
     "ServiceAccount": ("", "v1", "serviceaccounts"),
@@ -185,6 +187,9 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
     if spec.gateway.inference_pool:
         _prune_objectives(kube, namespace, name, {c["metadata"]["name"] for c in gateway
                                                   if c["kind"] == "InferenceObjective"}, announce)
+    # spec.kvCache.offload.remote.valkey: the shared KV tier's server, before the pods need it
+    _apply_optional(kube, namespace, desired_valkey_children(owner, spec.kv_offload),
+                    valkey_child_names(name), announce, "spec.kvCache.offload does not ask for a Valkey")
     scaled_object = desired_scaled_object(owner, spec)
     _apply_optional(kube, namespace, [scaled_object] if scaled_object else [], keda_child_names(name),
                     announce, "spec.autoscaling.provider is not keda")

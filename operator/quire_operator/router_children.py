@@ -28,6 +28,9 @@ from .tls_spec import backend_tls_args, server_tls_args, tls_volume, with_https
 ROUTER_LABEL = "quire.dev/router"
 ROUTER_PORT = 8080
 ROUTER_PORT_NAME = "http"
+# precise-prefix: the router binds this for the replicas' KV-cache events (kv_events_args)
+KV_EVENTS_PORT = 5557
+KV_EVENTS_PORT_NAME = "kv-events"
 
 
 def router_name(name: str) -> str:
@@ -68,7 +71,9 @@ def router_args(name: str, spec: RouterSpec) -> list[str]:
     for objective, priority in spec.objectives:  # spec.gateway.objectives: flow control's priorities
         args += ["--objective", f"{objective}={priority}"]
     args += tracing_args(spec.observability)
-    if spec.routing == "prefix-aware":  # it tokenizes prompts as the replicas do
+    if spec.routing == "precise-prefix":
+        args += ["--kv-events-bind", f"tcp://*:{KV_EVENTS_PORT}"]
+    if spec.routing in ("prefix-aware", "precise-prefix"):  # it tokenizes as the replicas do
         args += ["--block-size", str(spec.block_size)]
         if spec.model_pvc_claim and spec.model_source:
             args += ["--model", f"{names.MODELS_MOUNT}/{spec.model_source}"]
@@ -86,7 +91,9 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
         "args": router_args(name, spec),
         "ports": [{"name": ROUTER_PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}, *(
             [{"name": EXT_PROC_PORT_NAME, "containerPort": spec.ext_proc_port, "protocol": "TCP"}]
-            if spec.ext_proc_port is not None else [])],
+            if spec.ext_proc_port is not None else []), *(
+            [{"name": KV_EVENTS_PORT_NAME, "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
+            if spec.routing == "precise-prefix" else [])],
         # Always ready: with no replica it holds requests, which is its job during scale-up.
         "readinessProbe": {"httpGet": with_https({"path": "/ready", "port": ROUTER_PORT_NAME}, spec.tls),
                            "periodSeconds": 5},
@@ -105,7 +112,7 @@ def desired_router_deployment(owner: Mapping[str, Any], spec: RouterSpec, image:
     if tracing := tracing_env(spec.observability, router_name(name)):
         container["env"] = container["env"] + tracing
     volumes, mounts = [], []
-    if spec.routing == "prefix-aware" and spec.model_pvc_claim:  # the tokenizer lives there
+    if spec.routing in ("prefix-aware", "precise-prefix") and spec.model_pvc_claim:  # its tokenizer
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model_pvc_claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": names.MODELS_MOUNT, "readOnly": True})
@@ -156,7 +163,11 @@ def desired_router_service(owner: Mapping[str, Any], spec: RouterSpec) -> dict:
                 # the InferencePool's endpointPickerRef names this Service and port
                 [{"name": EXT_PROC_PORT_NAME, "port": spec.ext_proc_port,
                   "targetPort": EXT_PROC_PORT_NAME, "protocol": "TCP"}]
-                if spec.ext_proc_port is not None else [])],
+                if spec.ext_proc_port is not None else []), *(
+                # the replicas' KV-cache event publishers connect here (precise-prefix)
+                [{"name": KV_EVENTS_PORT_NAME, "port": KV_EVENTS_PORT,
+                  "targetPort": KV_EVENTS_PORT_NAME, "protocol": "TCP"}]
+                if spec.routing == "precise-prefix" else [])],
         },
     }, owner)
 
@@ -227,3 +238,24 @@ def router_child_names(name: str) -> list[tuple[str, str]]:
     return [("ServiceAccount", router_name(name)), ("Role", router_name(name)),
             ("RoleBinding", router_name(name)), ("Service", headless_service_name(name)),
             ("Deployment", router_name(name))]
+
+
+POD_IP_ENV = "QUIRE_POD_IP"
+
+
+def kv_events_args(name: str, spec: RouterSpec, runtime_port: int) -> list[str]:
+    """precise-prefix: each runtime pod publishes its KV-cache events to the router's Service,
+    its topic naming its own address (the router maps it to the backend)."""
+    if not (spec.enabled and spec.routing == "precise-prefix"):
+        return []
+    import json
+    config = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://{name}:{KV_EVENTS_PORT}",
+              "topic": f"kv@$({POD_IP_ENV}):{runtime_port}@{name}"}
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
+def kv_events_env(spec: RouterSpec) -> list[dict]:
+    if not (spec.enabled and spec.routing == "precise-prefix"):
+        return []
+    return [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]

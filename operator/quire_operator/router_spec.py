@@ -4,7 +4,8 @@
       router:
         enabled: true           # default false: the Service points at the runtime pods
         replicas: 2             # router pods (default 1)
-        routing: prefix-aware   # round-robin | least-load | prefix-aware (default)
+        routing: prefix-aware   # round-robin | least-load | prefix-aware (default) |
+                                # precise-prefix (the replicas' KV-cache events, one router)
         maxPending: 256         # requests held while no replica is ready
         holdTimeoutSeconds: 300 # how long one is held before a 503
       autoscaling:
@@ -26,7 +27,7 @@ from .observability_spec import ObservabilitySpec
 from .spec_error import SpecError
 from .tls_spec import TLSSpec, parse_tls
 
-ROUTING_POLICIES = ("round-robin", "least-load", "prefix-aware")
+ROUTING_POLICIES = ("round-robin", "least-load", "prefix-aware", "precise-prefix")
 DEFAULT_BLOCK_SIZE = 16  # the runtime's default (EngineArgs.block_size)
 
 
@@ -120,6 +121,10 @@ def parse_router_spec(raw_spec: Mapping[str, Any] | None) -> RouterSpec:
         raise SpecError(f"{path}.routing", f"{routing!r} is not one of {', '.join(ROUTING_POLICIES)}")
     model = _section(spec, "model", "spec")
     runtime = _section(spec, "runtime", "spec")
+    if routing == "precise-prefix" and _int(router, "replicas", path, 1, minimum=1, maximum=100) > 1:
+        # each replica's publisher connects to one router pod through the Service
+        raise SpecError(f"{path}.replicas", "precise-prefix routing runs one router (the replicas' "
+                                            "KV-cache events reach one pod)")
     return RouterSpec(
         enabled=_bool(router, "enabled", path, False),
         replicas=_int(router, "replicas", path, 1, minimum=1, maximum=100),

@@ -16,6 +16,7 @@ from typing import Any
 from . import names, quantity
 from .adapter_spec import AdapterSpec, LoraSpec, lora_modules_in, parse_adapters, parse_lora
 from .gateway_spec import EXT_PROC_PORT, GatewaySpec, parse_gateway_spec
+from .kv_cache_spec import KVOffloadSpec, parse_kv_cache_spec
 from .observability_spec import ObservabilitySpec, parse_observability_spec
 from .router_spec import RouterSpec, ScaleToZeroSpec, parse_router_spec, parse_scale_to_zero
 from .spec_error import SpecError
@@ -123,6 +124,7 @@ class LLMSpec:
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     tls: TLSSpec = field(default_factory=TLSSpec)
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    kv_offload: KVOffloadSpec = field(default_factory=KVOffloadSpec)
 
 
 def check_name(name: str) -> None:
@@ -164,7 +166,14 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         autoscaling=_parse_autoscaling(scaling),
         router=parse_router_spec(raw),
         tls=parse_tls(raw),
+        kv_offload=parse_kv_cache_spec(raw),
     )
+    if parsed.kv_offload.enabled and parsed.runtime.enable_prefix_caching is False:
+        raise SpecError("spec.kvCache.offload", "the KV tiers keep prefix-cache blocks: they need "
+                                                "spec.runtime.enablePrefixCaching")
+    if parsed.kv_offload.enabled and parsed.parallelism.tensor > 1:
+        raise SpecError("spec.kvCache.offload", "KV tiers are not supported with "
+                                                "spec.parallelism.tensor > 1 yet")
     gateway = parse_gateway_spec(raw, router_enabled=parsed.router.enabled)
     router = replace(parsed.router, ext_proc_port=EXT_PROC_PORT, objectives=gateway.objectives) \
         if gateway.inference_pool else parsed.router

@@ -10,11 +10,12 @@ from quire.config import EngineArgs
 from quire.engine.beam_search import BeamSearchParams
 from quire.entrypoints.llm import LLM
 from quire.lora.request import LoRARequest
-from quire.outputs import CompletionOutput, Logprob, RequestOutput
+from quire.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from quire.pooling.params import PoolingParams
 from quire.sampling_params import RequestOutputKind, SamplingParams
 from quire.validation import QuireValidationError
-
-__version__ = "0.1.0"
+from quire.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
-           "CompletionOutput", "Logprob", "LoRARequest", "QuireValidationError", "__version__"]
+           "CompletionOutput", "Logprob", "LoRARequest", "QuireValidationError", "PoolingParams",
+           "EmbeddingRequestOutput", "__version__"]

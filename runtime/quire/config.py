@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from quire.kv_events.config import KVEventsConfig
+from quire.kv_tiers.config import KVOffloadConfig
 from quire.priorities import SCHEDULING_POLICIES
-from quire.spec_decode.config import SpeculativeConfig
+from quire.speculative_config import SpeculativeConfig
 from quire.validation import QuireValidationError, check_int, check_number
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -89,10 +91,46 @@ class EngineArgs:
         "help": "adapters kept read on the host (LRU); default: max_loras"})
     lora_modules: dict[str, str] | None = field(default=None, metadata={
         "help": "adapters loaded at start: name -> PEFT folder"})
+    runner: str = field(default="auto", metadata={
+        "choices": ("auto", "generate", "pooling"),
+        "help": "generate (text) or pooling (embeddings: prefill only, no KV kept after); "
+                "auto: pooling for a base model checkpoint (an architecture like Qwen3Model), "
+                "else generate"})
+    convert: str = field(default="auto", metadata={
+        "choices": ("auto", "none", "embed"),
+        "help": "embed: serve a generation checkpoint (ForCausalLM) as an embedding model "
+                "(last-token pooling, normalized, unless its sentence-transformers files say "
+                "otherwise); implies the pooling runner"})
+    kv_offloading_backend: str = field(default="native", metadata={
+        "help": "where prefix-cache blocks evicted from the KV pool go (vLLM's name); "
+                "native: Quire's own host/disk/remote tiers", "choices": ("native",)})
+    kv_offloading_size: float | None = field(default=None, metadata={
+        "help": "GiB of host RAM that keep KV blocks beyond the pool (a prefix-cache miss "
+                "that hits them loads instead of recomputing); default: off"})
+    kv_offloading_disk_path: str | None = field(default=None, metadata={
+        "help": "folder for a disk tier of KV blocks (survives restarts; needs "
+                "--kv-offloading-disk-size)"})
+    kv_offloading_disk_size: float | None = field(default=None, metadata={
+        "help": "GiB the disk tier may use (least recently used blocks go first)"})
+    kv_offloading_remote: str | None = field(default=None, metadata={
+        "help": "redis://host:port of a Redis/Valkey server that replicas share KV blocks "
+                "through; unreachable: misses with a warning, never a failed request"})
+    kv_events_config: dict | str | None = field(default=None, metadata={
+        "help": "KV-cache events, vLLM's KVEventsConfig JSON: {\"enable_kv_cache_events\": "
+                "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"}"})
     speculative_config: dict | str | None = field(default=None, metadata={
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"model\": "
                 "DRAFT, \"num_speculative_tokens\": 4}"})
+    # the parsed speculative_config (set when validated; not a knob of its own)
+    speculative: SpeculativeConfig | None = field(default=None, init=False, repr=False,
+                                                  compare=False)
+    # the parsed KV-tier flags and kv_events_config (set when validated, like `speculative`)
+    kv_offload: KVOffloadConfig | None = field(default=None, init=False, repr=False,
+                                               compare=False)
+    kv_events: KVEventsConfig | None = field(default=None, init=False, repr=False,
+                                             compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,8 +172,17 @@ class EngineArgs:
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, lo=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        _choice("runner", self.runner, ("auto", "generate", "pooling"))
+        _choice("convert", self.convert, ("auto", "none", "embed"))
+        if self.convert == "embed" and self.runner == "generate":
+            raise QuireValidationError(
+                "convert", "convert 'embed' makes an embedding model, which runs on the pooling "
+                "runner; drop runner 'generate'", self.convert)
         _check_lora(self)
-        SpeculativeConfig.parse(self.speculative_config)  # a bad key fails here, named
+        # parsed once, here: a bad key fails at construction, named; the engine reads this
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_offload = KVOffloadConfig.from_args(self)
+        self.kv_events = KVEventsConfig.parse(self.kv_events_config)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise QuireValidationError(
                 "swap_space", "swap_space must be > 0 bytes when preemption_mode is 'swap'",
@@ -143,7 +190,7 @@ class EngineArgs:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

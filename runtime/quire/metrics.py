@@ -14,6 +14,9 @@ once it is unloaded and nothing uses it), and alongside them, whatever `compat`,
 comma-joined, value the time of the update), which LoRA-aware routers and endpoint pickers
 read; unlike vLLM, only the current label set is exported, not one series per set ever seen.
 
+With KV tiers on (`--kv-offloading-*`), `quire:kv_offload_{hits,misses,stores,evictions,errors,
+stored_bytes,loaded_bytes,load_seconds,lookups}_total` with a `tier` label (kv_tiers/metrics.py).
+
 With `compat="vllm"` the server also exports what the Gateway API Inference Extension's
 endpoint picker reads besides the queue and KV figures: `vllm:lora_requests_info` even with
 LoRA off (max_lora "0", no adapters: the picker treats a missing family as a failed scrape), and
@@ -160,6 +163,7 @@ class ServerMetrics:
         self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
         self.compat = compat
         self._lora: _LoRAMetrics | None = None  # made on the first snapshot with LoRA on
+        self._tiers = None  # kv_tiers.metrics.TierMetrics, on the first snapshot with tiers
         # vLLM's LoRA info: from the start with compat="vllm", else with LoRA's first snapshot
         self._lora_info = _LoRAInfo(self.registry) if compat == "vllm" else None
         self._cache_config = dict(cache_config or {})
@@ -228,6 +232,11 @@ class ServerMetrics:
                     self._lora_info = _LoRAInfo(self.registry)
                 self._lora = _LoRAMetrics(self.registry, self.model_name, self._lora_info)
             self._lora.record(snap.lora)
+        if snap.kv_tiers is not None:
+            if self._tiers is None:
+                from quire.kv_tiers.metrics import TierMetrics
+                self._tiers = TierMetrics(self.registry, self.model_name)
+            self._tiers.record(snap.kv_tiers)
         if self._cache_info is not None:
             self._record_cache_info(snap.blocks_total)
         for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),

@@ -72,3 +72,20 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one dict per prompt token, the first None (vLLM's)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # the pooling runner's: the prompt's embedding
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

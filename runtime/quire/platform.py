@@ -70,18 +70,3 @@ def _importable(module: str) -> bool:
         return True
     except ImportError:
         return False
-
-
-def attention_backend_class(name: str, device: torch.device):
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available(device) else "torch"
-    if name == "torch":
-        from quire.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend
-    if not triton_available(device):
-        raise ValueError(
-            f"attention_backend 'triton' needs a CUDA device with triton installed (or "
-            f"TRITON_INTERPRET=1 for tests); this engine runs on {device.type}. "
-            "Use attention_backend 'torch' or 'auto'.")
-    from quire.attention.triton_backend import TritonAttentionBackend
-    return TritonAttentionBackend

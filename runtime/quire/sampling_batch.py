@@ -4,8 +4,9 @@ The engine builds it from its sequences (engine/batch_builder.py); the worker's 
 the columns into tensors. Neutral ground: both sides import it, it imports neither.
 
 Per-request state that must outlive a step (a seeded row's own torch generator) stays with the
-engine's sequence; the batch hands the sampler a reference, which the sampler advances. Rank 0
-samples under tensor parallelism, in the engine's process, so the reference is never pickled.
+executor, keyed by the row's sequence id: the scheduler sends the seed and the id, and the
+executor puts the sequence's generator in `generators` before sampling. Rank 0 samples under
+tensor parallelism, in the engine's process, so a generator is never pickled.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ class SamplingBatch:
     penalized: list[bool]             # any penalty on: the row carries its token history
     prompt_token_ids: list[list[int]]  # penalized rows' prompt ([] elsewhere)
     output_token_ids: list[list[int]]  # penalized rows' outputs so far ([] elsewhere)
-    # the row's own generator (seeded, not greedy): it draws the same tokens whatever else
-    # shares the batch; None: the sampler's shared generator
-    generators: list[torch.Generator | None]
     banned_token_ids: list[list[int]]  # under min_tokens: EOS and stop ids can't be sampled
+    row_ids: list[str] = field(default_factory=list)  # the sequence each row samples for
+    seeds: list[int | None] = field(default_factory=list)  # seeded, non-greedy rows' seeds
+    # the row's own generator (seeded, not greedy; the executor fills these from its store):
+    # it draws the same tokens whatever else shares the batch; None: the shared generator
+    generators: list[torch.Generator | None] = field(default_factory=list)
     bitmask: torch.Tensor | None = None  # grammar masks, int32 [rows, words]; None: no grammar
     # speculative decoding: (first row, proposals) per sequence verifying proposals; its
     # 1 + len(proposals) consecutive rows are the target's positions from its known token on

@@ -38,6 +38,9 @@ class SamplingParams:
     max_tokens: int | None = 16         # None: up to the context length
     min_tokens: int = 0
     logprobs: int | None = None         # top-k logprobs per generated token
+    # top-k logprobs per prompt token (plus the token's own), from the prefill's logits;
+    # RequestOutput.prompt_logprobs, first position None (vLLM's)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE)
     guided_decoding: GuidedDecodingParams | None = None  # structured output (quire/structured)
@@ -92,6 +95,9 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
                  what=f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS,
+                      what=f"an integer in [0, {MAX_LOGPROBS}] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise QuireValidationError(
                 "output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",

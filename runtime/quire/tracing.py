@@ -40,7 +40,7 @@ OTEL_EXTRA_HINT = "pip install 'quire[otel]'"
 
 # The generation endpoints that get a span each, and their gen_ai.operation.name.
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
-              "/generate": "text_completion"}
+              "/generate": "text_completion", "/v1/responses": "chat", "/v1/messages": "chat"}
 
 
 class GenAI:
@@ -155,16 +155,16 @@ def start_tracing(flag: str | None, service_name: str,
         raise TracingUnavailable(
             f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP {protocol} "
             f"exporter, which are not installed ({e}); {OTEL_EXTRA_HINT}") from None
-    import quire
+    from quire.version import __version__
 
-    resource = Resource.create({SERVICE_VERSION: quire.__version__})
+    resource = Resource.create({SERVICE_VERSION: __version__})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     logger.info("tracing on: spans of service %s to %s (OTLP %s)",
                 resource.attributes.get(SERVICE_NAME), endpoint, protocol)
-    return Tracing(provider.get_tracer("quire", quire.__version__), provider, endpoint,
+    return Tracing(provider.get_tracer("quire", __version__), provider, endpoint,
                    protocol)
 
 

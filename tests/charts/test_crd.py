@@ -191,7 +191,8 @@ def test_every_cel_rule_parses_and_has_a_message():
     found = list(crd_rules.rules(schema_of(CRD)))
     assert {path for path, _, _ in found} == {".spec", ".spec.resources.cpu", ".spec.resources.memory",
                                               ".spec.parallelism.shmSize", ".spec.autoscaling",
-                                              ".spec.adapters[]", ".spec.gateway"}
+                                              ".spec.adapters[]", ".spec.gateway",
+                                              ".spec.kvCache.offload.remote"}
     for path, rule, _ in found:
         crd_rules.compile_rule(rule["rule"])  # raises on a syntax error
         assert rule["message"], path

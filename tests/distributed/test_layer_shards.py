@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quire.distributed.parallel_state import shard_as
 from quire.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from quire.layers.vocab_parallel import ParallelLMHead
+from quire.parallel_state import shard_as
 
 D = 4  # head_dim
 

@@ -36,7 +36,7 @@ def test_two_ranks_match_transformers_with_chunks_prefix_hits_and_preemption(
     path = moe_helpers.save_tiny_moe(str(tmp_path / family), cfg, smollm_tokenizer)
 
     def each_rank_holds_half_of_every_expert(engine):
-        experts = next(m for m in engine.model.modules() if isinstance(m, FusedMoE))
+        experts = next(m for m in engine.executor.model.modules() if isinstance(m, FusedMoE))
         assert experts.intermediate_size == 32 // TP
         assert experts.w13_weight.shape[0] == 8
 

@@ -52,19 +52,19 @@ def test_each_rank_holds_half_the_weights_and_half_the_kv_heads(tp_models):
     path = tp_models["llama"]  # untied LM head, 2 KV heads: everything splits
     budget = 64 << 10
     whole = LLM(path, dtype="float32", kv_cache_memory=budget)
-    whole_bytes = parameter_bytes(whole.engine.model)
-    whole_blocks = whole.engine.kv_cache.num_blocks
+    whole_bytes = parameter_bytes(whole.engine.executor.model)
+    whole_blocks = whole.engine.executor.kv_cache.num_blocks
     del whole
     llm = LLM(path, dtype="float32", kv_cache_memory=budget, tensor_parallel_size=TP,
               num_threads=1)
     try:
-        per_rank = {0: parameter_bytes(llm.engine.model), **llm.engine.workers.worker_param_bytes}
+        per_rank = {0: parameter_bytes(llm.engine.executor.model), **llm.engine.executor.workers.worker_param_bytes}
         assert sorted(per_rank) == list(range(TP))
         for rank, nbytes in per_rank.items():  # only the norms are replicated
             assert 0.49 < nbytes / whole_bytes < 0.51, (rank, nbytes, whole_bytes)
         # the same KV budget per rank holds twice the blocks: each rank has 1 of 2 KV heads
-        assert llm.engine.model.num_kv_heads_per_rank == 1
-        assert llm.engine.kv_cache.num_blocks >= 2 * whole_blocks
+        assert llm.engine.executor.model.num_kv_heads_per_rank == 1
+        assert llm.engine.executor.kv_cache.num_blocks >= 2 * whole_blocks
         print(f"parameter bytes: whole {whole_bytes}, per rank {per_rank}")
     finally:
         llm.engine.shutdown()

@@ -31,7 +31,7 @@ def _engine(path: str) -> LLMEngine:
 def test_killing_a_worker_mid_run_fails_the_engine_within_a_bounded_time(tp_models):
     engine = _engine(tp_models["llama"])
     try:
-        [worker] = engine.workers.pids
+        [worker] = engine.executor.workers.pids
         assert spawned_children(os.getpid()) == [worker]
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         for i in range(4):

@@ -32,7 +32,7 @@ runtime_helpers = _load("runtime_helpers", ROOT / "tests" / "runtime" / "runtime
 
 def kv_budget_for(hf_config, num_blocks: int, tp: int, block_size: int = 16) -> int:
     """kv_cache_memory (per rank) that holds num_blocks blocks of this rank's KV heads."""
-    from quire.distributed.parallel_state import kv_heads_per_rank
+    from quire.parallel_state import kv_heads_per_rank
     from quire.worker.kv_cache import bytes_per_block
     head_dim = (getattr(hf_config, "head_dim", None)
                 or hf_config.hidden_size // hf_config.num_attention_heads)

@@ -10,10 +10,10 @@ from collections import Counter
 from quire.engine.beam_search import (
     BeamSearchGroup,
     BeamSearchParams,
-    advance_beam_groups,
     num_blocks_for_beam_search,
 )
 from quire.engine.block_pool import BlockPool
+from quire.engine.features.beam_search import BeamSearch
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
@@ -25,12 +25,13 @@ VOCAB = 1000
 
 
 def make_seq(request_id: str, prompt_len: int, max_tokens: int = 8, first_token: int = 10,
-             client_request_id: str | None = None, logprobs: int | None = None) -> Request:
+             client_request_id: str | None = None, logprobs: int | None = None,
+             lockstep_group: str | None = None) -> Request:
     """A sequence with prompt tokens first_token, first_token + 1, ... (never EOS: none)."""
     prompt = [(first_token + i) % VOCAB for i in range(prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs)
     return Request(request_id, prompt, params, frozenset(), max_tokens,
-                   client_request_id=client_request_id)
+                   client_request_id=client_request_id, lockstep_group=lockstep_group)
 
 
 def fake_token(seq: Request) -> int:
@@ -54,10 +55,11 @@ class FakeEngine:
                  max_num_batched_tokens: int = 64) -> None:
         self.kv_manager = KVCacheManager(BlockPool(num_blocks, caching), block_size)
         self.swapper = SwapManager(self.kv_manager, swap_blocks) if swap_blocks else None
+        self.beams = BeamSearch()
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs, max_num_batched_tokens,
-                                   self.swapper)
+                                   self.swapper, features=[self.beams])
         self.clients: dict[str, list[Request]] = {}  # client id -> its sequences
-        self.beam_groups: dict[str, BeamSearchGroup] = {}
+        self.beam_groups = self.beams.groups  # search id -> its BeamSearchGroup
         self.finished: dict[str, object] = {}  # client id -> token lists, or a BeamSearchGroup
         self.failed: dict[str, str] = {}  # client id -> error
         self.outputs: dict[str, list[int]] = {}
@@ -69,9 +71,8 @@ class FakeEngine:
         assert prompt_len + max_tokens <= self.kv_manager.capacity_tokens, "engine rejects it"
         seqs = [make_seq(rid if n == 1 else f"{rid}#{i}", prompt_len, max_tokens, first_token,
                          client_request_id=rid) for i in range(n)]
-        seqs[0].pending_siblings = seqs[1:]
         self.clients[rid] = seqs
-        self.scheduler.add_request(seqs[0])
+        self.scheduler.add_request(seqs[0], seqs[1:])
         return seqs
 
     def add_beam(self, rid: str, prompt_len: int, max_tokens: int, width: int,
@@ -80,15 +81,14 @@ class FakeEngine:
         need = num_blocks_for_beam_search(prompt_len, params, self.kv_manager.block_size)
         assert need <= self.kv_manager.num_blocks, "engine rejects it"
         root = make_seq(f"{rid}#beam0", prompt_len, max_tokens, first_token,
-                        client_request_id=rid, logprobs=2 * width)
+                        client_request_id=rid, logprobs=2 * width, lockstep_group=rid)
         group = BeamSearchGroup(rid, None, root, params, frozenset())
-        self.beam_groups[rid] = group
+        self.beams.add(group)
         self.scheduler.add_request(root)
         return group
 
     def abort(self, rid: str) -> None:
-        if rid in self.beam_groups:
-            self.beam_groups.pop(rid).abort(self.scheduler)
+        self.beams.end(rid, self.scheduler)
         for seq in self.clients.pop(rid, ()):
             self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
 
@@ -96,26 +96,25 @@ class FakeEngine:
     def step(self):
         self.steps += 1
         out = self.scheduler.schedule()
-        for seq in out.stuck:
-            self.failed[seq.client_request_id] = out.stuck_reason
-            if seq.beam_group is not None:
-                seq.beam_group.abort(self.scheduler, error=out.stuck_reason)
-                self.beam_groups.pop(seq.client_request_id, None)
+        for client_id, why in out.failed:
+            self.failed[client_id] = why
+            self.beams.end(client_id, self.scheduler, error=why)
+        self.beams.pop_finished()  # failed ones: no output
         if out.empty:
             self._collect()
             return out
         sampled, logprobs = {}, {}
-        for seq, n in zip(out.requests, out.num_new_tokens):
+        for rid, n in zip(out.seq_ids, out.num_new_tokens):
+            seq = self.scheduler.sequence(rid)
             if seq.num_computed_tokens + n == seq.num_tokens:
-                for row in (seq, *out.forks.get(seq.request_id, ())):
-                    sampled[row.request_id] = fake_token(row)
-                    if row.beam_group is not None:
-                        width = row.beam_group.params.beam_width
-                        logprobs[row.request_id] = fake_logprobs(row, 2 * width)
-        updated = self.scheduler.update(out, sampled)
-        beams = [s for s in updated if s.beam_group is not None]
-        for group in advance_beam_groups(beams, logprobs, self.scheduler):
-            self.beam_groups.pop(group.request_id, None)
+                for row_id in (rid, *out.forks.get(rid, ())):
+                    row = self.scheduler.sequence(row_id)
+                    sampled[row_id] = fake_token(row)
+                    if row.lockstep_group is not None:
+                        width = self.beam_groups[row.lockstep_group].params.beam_width
+                        logprobs[row_id] = fake_logprobs(row, 2 * width)
+        self.scheduler.update(out, sampled, logprobs)
+        for group in self.beams.pop_finished():
             self.finished[group.request_id] = group
         self._collect()
         return out

@@ -1,7 +1,9 @@
 """The runtime's import graph and the engine's sealed boundaries, read from the source (ast):
-no import cycles, lazy imports (inside functions, under try/with/if) included; the engine's
-bookkeeping imports no tensors and nothing from worker/, not even lazily;
-only engine.py (which assembles the pieces) imports the worker, and only its public names;
+no import cycles, lazy imports (inside functions, under try/with/if) included; every import
+points down the floors below (or along one), but for the few deliberate ones named here; the
+engine's bookkeeping imports no tensors and nothing from worker/, not even lazily;
+no engine module imports the worker: the executor is the one door to it;
+only the engine's bookkeeping writes a Request;
 the worker (and the batch descriptions it shares with the engine) never imports the engine,
 directly or through another module: it gets tensors and values, never requests;
 nobody outside the KV-cache manager touches block tables or changes the block pool, and
@@ -19,7 +21,30 @@ import quire
 
 ROOT = Path(quire.__file__).parent
 BOOKKEEPING = ["block_pool", "kv_cache_manager", "scheduler", "scheduler_output", "request",
-               "beam_search", "swap_manager", "stats", "batch_builder"]
+               "beam_search", "swap_manager", "stats", "batch_builder", "step_plan",
+               "features.base", "features.beam_search", "features.lora_slots"]
+# The floors, lowest first: a module may import its own floor and those below it.
+FLOORS = [
+    # ground: plain helpers and the grammar library's wrapper
+    ["quire.validation", "quire.writable_dirs", "quire.platform", "quire.cpu_threads",
+     "quire.parallel_state", "quire.structured", "quire.version", "quire.priorities"],
+    # what requests and steps are made of (values, no behaviour beyond validation)
+    ["quire.sampling_params", "quire.outputs", "quire.step_batch", "quire.sampling_batch",
+     "quire.speculative_config", "quire.config"],
+    ["quire.native"],                          # the C++ kernels and their wrappers
+    ["quire.attention", "quire.layers"],       # attention backends, linear/norm/MoE layers
+    ["quire.models", "quire.lora"],            # model families, adapters
+    ["quire.worker", "quire.distributed"],     # runner, sampler, KV tensors; TP workers
+    ["quire.executor", "quire.spec_decode"],   # the step's tensor side; proposers
+    ["quire.engine"],                          # scheduler, features, bookkeeping, LLMEngine
+    ["quire.metrics", "quire.tracing", "quire.entrypoints", "quire.router"],
+    ["quire"],                                 # the package's public names
+]
+# Imports that run up a floor on purpose: (importer, imported) -> why
+UPWARD = {}
+# The modules that may write a Request's fields (the rest read it)
+REQUEST_WRITERS = {"engine/request.py", "engine/scheduler.py", "engine/kv_cache_manager.py",
+                   "engine/output_processor.py", "engine/beam_search.py"}
 # what the engine hands the worker: neutral ground that both sides import
 BATCH_DESCRIPTIONS = ["quire.step_batch", "quire.sampling_batch"]
 POOL_MUTATORS = {"allocate", "touch", "free", "cache_block", "uncache", "reset_prefix_cache"}
@@ -154,15 +179,93 @@ def test_engine_bookkeeping_imports_no_tensors_and_no_worker(name):
             "bookkeeping that never touches tensors")
 
 
-def test_only_engine_py_imports_the_worker_and_only_its_public_names():
+def test_no_engine_module_imports_the_worker_the_executor_is_the_door():
     for mod, tree in sources().items():
         if not mod.startswith("quire.engine."):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quire.worker"):
-                assert mod == "quire.engine.engine", f"{mod} imports {node.module}"
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                assert not private, f"{mod} reaches into worker internals: {private}"
+                raise AssertionError(f"{mod} imports {node.module}: go through quire.executor")
+
+
+def floor_of(module: str) -> int:
+    best, length = None, -1
+    for i, prefixes in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or (p != "quire" and module.startswith(p + "."))) and len(p) > length:
+                best, length = i, len(p)
+    assert best is not None, f"{module} is on no floor: add its package to FLOORS"
+    return best
+
+
+def upward_imports(graph) -> list[str]:
+    return sorted(f"{how} (floor {floor_of(a)} -> {floor_of(b)})"
+                  for a, edges in graph.items() for b, how in edges.items()
+                  if floor_of(b) > floor_of(a) and (a, b) not in UPWARD)
+
+
+def test_imports_point_down_the_floors():
+    graph = import_graph()
+    assert upward_imports(graph) == [], "an import runs up a floor"
+    assert len(UPWARD) <= 3
+    for (a, b) in UPWARD:  # each named one still exists, so the list can't go stale
+        assert b in graph[a], f"UPWARD names {a} -> {b}, which is gone: remove it"
+
+
+def test_an_upward_import_would_be_found():
+    graph = {"quire.layers.norms": {"quire.models.llama": "layers/norms.py:1 imports it"},
+             "quire.models.llama": {}}
+    assert upward_imports(graph) == ["layers/norms.py:1 imports it (floor 3 -> 4)"]
+
+
+REQUEST_FIELDS = {"request_id", "client_request_id", "sample_index", "sampling_params",
+                  "eos_token_ids", "stop_token_ids", "max_tokens", "num_prompt_tokens",
+                  "token_ids", "num_computed_tokens", "num_cached_tokens", "status",
+                  "stop_reason", "metrics", "cumulative_logprob", "logprobs",
+                  "pending_siblings", "block_hashes", "num_preemptions", "lockstep_group",
+                  "lora", "cache_salt", "long_rope"}
+REQUEST_MUTATORS = {"append_token", "drop_output_tokens_after", "start_running", "end"}
+# names a Request goes by in the runtime's code
+REQUEST_NAMES = {"seq", "req", "request", "s", "parent", "child", "root", "beam", "sibling",
+                 "victim"}
+
+
+def request_writes(root: Path = None) -> list[str]:
+    root = root or ROOT
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel in REQUEST_WRITERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                chain = attribute_chain(t)
+                if len(chain) >= 2 and chain[0] in REQUEST_NAMES and chain[1] in REQUEST_FIELDS:
+                    found.append(f"{rel}:{node.lineno} writes {'.'.join(chain)}")
+            if isinstance(node, ast.Call):
+                chain = attribute_chain(node.func)
+                if (len(chain) == 2 and chain[0] in REQUEST_NAMES
+                        and chain[1] in REQUEST_MUTATORS):
+                    found.append(f"{rel}:{node.lineno} calls {'.'.join(chain)}")
+    return sorted(found)
+
+
+def test_only_the_engine_bookkeeping_writes_a_request():
+    assert request_writes() == []
+
+
+def test_a_request_write_would_be_found(tmp_path):
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "x.py").write_text("def f(seq, s):\n    seq.lora = 1\n"
+                                            "    s.append_token(3)\n    seq.metrics.x = 2\n")
+    assert request_writes(tmp_path) == ["lora/x.py:2 writes seq.lora",
+                                        "lora/x.py:3 calls s.append_token",
+                                        "lora/x.py:4 writes seq.metrics.x"]
 
 
 def worker_side(modules) -> list[str]:

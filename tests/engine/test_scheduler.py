@@ -16,10 +16,9 @@ def test_fcfs_admission_and_chunked_prefill_share_one_budget():
     a, = e.add("a", prompt_len=4, max_tokens=3)
     b, = e.add("b", prompt_len=12, max_tokens=3, first_token=500)  # no prefix hit
     out = e.step()
-    assert [s.request_id for s in out.requests] == ["a", "b"] and out.num_new_tokens == [4, 6]
+    assert out.seq_ids == ["a", "b"] and out.num_new_tokens == [4, 6]
     out = e.step()  # a decodes first, b's prefill goes on in what is left
-    assert [(s.request_id, n) for s, n in zip(out.requests, out.num_new_tokens)] == [
-        ("a", 1), ("b", 6)]
+    assert list(zip(out.seq_ids, out.num_new_tokens)) == [("a", 1), ("b", 6)]
     e.run()
     assert e.finished["a"] == [e.finished["a"][0]] and len(e.finished["b"][0]) == 3
     assert_nothing_held(e)
@@ -31,7 +30,7 @@ def test_preemption_by_recompute_takes_the_youngest_and_brings_it_back():
     young, = e.add("young", prompt_len=7, max_tokens=8)
     preempted = []
     while e.scheduler.has_unfinished():
-        preempted += [s.request_id for s in e.step().preempted]
+        preempted += e.step().preempted_ids
         assert_blocks_owned_as_counted(e)
     assert preempted and set(preempted) == {"young"}, preempted
     assert young.num_preemptions >= 1 and old.num_preemptions == 0
@@ -51,8 +50,8 @@ def test_preemption_by_swap_moves_blocks_to_the_host_and_back_before_waiting_one
     swapped_out = swapped_in = 0
     while e.scheduler.has_unfinished():
         out = e.step()
-        swapped_out += len(out.swap_out)
-        swapped_in += len(out.swap_in)
+        swapped_out += len(out.batch.swap_out)
+        swapped_in += len(out.batch.swap_in)
         if young.status == RequestStatus.SWAPPED:
             assert e.kv_manager.block_ids(young) == [] and young.request_id in e.swapper.host_tables
         assert_blocks_owned_as_counted(e)
@@ -107,7 +106,7 @@ def test_n_samples_fork_from_the_prompt_and_hold_it_once():
     e = FakeEngine(num_blocks=16, block_size=4)
     first, *siblings = e.add("r", prompt_len=8, max_tokens=4, n=3)
     out = e.step()
-    assert out.forks == {"r#0": siblings} and [s.request_id for s in out.requests] == ["r#0"]
+    assert out.forks == {"r#0": [s.request_id for s in siblings]} and out.seq_ids == ["r#0"]
     assert e.kv_manager.num_used_blocks == 2, "three samples hold the prompt's blocks once"
     assert all(e.kv_manager.block_ids(s) == e.kv_manager.block_ids(first) for s in siblings)
     e.step()  # each writes a new block: one of its own
@@ -126,9 +125,9 @@ def test_beam_groups_are_scheduled_and_preempted_as_a_unit():
                  if all(b.num_tokens_to_compute == 1 for b in g.live)]  # about to decode
         out = e.step()
         for unit in units:
-            ran = [b in out.requests for b in unit]
+            ran = [b.request_id in out.seq_ids for b in unit]
             assert all(ran) or not any(ran), "a beam group's decodes were split"
-            gone = [b in out.preempted for b in unit]
+            gone = [b.request_id in out.preempted_ids for b in unit]
             assert all(gone) or not any(gone), "a beam group was preempted in part"
         assert_blocks_owned_as_counted(e)
     assert e.scheduler.num_preemptions["recompute"] > 0, "no memory pressure: test is moot"
@@ -175,9 +174,10 @@ def test_liveness_guard_fails_what_cannot_progress_instead_of_spinning():
     seq.status = RequestStatus.RUNNING
     seq.num_computed_tokens = seq.num_tokens  # nothing to compute, never sampled
     out = e.step()
-    assert out.stuck == [seq] and seq.status == RequestStatus.FINISHED_ERROR
-    assert "no sequence can make progress" in out.stuck_reason
-    assert "2 KV blocks" in out.stuck_reason and not e.scheduler.has_unfinished()
+    [(client_id, reason)] = out.failed
+    assert client_id == "a" and seq.status == RequestStatus.FINISHED_ERROR
+    assert "no sequence can make progress" in reason
+    assert "2 KV blocks" in reason and not e.scheduler.has_unfinished()
 
 
 def test_liveness_guard_fails_a_beam_group_that_cannot_grow_alone():

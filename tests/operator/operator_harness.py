@@ -9,7 +9,10 @@ from here instead.
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +27,7 @@ from kopf.testing import KopfRunner
 from quire_operator import api_calls, names
 from quire_operator.kube import resource_path
 
+from child_processes import die_with_parent
 from kube_emulator import (
     RunningEmulator,  # tests/operator is on sys.path (no __init__.py: no `operator` package)
 )
@@ -187,3 +191,35 @@ def running_operator() -> Iterator[KopfRunner]:
 
 def llmdeployment(name: str = "chat", **spec: Any) -> dict:
     return {"apiVersion": LLMD_API, "kind": names.KIND, "metadata": {"name": name}, "spec": spec}
+
+
+# Short enough for a test, long enough for a loaded CI machine to renew the Lease in time.
+TIMINGS = ["--lease-duration", "10", "--renew-deadline", "8", "--retry-period", "1"]
+
+
+@contextlib.contextmanager
+def operator_process(cluster, tmp_path: pathlib.Path, identity: str = "operator",
+                     lease: str = "quire-operator") -> Iterator[subprocess.Popen]:
+    """`quire-operator -A` as its own process (leader election on, as deployed), authenticating
+    as `identity`; its log is tmp_path / f"{identity}.log"."""
+    kubeconfig = tmp_path / f"kubeconfig-{identity}"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": cluster.url}}],
+        "users": [{"name": identity, "user": {"token": identity}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": identity}}],
+    }))
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")}
+    env.update(KUBECONFIG=str(kubeconfig), QUIRE_DEFAULT_IMAGE="quire-test:latest")
+    log = (tmp_path / f"{identity}.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "quire_operator", "--all-namespaces", "--liveness", "", "--identity", identity,
+         "--lease-name", lease, "--lease-namespace", "default", *TIMINGS],
+        env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+        log.close()

@@ -10,7 +10,14 @@ from foreign_crds import api_version, problems
 from quire_operator import names
 
 from deployment_controller import DeploymentController
-from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
+from operator_harness import (  # noqa: F401 (cluster is a fixture)
+    LLMD_API,
+    cluster,
+    llmdeployment,
+    operator_process,
+    running_operator,
+    wait_for,
+)
 from runtime_pod import fixed_metrics_pod, free_port
 
 POOL, ROUTE, SCALED = api_version("InferencePool"), api_version("HTTPRoute"), api_version("ScaledObject")
@@ -164,3 +171,19 @@ def test_the_builtin_autoscaler_leaves_a_keda_scaled_object_alone(cluster):
         assert scale_calls(cluster, "chat") == []
         assert cluster.llmd("chat")["spec"]["replicas"] == 1
         assert not (cluster.llmd("chat").get("status") or {}).get("autoscaler")
+
+
+def test_every_child_goes_when_its_switch_goes_off_with_the_operator_as_a_process(cluster, tmp_path):
+    """Issue 49: the pool's switch off (its route's parentRefs still in the spec) and the
+    autoscaler off: the InferencePool, its HTTPRoute and the ScaledObject are deleted within
+    seconds, by `quire-operator` as it runs in a pod (its own process, leader election on)."""
+    with operator_process(cluster, tmp_path):
+        cluster.create(llmdeployment("chat", port=9000, router={"enabled": True}, autoscaling=KEDA, gateway={
+            "inferencePool": {"enabled": True}, "httpRoute": {"parentRefs": [GATEWAY]}}))
+        for get, what in ((pool, "the InferencePool"), (route, "the HTTPRoute"), (scaled_object, "the ScaledObject")):
+            wait_for(lambda get=get: get(cluster), timeout=90, what=what)
+        change_spec(cluster, {"gateway": {"inferencePool": {"enabled": False}}, "autoscaling": {"enabled": False}})
+        for get, what in ((pool, "InferencePool"), (route, "HTTPRoute"), (scaled_object, "ScaledObject")):
+            wait_for(lambda get=get: get(cluster) is None, timeout=15, what=f"the {what} to be deleted")
+        log = (tmp_path / "operator.log").read_text()
+        assert "InvalidSpec" not in log, log[-4000:]

@@ -77,6 +77,12 @@ def test_without_parent_refs_there_is_a_pool_and_no_route():
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen" and problems(pool) == []
 
 
+def test_the_pools_switch_turns_its_route_off_too():
+    spec = parse_spec({"router": {"enabled": True}, "gateway": {
+        "inferencePool": {"enabled": False}, "httpRoute": {"parentRefs": GATEWAYS}}})
+    assert desired_inference_pool(OWNER, spec) is None and desired_http_route(OWNER, spec) is None
+
+
 def test_nothing_without_the_pool_and_the_router_keeps_its_plain_ports():
     spec = parse_spec({"router": {"enabled": True}})
     assert desired_inference_pool(OWNER, spec) is None and desired_http_route(OWNER, spec) is None
@@ -106,8 +112,6 @@ def _llmd(spec):
 @pytest.mark.parametrize("spec, field, crd_says", [
     ({"gateway": {"inferencePool": {"enabled": True}}},
      "spec.gateway.inferencePool.enabled", "needs router.enabled"),
-    ({"router": {"enabled": True}, "gateway": {"httpRoute": {"parentRefs": GATEWAYS}}},
-     "spec.gateway.httpRoute.parentRefs", "needs inferencePool.enabled"),
     ({**SPEC, "gateway": {"inferencePool": {"enabled": True, "failureMode": "Retry"}}},
      "spec.gateway.inferencePool.failureMode", "is not one of"),
     ({**SPEC, "gateway": {**SPEC["gateway"], "httpRoute": {"parentRefs": [{"namespace": "gw"}]}}},

@@ -6,50 +6,21 @@ takes over and carries on; a leader that stops cleanly hands the Lease over at o
 from __future__ import annotations
 
 import contextlib
-import os
-import pathlib
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
 
 import kmock
-import yaml
 
 from quire_operator import names
 
 from operator_harness import LLMD_API, cluster, llmdeployment, wait_for  # noqa: F401 (cluster is a fixture)
+from operator_harness import operator_process as _operator_process
 
 LEASE = "quire-operator"
 LEASE_PATH = f"/apis/coordination.k8s.io/v1/namespaces/default/leases/{LEASE}"
-# Short enough for a test, long enough for a loaded CI machine to renew in time.
-TIMINGS = ["--lease-duration", "10", "--renew-deadline", "8", "--retry-period", "1"]
 
 
-@contextlib.contextmanager
-def operator_process(cluster, tmp_path: pathlib.Path, identity: str) -> Iterator[subprocess.Popen]:
-    """`quire-operator -A` as its own process, authenticating as `identity`."""
-    kubeconfig = tmp_path / f"kubeconfig-{identity}"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": cluster.url}}],
-        "users": [{"name": identity, "user": {"token": identity}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": identity}}],
-    }))
-    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")}
-    env.update(KUBECONFIG=str(kubeconfig), QUIRE_DEFAULT_IMAGE="quire-test:latest")
-    log = (tmp_path / f"{identity}.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "quire_operator", "--all-namespaces", "--liveness", "", "--identity", identity,
-         "--lease-name", LEASE, "--lease-namespace", "default", *TIMINGS],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(30)
-        log.close()
+def operator_process(cluster, tmp_path, identity):
+    return _operator_process(cluster, tmp_path, identity, lease=LEASE)
 
 
 def requests_of(cluster, identity: str) -> list[tuple[int, str, str]]:

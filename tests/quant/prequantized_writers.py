@@ -102,12 +102,14 @@ def _read(path: str) -> dict[str, torch.Tensor]:
 def dequantized_compressed_tensors(path: str) -> dict[str, torch.Tensor]:
     """Each quantized module decompressed by compressed-tensors' own compressor for the
     format the config names (its model-free CompressedTensorsDequantizer re-infers the
-    format and so skips naive-quantized int4)."""
+    format and so skips naive-quantized int4), with the checkpoint's own scales: the library
+    computes in their dtype (bf16 here: each weight rounded to bf16), as transformers' float32
+    model does when it loads the checkpoint."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     with open(os.path.join(path, "config.json")) as f:
         qcfg = QuantizationConfig.model_validate(json.load(f)["quantization_config"])
-    tensors = _fp32_scales(_read(path))
+    tensors = _read(path)
     (scheme,) = qcfg.config_groups.values()
     compressor = BaseCompressor.get_value_from_registry(scheme.format or qcfg.format)
     names = compressor.compression_param_names(scheme)

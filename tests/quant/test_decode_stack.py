@@ -1,4 +1,4 @@
-"""The native decode stack (quire/models/decode_stack.py): a decode-only step of a quantized
+"""The native decode stack (quire/native/decode_stack.py): a decode-only step of a quantized
 model runs its decoder layers in one native call, and gives bit for bit what the layer-by-
 layer Python path gives (same kernels, same order), whatever the batch, window or dtype.
 Where a condition fails (float weights, biases, fp8 KV, LoRA, turned off) the Python path
@@ -28,7 +28,7 @@ def _run(llm, prompts):
 
 def _count_calls(llm) -> list[int]:
     """[decode steps the stack served]; wraps the runner's stack."""
-    stack = llm.engine.runner.decode_stack
+    stack = llm.engine.executor.runner.decode_stack
     served = [0]
 
     def counting(*args, **kwargs):
@@ -36,19 +36,19 @@ def _count_calls(llm) -> list[int]:
         served[0] += out is not None
         return out
 
-    llm.engine.runner.decode_stack = counting
+    llm.engine.executor.runner.decode_stack = counting
     return served
 
 
 def _both(path, monkeypatch, prompts, **kwargs):
     """(with the stack, its decode steps served, without it) on the same prompts."""
     llm = LLM(path, kv_cache_memory=32 << 20, **kwargs)
-    assert llm.engine.runner.decode_stack is not None
+    assert llm.engine.executor.runner.decode_stack is not None
     served = _count_calls(llm)
     with_stack = _run(llm, prompts)
     monkeypatch.setenv("QUIRE_DECODE_STACK", "0")
     plain = LLM(path, kv_cache_memory=32 << 20, **kwargs)
-    assert plain.engine.runner.decode_stack is None
+    assert plain.engine.executor.runner.decode_stack is None
     return with_stack, served[0], _run(plain, prompts)
 
 
@@ -99,7 +99,7 @@ def test_chunked_prefill_and_preemption_leave_the_stack_exact(tiny_llama, monkey
 ])
 def test_where_a_condition_fails_the_python_path_runs(tiny_llama, kwargs):
     llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=32 << 20, **kwargs)
-    assert llm.engine.runner.decode_stack is None
+    assert llm.engine.executor.runner.decode_stack is None
     tokens = _run(llm, random_prompts(lengths=[5, 20]))
     assert all(len(t) == PARAMS.max_tokens for t, _ in tokens)
 
@@ -107,19 +107,19 @@ def test_where_a_condition_fails_the_python_path_runs(tiny_llama, kwargs):
 def test_biases_keep_the_python_path(tmp_path, smollm_tokenizer):
     path = save_tiny_model(str(tmp_path / "qwen2"), tiny_config("qwen2"), smollm_tokenizer)
     llm = LLM(path, dtype="bfloat16", quantization="int8", kv_cache_memory=32 << 20)
-    assert llm.engine.runner.decode_stack is None  # q/k/v biases
+    assert llm.engine.executor.runner.decode_stack is None  # q/k/v biases
     assert len(_run(llm, random_prompts(lengths=[9]))[0][0]) == PARAMS.max_tokens
 
 
 def test_turned_off_by_the_environment(tiny_llama, monkeypatch):
     monkeypatch.setenv("QUIRE_DECODE_STACK", "0")
     llm = LLM(tiny_llama, dtype="bfloat16", quantization="int4", kv_cache_memory=32 << 20)
-    assert llm.engine.runner.decode_stack is None
+    assert llm.engine.executor.runner.decode_stack is None
 
 
 def test_the_stack_times_its_phases_when_asked(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", quantization="int4", kv_cache_memory=32 << 20)
-    stack = llm.engine.runner.decode_stack
+    stack = llm.engine.executor.runner.decode_stack
     assert stack.timings() == {}
     stack.profile()
     _run(llm, random_prompts(lengths=[5, 20]))

@@ -64,7 +64,7 @@ def test_prequantized_checkpoint_matches_transformers_on_the_library_dequantized
     write, kind, dequantize = VARIANTS[variant]
     path = write(str(tmp_path / variant), smollm_tokenizer)
     llm = LLM(path, dtype="float32", kv_cache_memory=16 << 20)
-    model = llm.engine.model
+    model = llm.engine.executor.model
     layer = model.layers[0].gate_up_proj
     assert layer.quant_method.kind == kind and not hasattr(layer, "weight_packed")
     assert describe(model).startswith(f"{kind} ") and describe(model).endswith(" x8")

@@ -48,7 +48,7 @@ def test_act_order_gptq_at_two_ranks_and_with_lora(tmp_path, smollm_tokenizer):
     adapter = save_random_adapter(dense, str(tmp_path / "adapter"), r=4, std=0.05)
     llm = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8,
               kv_cache_memory=16 << 20)
-    assert llm.engine.model.layers[0].qkv_proj.quant_method.kind == "int4"
+    assert llm.engine.executor.model.layers[0].qkv_proj.quant_method.kind == "int4"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=LoRARequest("a", 1, adapter))
     got = [o.outputs[0].token_ids for o in outs]

@@ -213,7 +213,7 @@ def test_each_decoder_linear_is_processed_as_soon_as_its_weights_are_in(tiny_lla
                   kv_cache_memory=16 << 20)
     finally:
         mp.undo()
-    model = llm.engine.model
+    model = llm.engine.executor.model
     assert isinstance(model, llama.LlamaForCausalLM)
     reads = [name for kind, name in events if kind == "read"]
     for layer in range(len(model.layers)):

@@ -34,16 +34,16 @@ def test_tiny_llama_quantized_matches_transformers_on_dequantized_weights(
     path = tiny_llama
     llm = LLM(path, dtype="float32", quantization=quantization,
               quantization_group_size=group, kv_cache_memory=32 << 20)
-    layer = llm.engine.model.layers[0]
+    layer = llm.engine.executor.model.layers[0]
     assert layer.qkv_proj.qweight.dtype == (torch.int8 if quantization == "int8"
                                             else torch.uint8)
     assert not hasattr(layer.qkv_proj, "weight")  # the float weight is gone
-    summary = describe(llm.engine.model)  # what the start-up log says: 4 linears x 3 layers
+    summary = describe(llm.engine.executor.model)  # what the start-up log says: 4 linears x 3 layers
     assert summary.startswith(f"{quantization} ") and summary.endswith(" x12"), summary
     prompts = random_prompts(lengths=[1, 7, 16, 17, 33, 100, 300])
     got = _quire_greedy(llm, prompts)
     assert_no_blocks_in_use(llm)
-    hf = hf_with_weights(hf_model(path), dequantized_state_dict(llm.engine.model))
+    hf = hf_with_weights(hf_model(path), dequantized_state_dict(llm.engine.executor.model))
     want = hf_greedy(hf, prompts, TINY_MAX_NEW_TOKENS)
     identical, first = agreement(want, got)
     print(f"{quantization} G={group}: {identical}/{len(prompts)} sequences identical, "
@@ -60,10 +60,10 @@ def test_int8_int4_quantized_model_differs_from_float_but_stays_close(tiny_llama
     the first token stay close to the float model's)."""
     path = tiny_llama
     float_state = dequantized_state_dict(LLM(path, dtype="float32", quantization="none",
-                                             kv_cache_memory=16 << 20).engine.model)
+                                             kv_cache_memory=16 << 20).engine.executor.model)
     for quantization, tol in (("int8", 0.02), ("int4", 0.3)):
         state = dequantized_state_dict(LLM(path, dtype="float32", quantization=quantization,
-                                           kv_cache_memory=16 << 20).engine.model)
+                                           kv_cache_memory=16 << 20).engine.executor.model)
         name = "model.layers.0.mlp.down_proj.weight"
         err = (state[name] - float_state[name]).abs().max() / float_state[name].abs().max()
         assert 0 < err < tol, (quantization, err)
@@ -75,7 +75,7 @@ def test_smollm2_gguf_auto_keeps_its_quantization_and_matches_transformers(smoll
     dequantization) is the oracle. A few chat prompts, a few tokens: cheap (after the first
     run, which writes the quantized conversion cache)."""
     llm = LLM(dtype="float32", quantization="auto", kv_cache_memory=32 << 20)
-    model = llm.engine.model
+    model = llm.engine.executor.model
     assert model.layers[0].gate_up_proj.quant_method.kind == "int4"
     assert model.embed_tokens.table_method.kind == "int8" and model.lm_head.tied
     assert model.lm_head.quant_method.kind == "int8"

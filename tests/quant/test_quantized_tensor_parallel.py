@@ -16,7 +16,7 @@ def test_two_ranks_int4_match_transformers_on_the_dequantized_weights(tiny_llama
     prompts = random_prompts(lengths=[1, 16, 33, 100])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     one = LLM(tiny_llama, dtype="float32", quantization="int4", kv_cache_memory=16 << 20)
-    hf = hf_with_weights(hf_model(tiny_llama), dequantized_state_dict(one.engine.model))
+    hf = hf_with_weights(hf_model(tiny_llama), dequantized_state_dict(one.engine.executor.model))
     want = hf_greedy(hf, prompts, 16)
     two = LLM(tiny_llama, dtype="float32", quantization="int4", tensor_parallel_size=2,
               num_threads=1, kv_cache_memory=16 << 20)

@@ -22,6 +22,8 @@ from pathlib import Path
 import requests
 import urllib3
 
+from child_processes import die_with_parent
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 START_TIMEOUT = 120.0
@@ -68,7 +70,7 @@ class Proc:
     def launch(self) -> Proc:
         """Start the process without waiting (so several can load at once)."""
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=ROOT)
+                                     env=self.env, cwd=ROOT, preexec_fn=die_with_parent)
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> Proc:

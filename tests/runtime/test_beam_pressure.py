@@ -64,5 +64,5 @@ def test_a_search_that_slips_past_admission_fails_instead_of_hanging(tiny_models
     llm = _llm(tiny_models["llama"], 5, "recompute")
     with pytest.raises(RuntimeError, match="no sequence can make progress.*5 KV blocks"):
         _beams(llm, [prompt], BeamSearchParams(beam_width=2, max_tokens=20))
-    assert not llm.engine.has_unfinished_requests() and not llm.engine.beam_groups
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.beams.groups
     assert_no_blocks_in_use(llm)

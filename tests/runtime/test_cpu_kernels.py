@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from quire import LLM, SamplingParams
-from quire.attention import cpu_kernels
-from quire.native import loader
+from quire.native import loader, paged_attention
 
 from attention_reference import OPTIONS, check, options
 from runtime_helpers import assert_no_blocks_in_use, random_prompts
@@ -49,9 +48,9 @@ MARCHES = ["native", *loader.isa_builds()]
 ])
 def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size, window,
                                     march):
-    assert cpu_kernels.native_decode_supported(torch.zeros(1, dtype=dtype),
+    assert paged_attention.native_decode_supported(torch.zeros(1, dtype=dtype),
                                                torch.zeros(1, dtype=dtype))
-    assert cpu_kernels._library(march) is not None, f"paged_decode.cpp did not build for {march}"
+    assert paged_attention._library(march) is not None, f"paged_decode.cpp did not build for {march}"
     torch.manual_seed(0)
     num_blocks, max_blocks = 64, 6
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
@@ -62,7 +61,7 @@ def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size
     tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens]).int()
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode(q, k_cache, v_cache, out, tables, seq_lens, head_dim ** -0.5, window,
+    paged_attention.paged_decode(q, k_cache, v_cache, out, tables, seq_lens, head_dim ** -0.5, window,
                              _march=march)
     want = _reference(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -75,14 +74,14 @@ def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, mon
     native = LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory=8 << 20)
     expected = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("QUIRE_CPU_KERNELS", "0")
-    cpu_kernels._library.cache_clear()
+    paged_attention._library.cache_clear()
     loader.load_library.cache_clear()
     try:
         fallback = LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory=8 << 20)
-        assert not cpu_kernels.native_decode_supported(torch.zeros(1), torch.zeros(1))
+        assert not paged_attention.native_decode_supported(torch.zeros(1), torch.zeros(1))
         got = [o.outputs[0].token_ids for o in fallback.generate(prompts, params, use_tqdm=False)]
     finally:
-        cpu_kernels._library.cache_clear()
+        paged_attention._library.cache_clear()
         loader.load_library.cache_clear()
     assert got == expected
     assert_no_blocks_in_use(fallback)
@@ -130,7 +129,7 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
+    paged_attention.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
                              _march=march)
     want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -178,7 +177,7 @@ def test_cascade_groups_follow_the_longest_shared_prefix(march):
     q = torch.randn(len(lens), kv_heads * group, head_dim)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
+    paged_attention.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
                              _march=march)
     want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
@@ -193,7 +192,7 @@ def test_cascade_groups_follow_the_longest_shared_prefix(march):
 
 def _alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i):
     out = torch.empty_like(q[i:i + 1])
-    cpu_kernels.paged_decode(q[i:i + 1], k_cache, v_cache, out, block_tables[i:i + 1],
+    paged_attention.paged_decode(q[i:i + 1], k_cache, v_cache, out, block_tables[i:i + 1],
                              seq_lens[i:i + 1], scale, None, _march=march)
     return out
 
@@ -216,7 +215,7 @@ def test_native_decode_soft_capping_and_sinks_match_eager_attention(
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     opts = options(option, kv_heads * group)
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode(q, k_cache, v_cache, out, tables, torch.tensor(lens, dtype=torch.int32),
+    paged_attention.paged_decode(q, k_cache, v_cache, out, tables, torch.tensor(lens, dtype=torch.int32),
                              head_dim ** -0.5, opts["window"], opts["softcap"], opts["sinks"],
                              _march=march)
     meta = SimpleNamespace(query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=lens,
@@ -243,14 +242,14 @@ def test_decode_rows_sharing_a_prefix_with_soft_capping_and_sinks(option, march)
     q = torch.randn(len(lens), kv_heads * group, head_dim)
     opts = options(option, kv_heads * group)
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, head_dim ** -0.5,
+    paged_attention.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, head_dim ** -0.5,
                              None, opts["softcap"], opts["sinks"], _march=march)
     meta = SimpleNamespace(query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=lens,
                            block_tables=block_tables)
     check(out, q, k_cache, v_cache, meta, head_dim ** -0.5, 1e-5, **opts)
     if march == "avx2":  # the shared rows went through the cascade's tiles
         alone = torch.empty_like(q[:1])
-        cpu_kernels.paged_decode(q[:1], k_cache, v_cache, alone, block_tables[:1],
+        paged_attention.paged_decode(q[:1], k_cache, v_cache, alone, block_tables[:1],
                                  seq_lens[:1], head_dim ** -0.5, None, opts["softcap"],
                                  opts["sinks"], _march=march)
         assert not torch.equal(out[:1], alone)

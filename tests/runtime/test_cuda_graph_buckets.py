@@ -100,12 +100,12 @@ def test_decode_through_padded_static_buffers_gives_the_same_tokens(tiny_models)
     prompts = random_prompts(n=11)
     params = SamplingParams(temperature=0, max_tokens=12)
     llm = LLM(tiny_models["llama"], dtype="float32", max_num_seqs=24, kv_cache_memory=16 << 20)
-    runner, engine = llm.engine.runner, llm.engine
+    runner, engine = llm.engine.executor.runner, llm.engine
     assert runner.cuda_graphs is None  # the CPU never captures
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     def graph_runner():
-        graphs = _EagerGraphRunner(engine.model, runner.kv_cache.layers, 24,
+        graphs = _EagerGraphRunner(engine.executor.model, runner.kv_cache.layers, 24,
                                    engine.max_model_len, engine.block_size, torch.device("cpu"))
         graphs.captured = []
         runner.cuda_graphs = graphs

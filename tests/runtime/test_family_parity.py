@@ -108,7 +108,7 @@ def test_gemma3_alternates_five_local_layers_to_one_global(tmp_path, smollm_toke
     from quire.models.gemma import LOCAL_ROPE
     cfg = tiny_config("gemma3")
     path = save_tiny_model(str(tmp_path / "g3"), cfg, smollm_tokenizer)
-    model = LLM(path, dtype="float32", kv_cache_memory=1 << 20).engine.model
+    model = LLM(path, dtype="float32", kv_cache_memory=1 << 20).engine.executor.model
     windows = [layer.backend.sliding_window for layer in model.layers]
     assert windows == [32] * 5 + [None]
     assert [layer.rope_kind for layer in model.layers] == [LOCAL_ROPE] * 5 + ["global"]
@@ -157,6 +157,6 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path, smollm_tokenizer):
     prompts = random_prompts()
     expected = hf_greedy(hf_model(path), prompts, MAX_TOKENS)
     llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20)
-    assert llm.engine.model.rope.rope_type == "yarn"
-    assert llm.engine.model.rope.attention_scaling > 1.0
+    assert llm.engine.executor.model.rope.rope_type == "yarn"
+    assert llm.engine.executor.model.rope.attention_scaling > 1.0
     assert _diverging([o.token_ids for o in _greedy(llm, prompts)], expected, prompts) == []

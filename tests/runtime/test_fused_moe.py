@@ -187,7 +187,7 @@ def test_stacked_and_per_expert_loading_agree_and_incomplete_loads_are_named():
 def test_tensor_parallel_shards_sum_to_the_whole():
     """Two ranks' shards (each expert's intermediate size split) add up to the whole layer's
     output: the down bias is added on rank 0 only."""
-    from quire.distributed import parallel_state as ps
+    from quire import parallel_state as ps
     whole, full = random_moe(num_experts=6, bias=True, activation="swigluoai")
     x, logits = routed(30, 6)
     want = whole(x, logits)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quire.models import fused_ops
+from quire.native import fused_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 

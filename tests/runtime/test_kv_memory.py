@@ -227,7 +227,7 @@ def test_fp8_kv_cache_holds_twice_the_tokens_and_agrees_with_full_precision():
     full = LLM(dtype="bfloat16", kv_cache_memory=32 << 20)
     fp8 = LLM(dtype="bfloat16", kv_cache_memory=32 << 20, kv_cache_dtype="fp8_e4m3")
     assert fp8.engine.capacity_tokens == 2 * full.engine.capacity_tokens
-    assert fp8.engine.kv_cache.kv.dtype == torch.float8_e4m3fn
+    assert fp8.engine.executor.kv_cache.kv.dtype == torch.float8_e4m3fn
     # teacher-forced: at every position of full precision's greedy continuation, fp8 is given
     # the same tokens so far and picks the next. A free-running comparison would count every
     # token after one near-tie flip as a miss (bf16 logits tie often enough to make it noise).

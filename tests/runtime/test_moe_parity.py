@@ -65,7 +65,7 @@ def test_moe_family_matches_transformers_chunked_preempted_and_cached(family, tm
     need = -(-(max(map(len, prompts)) + MAX_TOKENS) // 16)  # the longest request's blocks
     llm = LLM(path, dtype="float32", max_num_batched_tokens=48, enable_prefix_caching=True,
               kv_cache_memory=_kv_budget(cfg, need + 6))
-    model = llm.engine.model
+    model = llm.engine.executor.model
     seen = _record_experts(model)
     assert _diverging(_greedy(llm, prompts), expected, prompts) == []
     assert max(map(len, seen)) >= 6, "a step should route its tokens to most experts"
@@ -131,13 +131,13 @@ def test_quantized_experts_match_transformers_on_the_dequantized_weights(
     group_kw = {"quantization_group_size": group} if group else {}  # int8: per channel
     llm = LLM(path, dtype="float32", quantization=quantization,
               kv_cache_memory=_kv_budget(cfg, 200), **group_kw)
-    experts = llm.engine.model.layers[0].experts
+    experts = llm.engine.executor.model.layers[0].experts
     assert experts.method.kind == quantization  # kept in its format, no float copy
     assert not hasattr(experts, "w13_weight") and experts.expert_kernels is not None
     prompts = random_prompts(lengths=[1, 7, 17, 100, 300])
     got = _greedy(llm, prompts)
     hf = hf_model(path)
-    state = _dequantized_mixtral_state(llm.engine.model)
+    state = _dequantized_mixtral_state(llm.engine.executor.model)
     with torch.no_grad():
         own = hf.state_dict()
         for name, t in state.items():
@@ -152,7 +152,7 @@ def test_quantized_experts_match_transformers_on_the_dequantized_weights(
 def test_parameter_counts_and_bytes_include_the_experts(tmp_path, smollm_tokenizer):
     cfg = tiny_moe_config("mixtral")
     path = save_tiny_moe(str(tmp_path / "m"), cfg, smollm_tokenizer)
-    model = LLM(path, dtype="float32", kv_cache_memory=1 << 20).engine.model
+    model = LLM(path, dtype="float32", kv_cache_memory=1 << 20).engine.executor.model
     hf = hf_model(path)
     total = sum(p.numel() for p in hf.parameters())
     experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
@@ -165,7 +165,7 @@ def test_parameter_counts_and_bytes_include_the_experts(tmp_path, smollm_tokeniz
                    + m.extra_weight_bytes() for m in model.modules() if isinstance(m, FusedMoE))
 
     assert expert_bytes(model) == experts * 4
-    q = LLM(path, dtype="float32", quantization="int8", kv_cache_memory=1 << 20).engine.model
+    q = LLM(path, dtype="float32", quantization="int8", kv_cache_memory=1 << 20).engine.executor.model
     assert q.layers[0].experts.extra_weight_bytes() > 0  # the native kernels' packed copies
     assert experts < expert_bytes(q) < experts * 4 * 0.4  # ~1 byte a weight, plus scales
     # parameter_bytes (what a tensor-parallel worker reports) counts them

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from quire import LLM, SamplingParams
-from quire.models import packed_linear
+from quire.native import packed_linear
 
 from runtime_helpers import assert_no_blocks_in_use, random_prompts
 
@@ -34,7 +34,7 @@ def test_bf16_engine_with_packed_weights_matches_plain(family, tiny_models, monk
     prompts = random_prompts(6, seed=3, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     packed = LLM(tiny_models[family], dtype="bfloat16")
-    layer = packed.engine.model.layers[0]
+    layer = packed.engine.executor.model.layers[0]
     projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
     if packed_linear.supported(torch.zeros(1, dtype=torch.bfloat16)):
         assert all(p.packed_weight is not None for p in projections)
@@ -47,6 +47,6 @@ def test_bf16_engine_with_packed_weights_matches_plain(family, tiny_models, monk
 
     monkeypatch.setattr(packed_linear, "pack", lambda weight: None)
     plain = LLM(tiny_models[family], dtype="bfloat16")
-    assert plain.engine.model.layers[0].qkv_proj.packed_weight is None
+    assert plain.engine.executor.model.layers[0].qkv_proj.packed_weight is None
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -79,7 +79,7 @@ def test_mixed_sliding_and_full_layers_match_transformers(tmp_path, smollm_token
     got = [o.outputs[0].token_ids for o in
            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
     assert got == expected
-    assert len(llm.engine.model.backends) == 2
+    assert len(llm.engine.executor.model.backends) == 2
 
 
 def test_smollm2_requests_sharing_a_system_prompt_match_transformers(smollm_tokenizer,

@@ -233,3 +233,23 @@ def test_requests_that_could_never_run_are_rejected_up_front(tiny_models):
                                                 max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs) == 2  # the top seed works, and seed + 1 wraps
     assert_no_blocks_in_use(llm)
+
+
+@pytest.mark.parametrize("penalty", [1.1754943508222875e-38, 1e30])
+def test_extreme_repetition_penalties_keep_logits_finite(penalty):
+    """A seen token's logit divided by a penalty near 0 (or times a huge one) saturates at
+    float's largest value instead of inf; a grammar's -inf stays -inf."""
+    import torch
+
+    from quire.sampling_batch import SamplingBatch
+    from quire.worker.sampler import Sampler
+    sampler = Sampler(vocab_size=8, device=torch.device("cpu"), seed=0)
+    logits = torch.tensor([[3.0, -2.0, 1.0, float("-inf"), 0.5, 0.0, -1.0, 2.0]])
+    fields = {f: [None] for f in SamplingBatch.__dataclass_fields__
+              if f not in ("bitmask", "spec_groups")}
+    fields.update(penalized=[True], output_token_ids=[[0, 1, 3]], prompt_token_ids=[[2, 7]],
+                  repetition_penalty=[penalty], frequency_penalty=[0.0],
+                  presence_penalty=[0.0])
+    out = sampler._apply_penalties(logits, SamplingBatch(**fields))
+    assert not torch.isnan(out).any() and torch.isneginf(out[0, 3])
+    assert torch.isfinite(out[0, [0, 1, 2, 4, 5, 6, 7]]).all()

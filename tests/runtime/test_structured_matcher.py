@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quire.engine.features.structured_output import GrammarState, StructuredOutput
 from quire.engine.request import Request
 from quire.sampling_params import SamplingParams
 from quire.structured import GuidedDecodingParams
 from quire.structured.backend import Backend
 from quire.structured.bitmask import apply_token_bitmask
-from quire.structured.manager import GrammarState, StructuredOutputManager
 
 EOS = 2
 
@@ -49,19 +49,19 @@ def test_mask_accept_fork_and_terminate(backend, smollm_tokenizer):
 
 
 def test_resync_after_preemption_replays_kept_tokens(backend, smollm_tokenizer):
-    manager = StructuredOutputManager(smollm_tokenizer, 49152, frozenset({EOS}))
+    manager = StructuredOutput(smollm_tokenizer, 49152, frozenset({EOS}))
     manager.compiler._backend = backend
     compiled = backend.compile(GuidedDecodingParams(regex=r"[a-z]{1,12}\.[0-9]{1,3}"))
     text_ids = _ids(smollm_tokenizer, "hello.42")
     req = Request("r", [1, 2, 3], SamplingParams(), frozenset({EOS}), 16)
-    req.structured = GrammarState(None, compiled.new_matcher())
+    state = manager.states[req.request_id] = GrammarState(None, compiled.new_matcher())
     for t in text_ids[:2]:
         req.append_token(t)
         manager.advance([req])
-    expected = _mask(backend, req.structured.matcher)
-    manager.resync([req])  # in step: nothing to do
-    assert torch.equal(_mask(backend, req.structured.matcher), expected)
-    req.structured.num_accepted = 0  # out of step: reset and replay the kept tokens
-    manager.resync([req])
-    assert req.structured.num_accepted == 2
-    assert torch.equal(_mask(backend, req.structured.matcher), expected)
+    expected = _mask(backend, state.matcher)
+    manager.preempted([req])  # in step: nothing to do
+    assert torch.equal(_mask(backend, state.matcher), expected)
+    state.num_accepted = 0  # out of step: reset and replay the kept tokens
+    manager.preempted([req])
+    assert state.num_accepted == 2
+    assert torch.equal(_mask(backend, state.matcher), expected)

@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quire.attention import cpu_kernels, paged_extend
+from quire.attention import paged_extend
 from quire.attention.base import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend
+from quire.native import paged_attention
 
 from attention_reference import OPTIONS, check, options
 
@@ -88,7 +89,7 @@ def test_eager_path_with_soft_capping_and_sinks_matches_transformers_order(dtype
                                                                           monkeypatch):
     """Where the native kernels don't serve (a build without them, float16, a GPU), decodes
     (batched by length) and prefill chunks run the explicit float32 path."""
-    monkeypatch.setattr(cpu_kernels, "native_decode_supported", lambda q, k_cache: False)
+    monkeypatch.setattr(paged_attention, "native_decode_supported", lambda q, k_cache: False)
     monkeypatch.setattr(paged_extend, "supported", lambda q, k_cache: False)
     q, k, v, k_cache, v_cache, meta = _mixed_step(dtype)
     opts = options(option, 6)
@@ -102,7 +103,7 @@ def test_eager_path_with_soft_capping_and_sinks_matches_transformers_order(dtype
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_native_path_with_soft_capping_and_sinks_matches_transformers_order(option):
     q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
-    assert cpu_kernels.native_decode_supported(q, k_cache) and paged_extend.supported(q, k_cache)
+    assert paged_attention.native_decode_supported(q, k_cache) and paged_extend.supported(q, k_cache)
     opts = options(option, 6)
     backend = TorchAttentionBackend(6, 2, 32, 32 ** -0.5, opts["window"], opts["softcap"])
     backend.prepare(meta)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quire.platform import attention_backend_class
+from quire.attention.selector import attention_backend_class
 
 from runtime_helpers import run_triton_interpreter_suite
 

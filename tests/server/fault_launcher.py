@@ -3,6 +3,8 @@ requests that must not finish on their own.
 
 The server hands the engine token ids, so prompts are recognized by their decoded text:
 - "__poison__" (anywhere in it): the request gets detokenizers that raise (a failure of that request alone);
+- "__reject__": the request's first token is refused as a grammar refuses one (the sequence
+  ends with finish_reason "error" and no message of its own);
 - "__die__": arms the engine: its next step raises, as a bug in the scheduler would;
 - a prompt holding "__slow__": while such a request is running, every step sleeps
   SLOW_STEP seconds, so it cannot finish sooner than max_tokens x SLOW_STEP, however fast the
@@ -16,6 +18,7 @@ import sys
 import time
 
 from quire.engine.engine import LLMEngine
+from quire.engine.request import RequestStatus
 from quire.entrypoints.cli import main
 
 SLOW_STEP = 0.05  # seconds
@@ -33,9 +36,26 @@ def add_request(self, request_id, prompt, *args, **kwargs):
     if "__poison__" in text:
         for detok in self.output_processor.group_of(request_id).detoks:
             detok.update = _surprise
+    if "__reject__" in text:
+        self.__dict__.setdefault("rejected", set()).add(request_id)
+        if "advance" not in self.structured.__dict__:
+            self.structured.advance = _rejecting(self, self.structured.advance)
     if "__slow__" in text:
         self.__dict__.setdefault("slow_requests", set()).add(request_id)
     return result
+
+
+def _rejecting(engine, advance):
+    """The structured manager's advance, refusing the marked requests' tokens as a grammar
+    that rejects one does: the sequence is finished with an error status, nothing else."""
+    def wrapped(seqs, finish=None):
+        for seq in seqs:
+            if seq.client_request_id in engine.rejected and finish is not None \
+                    and not seq.finished:
+                logger.error("request %s: token rejected (injected)", seq.request_id)
+                finish(seq, RequestStatus.FINISHED_ERROR)
+        return advance(seqs, finish)
+    return wrapped
 
 
 def _surprise(token_id):

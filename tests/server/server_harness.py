@@ -26,6 +26,8 @@ from pathlib import Path
 
 import requests
 
+from child_processes import die_with_parent, share
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 API_KEY = "test-key-7f3a"
@@ -113,7 +115,7 @@ class ServerProcess:
                "--port", str(self.port)]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=ROOT)
+                                     cwd=ROOT, preexec_fn=die_with_parent)
         self._poller = threading.Thread(target=self._poll_until_ready, daemon=True)
         self._poller.start()
 
@@ -184,11 +186,12 @@ class ServerProcess:
 # runs: one torch thread each (oversubscribed OpenMP threads make every step several times
 # slower).
 def _smollm_config() -> ServerProcess:
-    # The default model (real text), vLLM metric names too, a served name of its own.
+    # The default model (real text), vLLM metric names too, a served name of its own, and
+    # vLLM's /tokenizer_info.
     return ServerProcess("smollm", [
         "--served-model-name", SMOLLM_NAME, "--dtype", "float32", "--max-model-len", "2048",
         "--kv-cache-memory", "128M", "--metrics-compat", "vllm", "--max-num-seqs", "16",
-        "--num-threads", "1"])
+        "--num-threads", "1", "--enable-tokenizer-info-endpoint"])
 
 
 # Every tiny-model server runs under fault_launcher.py: prompts starting with "__slow__" make
@@ -224,21 +227,17 @@ def _tiny_configs() -> dict[str, ServerProcess]:
 _servers: dict[str, ServerProcess] | None = None
 
 
-def _stop_all() -> None:
-    for s in (_servers or {}).values():
-        s.stop()
-
-
 def server(name: str) -> ServerProcess:
     """The named server, started (all of them at once, the first time) and ready."""
     global _servers
     if _servers is None:
         _servers = {"smollm": _smollm_config()}
-        atexit.register(_stop_all)
         _servers["smollm"].start()  # it loads while the tiny model is written
+        share(_servers["smollm"])
         tiny = _tiny_configs()
         for s in tiny.values():
             s.start()
+            share(s)  # stopped at the session's end (tests/conftest.py), killed with it
         _servers.update(tiny)
     deadline = time.monotonic() + READY_TIMEOUT
     for s in _servers.values():  # (a failure here fails every test that asks, not only one)

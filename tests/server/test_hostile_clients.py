@@ -304,3 +304,23 @@ def test_disconnects_are_silent_aborts_counted_in_metrics(srv):
             assert time.monotonic() < deadline, "disconnects were not counted"
             time.sleep(0.05)
     # (Watched checked: no ERROR line or traceback in the log, every block free)
+
+
+def test_a_client_that_hangs_up_mid_upload_is_a_quiet_disconnect(srv):
+    """The body declared, a part of it sent, the connection closed: counted as a disconnect,
+    no traceback and no ERROR line (Watched), on every endpoint that reads a body."""
+    before = metric(metrics_of(srv), "quire:client_disconnects_total")
+    paths = (C, CHAT, "/generate")
+    with Watched(srv):
+        for path in paths:
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                          f"\r\nAuthorization: Bearer {srv.api_key}\r\n"
+                          "Content-Length: 4000\r\n\r\n{\"prompt\": \"half".encode())
+                time.sleep(0.3)  # the server is inside its read of the body
+        deadline = time.monotonic() + 30
+        while metric(metrics_of(srv), "quire:client_disconnects_total") < before + len(paths):
+            assert time.monotonic() < deadline, "the dropped uploads were not counted"
+            time.sleep(0.05)
+    assert not [line for line in srv.log_lines()[-200:]
+                if "Exception in ASGI application" in line or "unhandled error" in line]

@@ -174,3 +174,20 @@ def test_chat_n_and_logprobs(client):
         assert len(content) == 6
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
         assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+
+
+def test_tokenizer_info_is_vllms_and_off_unless_enabled(srv):
+    """What lm-eval's remote tokenizer reads: the tokenizer's class, special tokens and chat
+    template; a server without --enable-tokenizer-info-endpoint answers 404, as vLLM does."""
+    import requests
+
+    from server_harness import runtime_helpers
+    tokenizer = runtime_helpers().smollm2_tokenizer()
+    info = requests.get(srv.url + "/tokenizer_info", timeout=30).json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
+    assert info["chat_template"] == tokenizer.chat_template
+    assert "vocab_file" not in info and "merges_file" not in info
+    tiny = server("tiny")
+    assert requests.get(tiny.url + "/tokenizer_info", headers=tiny.headers,
+                        timeout=30).status_code == 404

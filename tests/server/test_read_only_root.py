@@ -21,6 +21,7 @@ import threading
 
 import requests
 
+from child_processes import die_with_parent
 from server_harness import HERE, ROOT, ServerProcess, tmp_root
 
 LAUNCHER = [sys.executable, str(HERE / "read_only_launcher.py")]
@@ -96,7 +97,7 @@ class PodLikeServer(ServerProcess):
         cmd = [*self.launcher, "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.exact_env, cwd=ROOT)
+                                     env=self.exact_env, cwd=ROOT, preexec_fn=die_with_parent)
         self._poller = threading.Thread(target=self._poll_until_ready, daemon=True)
         self._poller.start()
 

@@ -157,3 +157,53 @@ def test_bad_chat_template_kwargs_get_400_naming_the_field(srv, kwargs, needle):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "chat_template_kwargs" and needle in err["message"]
+
+
+def _sse(srv, path: str, body: dict) -> list[dict]:
+    """The data of each server-sent event of a streamed answer."""
+    r = requests.post(srv.url + path, json={**body, "stream": True}, stream=True, timeout=120)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[len("data: "):]) for line in r.iter_lines(decode_unicode=True)
+            if line.startswith("data: ")]
+
+
+def test_responses_and_messages_carry_the_reasoning_as_chat_splits_it(srv):
+    """/v1/responses: a reasoning item before the message; /v1/messages: a thinking block
+    before the text; whole and streamed, equal to chat's reasoning_content and content."""
+    model = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    checked = 0
+    for seed in SEEDS:
+        msg = _chat(srv, seed=seed, chat_template_kwargs=THINK_ON)["choices"][0]["message"]
+        reasoning, content = msg["reasoning_content"] or "", msg["content"] or ""
+        common = {"seed": seed, "temperature": 1.0}
+        r = _post(srv, "/v1/responses", {"input": ASK[0]["content"], "max_output_tokens":
+                                         MAX_TOKENS, "chat_template_kwargs": THINK_ON, **common})
+        kinds = [item["type"] for item in r["output"]]
+        assert kinds == ["reasoning"] * bool(reasoning) + ["message"]
+        if reasoning:
+            assert r["output"][0]["content"][0]["text"] == reasoning
+            assert r["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+        assert r["output"][-1]["content"][0]["text"] == content
+        events = _sse(srv, "/v1/responses", {"input": ASK[0]["content"],
+                                             "max_output_tokens": MAX_TOKENS,
+                                             "chat_template_kwargs": THINK_ON, **common})
+        assert "".join(e["delta"] for e in events
+                       if e["type"] == "response.reasoning_text.delta") == reasoning
+        assert "".join(e["delta"] for e in events
+                       if e["type"] == "response.output_text.delta") == content
+        assert [e["item"]["type"] for e in events
+                if e["type"] == "response.output_item.done"] == kinds
+        m = _post(srv, "/v1/messages", {"model": model, "messages": ASK,
+                                        "max_tokens": MAX_TOKENS,
+                                        "thinking": {"type": "enabled"}, **common})
+        blocks = [(b["type"], b.get("thinking", b.get("text"))) for b in m["content"]]
+        assert blocks == [("thinking", reasoning)] * bool(reasoning) + \
+            [("text", content)] * bool(content)
+        events = _sse(srv, "/v1/messages", {"model": model, "messages": ASK,
+                                            "max_tokens": MAX_TOKENS,
+                                            "thinking": {"type": "enabled"}, **common})
+        deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+        assert "".join(d.get("thinking", "") for d in deltas) == reasoning
+        assert "".join(d.get("text", "") for d in deltas) == content
+        checked += bool(reasoning and content)
+    assert checked >= 1

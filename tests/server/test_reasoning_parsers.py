@@ -10,12 +10,12 @@ import itertools
 import pytest
 
 from quire.entrypoints.chat_reasoning import ReasoningUse, split_answer
+from quire.entrypoints.chat_run import ChatChunks
 from quire.entrypoints.chat_tools import ToolUse, message_parts
 from quire.entrypoints.cli import main
 from quire.entrypoints.errors import OpenAIError
 from quire.entrypoints.limits import ServerLimits, check_chat_template_kwargs
 from quire.entrypoints.reasoning import REASONING_PARSERS, get_reasoning_parser
-from quire.entrypoints.routers.chat import ChatChunks
 from quire.entrypoints.tool_calls import auto_tool_parser, get_tool_parser
 from quire.outputs import CompletionOutput
 from quire.sampling_params import SamplingParams

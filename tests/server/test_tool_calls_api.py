@@ -191,3 +191,55 @@ def test_auto_parser_follows_a_llama3_template_on_the_tiny_model():
     call, = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
+
+
+# --- an answer max_tokens cuts: the same calls and finish_reason streamed or not ----------
+CUT_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"ci')
+
+
+def _joined(deltas: list) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish_reason) of streamed chat deltas, joined."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for tc in d.delta.tool_calls or []:
+            call = calls.setdefault(tc.index, [None, ""])
+            if tc.function.name:
+                call[0] = tc.function.name
+            call[1] += tc.function.arguments or ""
+    content = "".join(d.delta.content or "" for d in deltas)
+    return content, [tuple(c) for _, c in sorted(calls.items())], deltas[-1].finish_reason
+
+
+def test_a_cut_answer_reads_the_same_whole_and_streamed_on_text():
+    use = ToolUse(TOOLS, get_tool_parser("hermes"))
+    content, calls, finish = message_parts(use, CUT_TEXT, "length")
+    assert finish == "length" and content is None
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_weather", '{"ci')]
+    deltas = ToolCallDeltas(use.parser)
+    pieces = [deltas.feed(0, CUT_TEXT[i:i + 4], None) for i in range(0, len(CUT_TEXT), 4)]
+    pieces.append(deltas.feed(0, "", "length"))
+    streamed = [tc for _, tcs, _ in pieces for tc in tcs or []]
+    assert pieces[-1][2] == "length"
+    for i, call in enumerate(calls):
+        assert "".join(tc.function.arguments or "" for tc in streamed if tc.index == i) == \
+            call.function.arguments
+
+
+@pytest.mark.parametrize("max_tokens", [30, 45])
+def test_max_tokens_cutting_a_call_gives_the_same_answer_streamed_or_not(client, max_tokens):
+    """The issue's request: required, greedy, one tool, max_tokens cutting a second call."""
+    kwargs = dict(model=SMOLLM_NAME, messages=ASK, tools=[WEATHER], tool_choice="required",
+                  temperature=0, max_tokens=max_tokens)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length"
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert calls, whole.message
+    for _, arguments in calls[:-1]:  # every call before the cut one is complete
+        assert isinstance(json.loads(arguments), dict)
+    deltas = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True)
+              if c.choices]
+    content, streamed_calls, finish = _joined(deltas)
+    assert finish == "length" and streamed_calls == calls
+    assert (content.strip() or None) == whole.message.content

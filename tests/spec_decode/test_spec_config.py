@@ -12,7 +12,7 @@ from quire import LLM, BeamSearchParams, SamplingParams
 from quire.engine.stats import EngineSnapshot
 from quire.engine.stats_log import StatsLog
 from quire.metrics import ServerMetrics
-from quire.spec_decode.config import SpeculativeConfig
+from quire.speculative_config import SpeculativeConfig
 from quire.validation import QuireValidationError
 
 from runtime_helpers import save_tiny_model, smollm2_tokenizer, tiny_config

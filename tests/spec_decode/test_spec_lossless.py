@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quire import SamplingParams
-from quire.spec_decode import rejection
+from quire.worker import rejection
 
 from spec_helpers import engine, spec_configs
 

@@ -38,10 +38,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 class AttentionBackend:
     """Stateless across layers: one instance serves every layer of a model."""

@@ -1,6 +1,6 @@
 """Batched prefill chunks that extend a cached prefix, on the CPU: every query row of every such
 chunk attends, in one native call, to its own sequence's first (position + 1) tokens read in
-place through the block table (cpu_kernels/paged_decode.cpp, quire_paged_extend: the decode
+place through the block table (native/paged_decode.cpp, quire_paged_extend: the decode
 kernel with a row -> sequence map). On AVX2 it takes up to 16 consecutive rows of a sequence
 as one tile, GEMM-shaped: each K/V block is loaded (and its keys transposed) once for all the
 tile's query vectors. The chunk's own K/V are already in the cache, so the cached prefix and
@@ -16,14 +16,14 @@ import functools
 import numpy as np
 import torch
 
-from quire.attention import cpu_kernels
 from quire.attention.base import AttentionMetadata
+from quire.native import paged_attention
 
 
 @functools.cache
 def _library(march: str = "native"):
     """quire_paged_extend; `march` other than native (tests) builds for an older CPU."""
-    lib = cpu_kernels.paged_decode_library(march)
+    lib = paged_attention.paged_decode_library(march)
     if lib is None:
         return None
     fn = lib.quire_paged_extend
@@ -36,13 +36,13 @@ def _library(march: str = "native"):
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return cpu_kernels.native_decode_supported(q, k_cache) and _library() is not None
+    return paged_attention.native_decode_supported(q, k_cache) and _library() is not None
 
 
 @functools.cache
 def _tiled(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
            march: str = "native") -> bool:
-    lib = cpu_kernels.paged_decode_library(march)
+    lib = paged_attention.paged_decode_library(march)
     return lib is not None and bool(lib.quire_paged_extend_tiled(
         num_heads, num_kv_heads, head_dim, block_size))
 
@@ -79,7 +79,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert block_tables.dtype == rows.dtype == row_seq.dtype == row_lens.dtype == torch.int32
-    sinks, sinks_ptr = cpu_kernels.sinks_arg(sinks, num_heads)
+    sinks, sinks_ptr = paged_attention.sinks_arg(sinks, num_heads)
     rc = _library()(0 if q.dtype == torch.float32 else 1, q.data_ptr(), k_cache.data_ptr(),
                     v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
                     row_lens.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim,

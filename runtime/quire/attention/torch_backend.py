@@ -1,6 +1,6 @@
 """Reference paged attention in plain torch, fast on CPU.
 
-Decodes run the native CPU kernel (cpu_kernels/paged_decode.cpp), which reads K/V in place
+Decodes run the native CPU kernel (native/paged_decode.cpp), which reads K/V in place
 through the block table, when it could be built and the cache holds the compute dtype.
 Otherwise, and for prefill chunks, K/V are gathered a whole block at a time (one index_select of block-sized rows per layer,
 ~3x cheaper than per-token rows) and attended with scaled_dot_product_attention on strided
@@ -21,8 +21,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from quire.attention import cpu_kernels, paged_extend
+from quire.attention import paged_extend
 from quire.attention.base import AttentionBackend, AttentionMetadata
+from quire.native import paged_attention
 
 # Decodes whose padded length would waste more than this fraction go to a separate group.
 _MAX_PADDING_WASTE = 0.25
@@ -47,12 +48,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v)
-
-
-def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots of a sequence's first `length` tokens."""
-    pos = torch.arange(length, device=block_table.device)
-    return block_table[pos // block_size].long() * block_size + pos % block_size
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
@@ -178,8 +173,8 @@ class TorchAttentionBackend(AttentionBackend):
         attend = functools.partial(self._eager, sinks=sinks) if eager else functools.partial(
             F.scaled_dot_product_attention, scale=self.scale, enable_gqa=gqa)
         nd = meta.num_decodes
-        if nd and cpu_kernels.native_decode_supported(q, k_cache):
-            cpu_kernels.paged_decode(q[:nd], k_cache, v_cache, out[:nd], meta.block_tables[:nd],
+        if nd and paged_attention.native_decode_supported(q, k_cache):
+            paged_attention.paged_decode(q[:nd], k_cache, v_cache, out[:nd], meta.block_tables[:nd],
                                      meta.seq_lens[:nd], self.scale, self.sliding_window,
                                      self.logit_softcap, sinks)
             nd = 0

@@ -68,7 +68,7 @@ def main(spec: WorkerSpec, conn) -> None:
 
 
 def _serve(spec: WorkerSpec, conn) -> None:
-    from quire.distributed import parallel_state as ps
+    from quire import parallel_state as ps
     from quire.worker.kv_cache import KVCache
     from quire.worker.model_builder import build_model, parameter_bytes
     from quire.worker.model_runner import ModelRunner

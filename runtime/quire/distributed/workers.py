@@ -32,8 +32,8 @@ import weakref
 
 import torch
 
+from quire import parallel_state as ps
 from quire.config import EngineArgs
-from quire.distributed import parallel_state as ps
 from quire.distributed.errors import TensorParallelError
 from quire.distributed.worker_main import WorkerSpec
 from quire.distributed.worker_main import main as worker_main

@@ -87,12 +87,17 @@ class ModelInfo:
     max_num_seqs: int
     capacity_tokens: int      # tokens the KV cache holds
     architecture: str = ""    # config.json's architecture (the server picks formats by it)
+    runner: str = "generate"  # or "pooling" (embeddings)
+    pooler: object = None     # the pooling runner's PoolerConfig (quire/pooling/config.py)
 
 
 class StatsSink(Protocol):
     def bind(self, model_name: str) -> None: ...
     def record(self, snapshot: EngineSnapshot, events: StepEvents) -> None: ...
     def record_finished(self, output: RequestOutput) -> None: ...
+
+
+ERROR = "error"  # a CompletionOutput's finish_reason when the engine failed its sequence
 
 
 class RequestStream:
@@ -121,6 +126,11 @@ class RequestStream:
             self.finished = True
             if item.error:
                 raise RequestFailed(item.error)
+            if any(c.finish_reason == ERROR for c in item.outputs):
+                # a sequence the engine ended with no message of its own (its grammar
+                # rejected a token): the request failed, never an answer that looks done
+                raise RequestFailed("a sequence of this request failed in the engine "
+                                    "(finish_reason 'error'); the server log has the cause")
         return item
 
     def abort(self) -> None:
@@ -138,10 +148,10 @@ class AsyncLLMEngine:
         if engine_factory is None:
             if args is None:
                 raise ValueError("give EngineArgs or an engine_factory")
-            from quire.engine.engine import LLMEngine
+            from quire.engine.factory import create_engine
 
-            def engine_factory():
-                return LLMEngine(args, serving=True)
+            def engine_factory():  # LLMEngine, or PoolingEngine for embeddings
+                return create_engine(args, serving=True)
         self._factory = engine_factory
         self._served_model_name = served_model_name
         self.max_queue_len = max_queue_len
@@ -370,7 +380,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:  # shut down while loading
             raise
         except Exception as e:  # noqa: BLE001 - a failed load is fatal, whatever it was
-            self._die(e, "loading the model failed")
+            self._die(e, "loading the model failed", traceback_level=logging.DEBUG)
             return
         if self.stats is not None:
             self.stats.bind(self.served_model_name)
@@ -393,7 +403,8 @@ class AsyncLLMEngine:
             name=e.model_name, served_name=self._served_model_name or e.model_name,
             max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
             max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens,
-            architecture=getattr(e.model_config, "architecture", ""))
+            architecture=getattr(e.model_config, "architecture", ""),
+            runner=getattr(e, "runner_type", "generate"), pooler=getattr(e, "pooler", None))
         loras = e.list_loras() if getattr(e, "lora", None) is not None else []
         self.lora_adapters = {r.name: r for r in loras}
         self._next_lora_id = max((r.id for r in loras), default=0) + 1
@@ -461,11 +472,18 @@ class AsyncLLMEngine:
             self.stats.record(self.last_snapshot, events)
         self.stats_log.record(self.last_snapshot, events)
 
-    def _die(self, error: Exception, what: str) -> None:
+    def _die(self, error: Exception, what: str, traceback_level: int = logging.ERROR) -> None:
+        """`traceback_level`: a failed load is mostly the model's or the setup's fault (a
+        truncated file, a missing folder): its one line says it, its traceback is for
+        --log-level debug. A failed step is a bug: its traceback goes with the error."""
         if self.state is EngineState.DEAD:
             return
         self._lifecycle.move_to(EngineState.DEAD, f"{what}: {type(error).__name__}: {error}")
-        logger.error("%s", what, exc_info=error)
+        if traceback_level >= logging.ERROR:
+            logger.error("%s", what, exc_info=error)
+        else:
+            logger.error("%s: %s: %s", what, type(error).__name__, error)
+            logger.log(traceback_level, "%s: the traceback", what, exc_info=error)
         dead = EngineDeadError(self.fatal_error)
         self._fail_commands(dead)
         for stream in self._streams.values():

@@ -1,27 +1,26 @@
-"""The engine's side of a step's batch: the scheduler's output becomes a StepBatch (each
-sequence's chunk, decodes first, and a SamplingBatch with each sampled row's settings and
-state), so the worker gets values, never requests.
+"""The scheduler's plan becomes a StepBatch (each sequence's chunk, decodes first, and a
+SamplingBatch with each sampled row's settings), so the executor gets values, never requests.
 
-No tensors are made here: the grammar masks come from the structured-output manager, and a
-seeded row's generator is its sequence's own, made when the request was added.
+No tensors are made here: the grammar masks come from the features (`masks`), and a seeded
+row carries its seed and sequence id; the executor keeps the row's generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from quire.engine.prompt_logprobs import prompt_logprobs_ask
 from quire.engine.request import Request
-from quire.engine.scheduler_output import SchedulerOutput
+from quire.engine.step_plan import StepPlan
 from quire.sampling_batch import SamplingBatch, has_penalty
 from quire.step_batch import SequenceChunk, StepBatch
 
 
-def build_step_batch(out: SchedulerOutput, make_generator: Callable[[int], object],
-                     structured=None) -> tuple[StepBatch, list[Request]]:
-    """The step's batch, and the sequence each sampling row belongs to (in row order; a
-    sequence verifying k proposals has k + 1 rows). `make_generator(seed)`: a seeded
-    sequence's generator, if it has none yet; `structured`: the StructuredOutputManager that
-    fills the grammar rows' masks."""
+def build_step_batch(out: StepPlan, masks: Callable, has_grammar: Callable[[str], bool]
+                     ) -> tuple[StepBatch, list[Request], list[str]]:
+    """The step's batch, the sequence each sampling row belongs to (in row order; a
+    sequence verifying k proposals has k + 1 rows), and each chunk's sequence id. `masks(rows, groups)`: the rows' grammar
+    bitmask or None; `has_grammar(seq id)`: a grammar decides when its EOS may come."""
     counts = out.num_new_tokens
     # decodes (one query token) first, then sequences verifying proposals (the runner makes
     # each position a decode row): attention backends batch them; prefill chunks last
@@ -55,24 +54,23 @@ def build_step_batch(out: SchedulerOutput, make_generator: Callable[[int], objec
         chunks.append(SequenceChunk(
             token_ids=seq.token_ids[start:start + n], start=start,
             num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
-            block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora))
-    sampling = build_sampling_batch(rows, make_generator, structured, ahead, groups)
-    return StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
-                     out.lora_keys_in_use), rows
+            block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora,
+            prompt_logprobs=prompt_logprobs_ask(seq, start, n)))
+    sampling = build_sampling_batch(rows, masks, has_grammar, ahead, groups)
+    return (StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
+                      out.lora_keys_in_use), rows,
+            [out.requests[i].request_id for i in order])
 
 
-def build_sampling_batch(rows: list[Request], make_generator: Callable[[int], object],
-                         structured=None, ahead: list[int] | None = None,
+def build_sampling_batch(rows: list[Request], masks: Callable,
+                         has_grammar: Callable[[str], bool], ahead: list[int] | None = None,
                          groups: list[tuple[int, list[int]]] = ()) -> SamplingBatch:
     """`ahead[i]`: how many proposals come before row i's position (a verification row)."""
     ahead = ahead or [0] * len(rows)
     params = [r.sampling_params for r in rows]
     penalized = [has_penalty(p) for p in params]
     # grammars are applied first in the sampler, so everything after sees only allowed tokens
-    bitmask = None
-    if structured is not None and rows:
-        bitmask = (structured.fill_bitmask_ahead(rows, groups) if groups
-                   else structured.fill_bitmask(rows))
+    bitmask = masks(rows, list(groups)) if rows else None
     return SamplingBatch(
         greedy=[p.greedy for p in params],
         temperature=[p.temperature for p in params],
@@ -86,26 +84,19 @@ def build_sampling_batch(rows: list[Request], make_generator: Callable[[int], ob
         penalized=penalized,
         prompt_token_ids=[r.prompt_token_ids if pen else [] for r, pen in zip(rows, penalized)],
         output_token_ids=[r.output_token_ids if pen else [] for r, pen in zip(rows, penalized)],
-        generators=[_generator(r, make_generator) for r in rows],
-        banned_token_ids=[_banned_token_ids(r, k) for r, k in zip(rows, ahead)],
+        banned_token_ids=[_banned_token_ids(r, k, has_grammar) for r, k in zip(rows, ahead)],
+        row_ids=[r.request_id for r in rows],
+        # a seeded sequence's generator persists across steps (and preemptions) in the
+        # executor, so a seed gives the same tokens whatever the batch
+        seeds=[None if p.greedy else p.seed for p in params],
         bitmask=bitmask, spec_groups=list(groups))
 
 
-def _generator(seq: Request, make_generator: Callable[[int], object]):
-    """A seeded, non-greedy sequence's own generator: it persists across steps (and
-    preemptions) with the sequence, so a seed gives the same tokens whatever the batch."""
-    seed = seq.sampling_params.seed
-    if seed is None or seq.sampling_params.greedy:
-        return None
-    if seq.generator is None:  # the engine makes it when the request is added
-        seq.generator = make_generator(seed)
-    return seq.generator
-
-
-def _banned_token_ids(seq: Request, ahead: int = 0) -> list[int]:
+def _banned_token_ids(seq: Request, ahead: int, has_grammar: Callable[[str], bool]
+                      ) -> list[int]:
     """Under min_tokens, EOS and stop_token_ids can't be sampled (unless a grammar decides
     when EOS may come); `ahead` proposals count as outputs before a verification row."""
     if (seq.num_output_tokens + ahead >= seq.sampling_params.min_tokens
-            or seq.structured is not None):
+            or has_grammar(seq.request_id)):
         return []
     return list(seq.eos_token_ids | seq.stop_token_ids)

@@ -8,7 +8,9 @@ as in transformers' beam search.
 
 The live beams of one search are its *beam group*: they advance in lockstep (the group picks
 every beam's next token once all have reported), so the scheduler runs and preempts them as a
-unit. Forks and finishes go through the scheduler's public methods.
+unit (their `lockstep_group` is the search's id). Forks and finishes go through the
+scheduler's public methods; the BeamSearch feature (engine/features/beam_search.py) keeps
+the groups.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ class _Hypothesis:
 
 class BeamSearchGroup:
     def __init__(self, request_id: str, prompt: str | None, root: Request,
-                 params: BeamSearchParams, eos_token_ids: frozenset[int]) -> None:
+                 params: BeamSearchParams, eos_token_ids: frozenset[int],
+                 on_fork=None) -> None:
+        """`on_fork(parent, child)`: a new beam (a grammar copies its parent's state)."""
         self.request_id = request_id  # the client request's id
         self.prompt = prompt
         self.params = params
@@ -80,7 +84,7 @@ class BeamSearchGroup:
         self.root = root
         self.error: str | None = None
         self._next_id = 1
-        root.beam_group = self
+        self.on_fork = on_fork
 
     @property
     def finished(self) -> bool:
@@ -142,13 +146,14 @@ class BeamSearchGroup:
     def _fork(self, parent: Request, scheduler) -> Request:
         child = Request(f"{self.request_id}#beam{self._next_id}", parent.prompt_token_ids,
                         parent.sampling_params, frozenset(), parent.max_tokens,
-                        parent.metrics.arrival_time, client_request_id=self.request_id)
+                        parent.metrics.arrival_time, client_request_id=self.request_id,
+                        lora=parent.lora, cache_salt=parent.cache_salt,
+                        lockstep_group=self.request_id, priority=parent.priority)
         self._next_id += 1
         child.token_ids = list(parent.token_ids)
-        child.beam_group = self
-        child.cache_salt, child.long_rope = parent.cache_salt, parent.long_rope  # same chain keys
-        if parent.structured is not None:  # guided: the beam gets its own grammar state
-            child.structured = parent.structured.fork()
+        child.long_rope = parent.long_rope  # the same chain keys
+        if self.on_fork is not None:  # guided: the beam gets its own grammar state
+            self.on_fork(parent, child)
         scheduler.fork(parent, child)
         return child
 
@@ -176,20 +181,3 @@ class BeamSearchGroup:
             prompt_token_ids=self.root.prompt_token_ids, outputs=completions, finished=True,
             metrics=self.root.metrics, num_cached_tokens=max(self.root.num_cached_tokens, 0),
             error=self.error)
-
-
-def advance_beam_groups(beams: list[Request], logprobs: dict[str, TokenLogprobs],
-                        scheduler, on_advance=None) -> list[BeamSearchGroup]:
-    """After a step: record each beam's report, advance the groups that are complete
-    (`on_advance(live_beams)` then sees each advanced group's beams, each with its new token).
-    Returns the groups that finished."""
-    groups: dict[str, BeamSearchGroup] = {}
-    for beam in beams:
-        beam.beam_group.report(beam, logprobs[beam.request_id])
-        groups[beam.beam_group.request_id] = beam.beam_group
-    for group in groups.values():
-        if group.ready():
-            group.advance(scheduler)
-            if on_advance is not None:
-                on_advance(group.live)
-    return [g for g in groups.values() if g.finished]

@@ -13,6 +13,7 @@ Public interface:
     get_cached_block(hash)      the block holding that content, or None
     uncache(blocks)             forget hashes whose contents can't be trusted
     reset_prefix_cache()
+    on_removed                  None, or called with the hashes the pool forgets (KV events)
     num_blocks, num_free_blocks, num_used_blocks, num_cached_free, num_evictions, usage()
 
 With enable_caching off, full blocks are still registered while someone holds them (so the
@@ -52,6 +53,7 @@ class BlockPool:
         self._cached: dict[bytes, KVBlock] = {}
         self.num_cached_free = 0  # free blocks that still hold a reusable prefix
         self.num_evictions = 0
+        self.on_removed = None  # callable(list[bytes]): the KV-events recorder, when on
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -103,6 +105,7 @@ class BlockPool:
             self._free[block.block_id] = block
             if block.block_hash is not None and not self.enable_caching:
                 del self._cached[block.block_hash]  # caching off: nothing outlives its owners
+                self._removed([block.block_hash])
                 block.block_hash = None
             if block.block_hash is None:
                 self._free.move_to_end(block.block_id, last=False)
@@ -120,19 +123,27 @@ class BlockPool:
 
     def uncache(self, blocks: list[KVBlock]) -> None:
         """Forget the hashes of blocks whose contents can't be trusted (a failed step)."""
+        gone = []
         for block in blocks:
             if block.block_hash is not None and self._cached.get(block.block_hash) is block:
                 if block.ref_cnt == 0:
                     self.num_cached_free -= 1
                     self._free.move_to_end(block.block_id, last=False)
                 del self._cached[block.block_hash]
+                gone.append(block.block_hash)
                 block.block_hash = None
+        self._removed(gone)
 
     def reset_prefix_cache(self) -> None:
         self.uncache([b for b in self.blocks if b.block_hash is not None])
 
     def _evict(self, block: KVBlock) -> None:
         del self._cached[block.block_hash]
+        self._removed([block.block_hash])
         block.block_hash = None
         self.num_cached_free -= 1
         self.num_evictions += 1
+
+    def _removed(self, hashes: list[bytes]) -> None:
+        if self.on_removed is not None and hashes:
+            self.on_removed(hashes)

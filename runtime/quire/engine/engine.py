@@ -1,11 +1,13 @@
 """LLMEngine: add_request, abort_request, step.
 
-Builds the pieces (model, KV cache, block pool, scheduler, runner, sampler) and drives one
-step at a time: schedule -> run the model -> update sequences -> detokenize -> outputs.
+A step is three calls, as in vLLM v1: the scheduler decides (with every per-request feature's
+part: grammars, proposals, adapter slots, beams) and hands out plain data; the executor runs
+it (model, KV tensors, sampler, draft model, TP workers); the update gives the sampled tokens
+back to the scheduler, then text, stops and outputs.
 
-Names: `kv_cache` is the worker's KV tensors; `kv_manager` the KVCacheManager (block tables);
-a client request becomes one or more sequences (`Request` objects), its sibling group; a beam
-search becomes a beam group (see request.py).
+Names: `kv_manager` is the KVCacheManager (block tables), the executor's `kv_cache` the KV
+tensors; a client request becomes one or more sequences (`Request` objects), its sibling
+group; a beam search becomes a beam group (engine/beam_search.py).
 """
 
 from __future__ import annotations
@@ -16,44 +18,39 @@ import logging
 import time
 from collections.abc import Sequence
 
-import torch
-
 from quire.config import EngineArgs
 from quire.cpu_threads import configure_threads
 from quire.distributed.errors import TensorParallelError
-from quire.distributed.workers import Workers
-from quire.engine.batch_builder import build_step_batch
 from quire.engine.beam_search import (
     BeamSearchGroup,
     BeamSearchParams,
-    advance_beam_groups,
     num_blocks_for_beam_search,
 )
 from quire.engine.block_hash import check_cache_salt
 from quire.engine.block_pool import BlockPool
+from quire.engine.features.beam_search import BeamSearch
+from quire.engine.features.lora_slots import LoRASlots
+from quire.engine.features.speculation import Speculation
+from quire.engine.features.structured_output import StructuredOutput
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
 from quire.engine.request import Request, RequestStatus
 from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY, counts_by_band
 from quire.engine.scheduler import Scheduler
+from quire.engine.scheduler_output import SchedulerOutput
 from quire.engine.stats import EngineSnapshot, StepEvents
 from quire.engine.swap_manager import SwapManager
-from quire.lora.adapters import EngineAdapters, tag_request
+from quire.executor import Executor, StepResult
+from quire.kv_tiers.setup import build_kv_tiers
+from quire.lora.adapters import EngineAdapters
 from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
 from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import default_step_budget, resolve_device, resolve_dtype
 from quire.sampling_params import MAX_SEED, SamplingParams
-from quire.spec_decode.config import SpeculativeConfig
 from quire.spec_decode.draft import DraftProposer
-from quire.spec_decode.speculator import Speculator
-from quire.structured.manager import StructuredOutputManager
 from quire.validation import QuireValidationError, check_int
-from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
-from quire.worker.model_builder import build_model
-from quire.worker.model_runner import ModelRunner
-from quire.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -78,42 +75,45 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.max_model_len = self._max_model_len(cfg)
         self.block_size = args.block_size
+        self.executor = Executor(args, source, cfg, self.dtype, self.device,
+                                 self.max_model_len)
+        self.kv_dtype = self.executor.kv_dtype
+        self.attention_backend = self.executor.attention_backend
 
-        self.kv_dtype = kv_torch_dtype(args.kv_cache_dtype, self.dtype)
-        # tensor parallelism: ranks 1..N-1 (None at size 1); this process is rank 0
-        self.workers = Workers.start(args, source, cfg, self.dtype, self.kv_dtype,
-                                     self.device, self.max_model_len)
-        self.model = build_model(args, source, cfg, self.dtype, self.device,
-                                 self.max_model_len, 0, args.tensor_parallel_size)
-        self.attention_backend = next(iter(self.model.backends.values())).name
-        self.lora = None  # LoRA adapters: registry, device slots, the scheduler's rule
+        pool = BlockPool(self.executor.num_blocks, args.enable_prefix_caching)
+        # KV tiers under the pool and KV-cache events, each None when off: the tiers file
+        # the blocks the executor copies out, and hand back those a prefix hit loads
+        self.kv_tiers, self.kv_events = build_kv_tiers(
+            args, model_path=source.path, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            num_layers=cfg.num_layers, num_kv_heads=self.executor.model.num_kv_heads_per_rank,
+            head_dim=cfg.head_dim)
+        if self.kv_tiers is not None:
+            self.executor.kv_cache.tier_sink = self.kv_tiers.store
+        self.kv_manager = KVCacheManager(pool, self.block_size, self.kv_tiers, self.kv_events)
+        self.swap_manager = (SwapManager(self.kv_manager, self.executor.num_host_blocks)
+                             if self.executor.host_cache is not None else None)
+        self.eos_token_ids = self._eos_token_ids(cfg)
+        # the per-request features, in the order the scheduler calls them
+        self.structured = StructuredOutput(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.lora = None  # LoRA adapters: registry, the executor's slots, the admission rule
+        features = [self.structured]
         if args.enable_lora:
-            self.lora = EngineAdapters(args, self.model, self.dtype, self.device,
-                                       use_triton=self.attention_backend == "triton")
-
-        self.kv_cache = self._allocate_kv_cache(cfg)
-        pool = BlockPool(self.kv_cache.num_blocks, args.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(pool, self.block_size)
-        self.swap_manager, host_cache = self._swap_space(cfg)
+            self.lora = EngineAdapters(args, self.executor.lora_manager)
+            features.append(LoRASlots(self.lora))
+        self.speculator = self._speculation()  # speculative decoding, when configured
+        if self.speculator is not None:
+            features.append(self.speculator)
+        self.beams = BeamSearch(self.structured)
+        features.append(self.beams)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager,
-                                   self.lora.admission if self.lora else None,
-                                   self._rope_switch_length(), args.scheduling_policy)
-        self.eos_token_ids = self._eos_token_ids(cfg)
-        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
-                                                  self.eos_token_ids)  # guided decoding
-        self.sampler = Sampler(cfg.vocab_size, self.device, args.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
-                                  self.device, host_cache, self.workers,
-                                  self.lora.manager if self.lora else None,
-                                  cuda_graphs=not args.enforce_eager,
-                                  max_num_seqs=args.max_num_seqs)
-        self.speculator = self._speculator(cfg)  # speculative decoding, when configured
+                                   self._rope_switch_length(), features,
+                                   args.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
         self._aborted_outputs: list[RequestOutput] = []
-        self.beam_groups: dict[str, BeamSearchGroup] = {}
+        self._prev_token_time: dict[str, float] = {}  # sequence id -> for inter-token latency
         self._ids = itertools.count()
         logger.info("loaded %s (%s, %s, attention %s, %d tokens per step) in %.1fs",
                     self.model_name, cfg.architecture, str(self.dtype).removeprefix("torch."),
@@ -122,8 +122,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op at size 1); safe to call twice."""
-        if self.workers is not None:
-            self.workers.shutdown()
+        self.executor.shutdown()
+        if self.kv_tiers is not None:
+            self.executor.kv_cache.flush_offloads()
+            self.kv_tiers.close()
+            self.kv_tiers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
@@ -140,57 +146,21 @@ class LLMEngine:
                 f"length), got {self.args.max_model_len}", self.args.max_model_len)
         return self.args.max_model_len
 
-    def _allocate_kv_cache(self, cfg: ModelConfig) -> KVCache:
-        per_block = bytes_per_block(cfg.num_layers, self.block_size,
-                                    self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype)
-        budget = kv_budget(self.device, self.args.kv_cache_memory,
-                           self.args.kv_cache_memory_fraction)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise QuireValidationError(
-                "kv_cache_memory", f"kv_cache_memory of {budget} bytes holds no block; one "
-                f"block of {self.block_size} tokens needs {per_block} bytes", budget)
-        cache = KVCache(cfg.num_layers, num_blocks, self.block_size,
-                        self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype, self.device)
-        tokens = num_blocks * self.block_size
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); %.1f "
-                    "max-length (%d) sequences fit", num_blocks, self.block_size, tokens,
-                    cache.nbytes / 2**30, str(self.kv_dtype).removeprefix("torch."),
-                    tokens / self.max_model_len, self.max_model_len)
-        return cache
-
-    def _swap_space(self, cfg: ModelConfig):
-        if self.args.preemption_mode != "swap":
-            return None, None
-        per_block = bytes_per_block(cfg.num_layers, self.block_size,
-                                    self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype)
-        num_host_blocks = self.args.swap_space // per_block
-        if num_host_blocks < 1:
-            raise QuireValidationError(
-                "swap_space", f"swap_space of {self.args.swap_space} bytes holds no block; one "
-                f"block needs {per_block} bytes", self.args.swap_space)
-        host = KVCache(cfg.num_layers, num_host_blocks, self.block_size,
-                       self.model.num_kv_heads_per_rank, cfg.head_dim, self.kv_dtype,
-                       torch.device("cpu"), pin_memory=self.device.type == "cuda")
-        logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, host.nbytes / 2**30)
-        return SwapManager(self.kv_manager, num_host_blocks), host
-
-    def _speculator(self, cfg: ModelConfig) -> Speculator | None:
-        config = SpeculativeConfig.parse(self.args.speculative_config)
+    def _speculation(self) -> Speculation | None:
+        config = self.args.speculative  # parsed once, with the other args
         if config is None:
             return None
         draft = None
         if config.method == "draft_model":
-            draft = DraftProposer(config, self.args, cfg, self.tokenizer,
-                                  self.kv_cache.num_blocks, self.block_size, self.dtype,
-                                  self.kv_dtype, self.device, self.max_model_len)
+            draft = DraftProposer(self.executor.build_draft_model(config, self.tokenizer,
+                                                                  self.dtype))
         logger.info("speculative decoding: %s, %d tokens per step", config.method,
                     config.num_speculative_tokens)
-        return Speculator(config, self._rope_switch_length(), draft, self.structured)
+        return Speculation(config, self._rope_switch_length(), draft, self.structured)
 
     def _rope_switch_length(self) -> int | None:
         """LongRoPE's switch (Phi-3): sequences of this many tokens use the long table."""
-        threshold = self.model.rope.long_threshold
+        threshold = self.executor.model.rope.long_threshold
         return None if threshold is None else threshold + 1
 
     def _eos_token_ids(self, cfg: ModelConfig) -> frozenset[int]:
@@ -220,7 +190,7 @@ class LLMEngine:
         check_int("priority", priority, MIN_PRIORITY, MAX_PRIORITY,
                   f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if self.output_processor.group_of(request_id) is not None:
+        if self._in_use(request_id):
             raise _in_use(request_id)
         if params.n > self.args.max_num_seqs:
             raise QuireValidationError(
@@ -228,26 +198,21 @@ class LLMEngine:
                 f"side by side; got {params.n}", params.n)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
+        # the adapter salts its prefix-cache hashes (KVCacheManager.extra_keys), so no two
+        # adapters (nor base and adapter) share KV blocks
         adapter = None if lora_request is None else self._adapters().resolve(lora_request)
         seqs = []
         for i in range(params.n):  # sample i draws with seed + i: one single run reproduces it
             seq_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else (params.seed + i) % (MAX_SEED + 1))
-            seq = Request(
+            seqs.append(Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
                 self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
-                sample_index=i)
-            tag_request(seq, adapter)
-            seq.cache_salt = cache_salt
-            seq.priority = priority  # read by the scheduler's queue policy
-            if seq_params.seed is not None and not seq_params.greedy:
-                seq.generator = self.sampler.make_generator(seq_params.seed)
-            seqs.append(seq)
-        seqs[0].pending_siblings = seqs[1:]
+                sample_index=i, lora=adapter, cache_salt=cache_salt, priority=priority))
         if params.guided_decoding is not None:  # compiles off this thread; waits till then
             self.structured.attach(seqs, params.guided_decoding)
         self.output_processor.add(request_id, text, token_ids, params, seqs)
-        self.scheduler.add_request(seqs[0])
+        self.scheduler.add_request(seqs[0], seqs[1:])
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -310,7 +275,7 @@ class LLMEngine:
                 "speculative_config", "beam search can't run on an engine with a "
                 "speculative_config: its beams choose among the top tokens of every position, "
                 "which proposals don't verify; start an engine without speculative decoding")
-        if request_id in self.beam_groups or self.output_processor.group_of(request_id):
+        if self._in_use(request_id):
             raise _in_use(request_id)
         if params.beam_width > self.args.max_num_seqs:
             raise QuireValidationError(
@@ -336,26 +301,24 @@ class LLMEngine:
                                     max_tokens=params.max_tokens, ignore_eos=True,
                                     guided_decoding=params.guided_decoding)
         root = Request(f"{request_id}#beam0", token_ids, seq_params, frozenset(),
-                       params.max_tokens, arrival_time, client_request_id=request_id)
+                       params.max_tokens, arrival_time, client_request_id=request_id,
+                       lockstep_group=request_id)
         if params.guided_decoding is not None:
             self.structured.attach([root], params.guided_decoding)
-        group = BeamSearchGroup(request_id, text, root, params, self.eos_token_ids)
-        self.beam_groups[request_id] = group
+        self.beams.add(BeamSearchGroup(request_id, text, root, params, self.eos_token_ids,
+                                       on_fork=self.structured.fork))
         self.scheduler.add_request(root)
         return request_id
 
-    def _beam_outputs(self, groups: list[BeamSearchGroup]) -> list[RequestOutput]:
-        for group in groups:
-            del self.beam_groups[group.request_id]
-        return [group.output(self.tokenizer) for group in groups]
+    def _in_use(self, request_id: str) -> bool:
+        return (request_id in self.beams.groups
+                or self.output_processor.group_of(request_id) is not None)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            beam_group = self.beam_groups.pop(rid, None)
-            if beam_group is not None:
-                beam_group.abort(self.scheduler)
+            if self.beams.end(rid, self.scheduler):
                 continue
             group = self.output_processor.group_of(rid)
             if group is None:
@@ -396,84 +359,68 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, self._aborted_outputs = self._aborted_outputs, []
-        for req, error in self.structured.poll():  # grammars compiled since the last step
-            outputs += self._fail([req], error)
-        if self.speculator is not None:  # proposals for the running decodes
-            self.speculator.propose(self.scheduler.running)
-        sched = self.scheduler.schedule()
-        if sched.stuck:  # the liveness guard failed them: nothing could make progress
-            outputs += self._fail(sched.stuck, sched.stuck_reason)
-        self.structured.resync(sched.preempted)
-        if self.lora is not None and sched.requests:  # an adapter that can't get a slot
-            outputs += self._fill_lora_slots(sched)   # fails its requests, not the step
-            if sched.empty:
-                return outputs
-        if sched.empty:
-            self.structured.wait(0.05)  # nothing runs until a grammar compiles: don't spin
-            return outputs
+        """Schedule -> execute -> update."""
+        sched = self.scheduler.schedule()  # with every feature's part, as plain data
+        result = self._execute(sched)      # the executor's one forward (None: it failed)
+        return self._update(sched, result)
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult | None:
         try:
-            if self.speculator is not None:  # a draft model's proposals, now they have slots
-                self.speculator.fill(sched)
-            batch, rows = build_step_batch(sched, self.sampler.make_generator, self.structured)
-            result = self.runner.execute(batch)
+            return self.executor.execute(sched)
         except TensorParallelError:  # a dead worker: the engine is dead, not just this step
             raise
         except Exception as e:
-            logger.exception("the model step failed; failing the %d requests in it",
-                             len(sched.requests))
+            logger.exception("the model step failed; failing the %d sequences in it",
+                             len(sched.seq_ids))
             self.scheduler.step_failed(sched)
-            return outputs + self._fail(sched.requests, f"model step failed: {e}")
+            sched.failed += [(self._client_id(rid), f"model step failed: {e}")
+                             for rid in sched.seq_ids]
+            return None
+
+    def _update(self, sched: SchedulerOutput, result: StepResult | None
+                ) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs += self._fail(sched.failed)
+        for rid in sched.finished_ids:
+            self._prev_token_time.pop(rid, None)
+        if result is None or not sched.seq_ids:
+            return outputs
         self.num_prompt_tokens_computed += result.num_prompt_tokens
+        self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         self.events.prompt_tokens += result.num_prompt_tokens
-        sampled = {row.request_id: tok for row, tok in zip(rows, result.token_ids)
+        rows = sched.row_seq_ids
+        sampled = {rid: tok for rid, tok in zip(rows, result.token_ids)
                    if tok is not None}  # a verification group answers on its first row
-        logprobs = {row.request_id: TokenLogprobs._make(lp)
-                    for row, lp in zip(rows, result.logprobs) if lp is not None}
-        updated = self.scheduler.update(sched, sampled)
-        if self.speculator is not None:
-            self.speculator.record(sched, sampled)
-        beams = [s for s in updated if s.beam_group is not None]
-        if beams:
-            updated = [s for s in updated if s.beam_group is None]
-            # each advanced beam's grammar takes its token
-            finished = advance_beam_groups(beams, logprobs, self.scheduler,
-                                           on_advance=self.structured.advance)
-            outputs += self._beam_outputs(finished)
+        logprobs = {rid: TokenLogprobs._make(lp)
+                    for rid, lp in zip(rows, result.logprobs) if lp is not None}
+        updated = self.scheduler.update(sched, sampled, logprobs)  # beams take theirs
+        outputs += [g.output(self.tokenizer) for g in self.beams.pop_finished()]
         touched = self.output_processor.process(updated, logprobs, self.scheduler.finish)
-        self.structured.advance(updated, self.scheduler.finish)  # after the text: keeps its end
+        self.scheduler.after_output(updated)  # grammars take the tokens after the text
         self._record(updated, sampled)
         return outputs + self.output_processor.outputs(touched)
 
-    def _fill_lora_slots(self, sched) -> list[RequestOutput]:
-        failed = self.lora.fill_slots(sched.requests, sched.lora_keys_in_use)
-        if not failed:
-            return []
-        dropped = [s for s in sched.requests if s.lora is not None and s.lora.key in failed]
-        self.scheduler.drop_from_step(sched, dropped)
-        outputs = []
-        for key, message in failed.items():
-            outputs += self._fail([s for s in dropped if s.lora.key == key], message)
-        return outputs
+    def _client_id(self, seq_id: str) -> str:
+        seq = self.scheduler.sequence(seq_id)
+        return seq_id if seq is None else seq.client_request_id
 
-    def _fail(self, seqs: list[Request], message: str) -> list[RequestOutput]:
-        """Fail the client requests these sequences belong to, every sequence of each."""
-        ids, beam_groups = set(), {}
-        for seq in seqs:
-            if seq.beam_group is not None:
-                beam_groups[seq.client_request_id] = seq.beam_group
+    def _fail(self, failed: list[tuple[str, str]]) -> list[RequestOutput]:
+        """Fail these client requests (id, why), every sequence of each."""
+        ids = set()
+        for client_id, message in failed:
+            if client_id in ids:
                 continue
-            group = self.output_processor.group_of(seq.client_request_id)
+            if self.beams.end(client_id, self.scheduler, error=message):
+                continue
+            group = self.output_processor.group_of(client_id)
             if group is None:
                 continue
             group.error = message
             for s in group.seqs:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ERROR)
-            ids.add(seq.client_request_id)
-        for beam_group in beam_groups.values():
-            beam_group.abort(self.scheduler, error=message)
-        return self.output_processor.outputs(ids) + self._beam_outputs(
-            [g for g in beam_groups.values() if g.request_id in self.beam_groups])
+            ids.add(client_id)
+        beams = [g.output(self.tokenizer) for g in self.beams.pop_finished()]
+        return self.output_processor.outputs(ids) + beams
 
     def _record(self, updated: list[Request], sampled: dict) -> None:
         ev = self.events
@@ -483,25 +430,23 @@ class LLMEngine:
             for seq in updated)
         for seq in updated:
             m = seq.metrics
+            prev = self._prev_token_time.get(seq.request_id)
             if seq.num_output_tokens == 1:
                 ev.time_to_first_token.append(m.first_token_time - m.arrival_time)
                 ev.queue_time.append((m.first_scheduled_time or m.arrival_time) - m.arrival_time)
-            elif seq.prev_token_time is not None:
-                ev.inter_token_latency.append(m.last_token_time - seq.prev_token_time)
-            seq.prev_token_time = m.last_token_time
+            elif prev is not None:
+                ev.inter_token_latency.append(m.last_token_time - prev)
+            self._prev_token_time[seq.request_id] = m.last_token_time
             if seq.finished:
+                self._prev_token_time.pop(seq.request_id, None)
                 ev.e2e_latency.append((m.finished_time or m.last_token_time) - m.arrival_time)
                 ev.finished_reasons.append(seq.finish_reason)
 
     # --- observability -------------------------------------------------------------------
     def drain_events(self) -> StepEvents:
         ev, self.events = self.events, StepEvents()
-        self.structured.record(ev)
-        if self.speculator is not None:
-            c = self.speculator.drain()
-            ev.spec_drafts, ev.spec_draft_tokens = c.num_drafts, c.num_draft_tokens
-            ev.spec_accepted_tokens = c.num_accepted_tokens
-            ev.spec_accepted_per_position = c.accepted_per_position
+        for f in self.scheduler.features:
+            f.record(ev)
         return ev
 
     def snapshot(self) -> EngineSnapshot:
@@ -522,6 +467,7 @@ class LLMEngine:
             prefix_hits=self.kv_manager.prefix_hits,
             waiting_by_priority=counts_by_band(sched.waiting),
             running_by_priority=counts_by_band(sched.running),
+            kv_tiers=self.kv_tiers.snapshot() if self.kv_tiers is not None else None,
         )
 
 

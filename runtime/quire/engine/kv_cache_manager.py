@@ -21,6 +21,8 @@ Public interface (`seq` is a Request: one sequence):
     swap       adopt_fresh_blocks(seq, n) -> ids | None   new blocks for a swap-in
     steps      step_done(), step_failed()              a failed step un-caches its blocks
                step_dropped()                          so do sequences dropped from a step
+    tiers      take_tier_moves() -> (loads, stores)    the step's KV-tier byte moves, for
+                                                       the worker (step_batch.py)
 
 Sharing: full blocks are registered under a chained hash of their tokens when allocated
 (block_hash.py: SHA-256, each block hashed once, when it fills). The chain is seeded with the
@@ -29,6 +31,12 @@ blocks under different keys never match. With prefix caching on, any sequence wi
 keys can hit them, and they stay cached after they are freed. With it off, the client request
 id is a key too, so only the sequences of one client request (a beam group or n > 1 samples
 coming back from preemption) share blocks, and nothing outlives its owners.
+
+KV tiers (quire/kv_tiers, optional): a prefix-cache miss in the pool goes on in the tier chain;
+each block found there becomes a fresh pool block, registered under its hash at once, whose
+payload the worker writes before the forward. Every block that fills is copied out to the
+tiers after the forward that fills it. Both lists are plain data, taken once per step.
+With KV events on, the pool's stored and removed blocks are reported (medium "GPU").
 """
 
 from __future__ import annotations
@@ -37,12 +45,32 @@ from collections import Counter
 
 from quire.engine.block_hash import NO_EXTRA_KEYS, ExtraKeys, extend_block_hashes
 from quire.engine.block_pool import BlockPool, KVBlock
+from quire.engine.prompt_logprobs import wants_prompt_logprobs
 from quire.engine.request import Request
+from quire.kv_events.structs import POOL_MEDIUM
+from quire.step_batch import TierStore
+
+
+class TierHit:
+    """A prefix block that a KV tier holds: in get_computed_blocks' result, after the pool's
+    own hits; allocate_slots gives it a pool block and queues its payload for loading."""
+    __slots__ = ("block_hash", "payload", "ref_cnt")
+
+    def __init__(self, block_hash: bytes, payload: bytes) -> None:
+        self.block_hash, self.payload = block_hash, payload
+        self.ref_cnt = 1  # not a free pool block: allocate_slots' "revived" count skips it
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, tiers=None,
+                 events=None) -> None:
         self.pool = block_pool  # read it for accounting; change it only through this class
+        self.tiers = tiers    # a kv_tiers.TierChain, or None
+        self.events = events  # a kv_events KVEventRecorder, or None
+        if events is not None:
+            block_pool.on_removed = lambda hashes: events.removed(hashes, POOL_MEDIUM)
+        self._tier_loads: list[tuple[KVBlock, bytes, bytes]] = []  # block, hash, payload
+        self._tier_stores: list[tuple[KVBlock, TierStore]] = []
         self.block_size = block_size
         self.enable_caching = block_pool.enable_caching
         self._tables: dict[str, list[KVBlock]] = {}  # sequence id -> its blocks, in order
@@ -89,15 +117,23 @@ class KVCacheManager:
     # --- admission: prefix hits ------------------------------------------------------------
     def get_computed_blocks(self, seq: Request) -> tuple[list[KVBlock], int]:
         """The registered blocks that cover the longest prefix of the sequence's tokens. The
-        last token is always left to compute: its logits are needed to sample."""
+        last token is always left to compute: its logits are needed to sample. A sequence
+        that asks for prompt logprobs gets no hits: every prompt position's logits are needed
+        (its blocks are still cached for others)."""
+        if wants_prompt_logprobs(seq):
+            return [], 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
-        hits: list[KVBlock] = []
+        hits: list[KVBlock | TierHit] = []
         for h in seq.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
             hits.append(block)
+        if self.tiers is not None and len(hits) < max_blocks:
+            rest = seq.block_hashes[len(hits):max_blocks]
+            payloads = self.tiers.lookup(rest, shared_ok=seq.lora is None)
+            hits.extend(TierHit(h, p) for h, p in zip(rest, payloads))
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -134,12 +170,20 @@ class KVCacheManager:
                       - len(blocks) - len(computed))
         cow = self._needs_copy(blocks, start, num_new_tokens + num_lookahead)
         revived = sum(1 for b in computed if b.ref_cnt == 0)  # they leave the free queue
-        if num_new + int(cow) > self.pool.num_free_blocks - revived:
+        from_tiers = [c for c in computed if isinstance(c, TierHit)]
+        if num_new + int(cow) + len(from_tiers) > self.pool.num_free_blocks - revived:
             return None
         blocks = self._tables.setdefault(seq.request_id, [])
         if computed:
-            self.pool.touch(list(computed))
-            blocks.extend(computed)
+            in_pool = [c for c in computed if not isinstance(c, TierHit)]
+            self.pool.touch(in_pool)  # before allocating: they must not be evicted for it
+            blocks.extend(in_pool)
+            if from_tiers:
+                first = len(blocks)
+                blocks.extend(self._load_from_tiers(from_tiers))
+                if self.events is not None:
+                    self.events.stored(self._entries(seq, blocks, range(first, len(blocks))),
+                                       POOL_MEDIUM)
         copies = []
         if cow:
             old = blocks[-1]
@@ -150,6 +194,16 @@ class KVCacheManager:
         blocks.extend(self.pool.allocate(num_new))
         self._register_full_blocks(seq, blocks, start + num_new_tokens)
         return copies
+
+    def _load_from_tiers(self, hits: list[TierHit]) -> list[KVBlock]:
+        """Fresh blocks for the tier hits, registered now (the worker writes them before the
+        forward, so hits later in this step are safe, as for blocks computed this step)."""
+        fresh = self.pool.allocate(len(hits))
+        for block, hit in zip(fresh, hits):
+            self.pool.cache_block(block, hit.block_hash)
+            self._cached_this_step.append(block)
+            self._tier_loads.append((block, hit.block_hash, hit.payload))
+        return fresh
 
     def num_blocks_to_grow(self, seqs: list[Request], ns: list[int]) -> int:
         """Free blocks that allocate_slots(seq, n) needs, for all the sequences together: the
@@ -182,11 +236,33 @@ class KVCacheManager:
         if num_full <= done:
             return
         self._extend_hashes(seq, num_full)
+        fresh = []
         for i in range(done, num_full):
             if blocks[i].block_hash is None:
                 self.pool.cache_block(blocks[i], seq.block_hashes[i])
                 self._cached_this_step.append(blocks[i])
+                if blocks[i].block_hash is not None:
+                    fresh.append(i)
         self._num_hashed[seq.request_id] = num_full
+        if fresh and (self.tiers is not None or self.events is not None):
+            self._report_filled(seq, blocks, fresh)
+
+    def _report_filled(self, seq: Request, blocks: list[KVBlock], indices: list[int]) -> None:
+        """Blocks that fill this step: queued for the tiers, reported as pool events."""
+        entries = self._entries(seq, blocks, indices)
+        if self.tiers is not None:
+            self._tier_stores.extend(zip((blocks[i] for i in indices), entries))
+        if self.events is not None:
+            self.events.stored(entries, POOL_MEDIUM)
+
+    def _entries(self, seq: Request, blocks: list[KVBlock], indices) -> list[TierStore]:
+        bs, lora = self.block_size, seq.lora
+        return [TierStore(
+            block_id=blocks[i].block_id, block_hash=seq.block_hashes[i],
+            parent_hash=seq.block_hashes[i - 1] if i else None,
+            token_ids=list(seq.token_ids[i * bs:(i + 1) * bs]),
+            lora_id=None if lora is None else lora.key, shared=lora is None)
+            for i in indices]
 
     def trim(self, seq: Request) -> None:
         """After verification: blocks past the computed tokens held only rejected proposals'
@@ -232,6 +308,22 @@ class KVCacheManager:
         """The forward did not run: blocks registered this step hold nothing."""
         self.pool.uncache(self._cached_this_step)
         self._cached_this_step.clear()
+        self._tier_loads.clear()
+        self._tier_stores.clear()
+
+    def take_tier_moves(self) -> tuple[list[tuple[int, bytes]], list[TierStore]]:
+        """This step's tier loads (block id, payload) and stores, for the StepBatch; only
+        blocks still held and still registered under that hash (a sequence dropped from the
+        step, or a failed one, took its blocks' hashes with it). Flushes the KV events."""
+        loads = [(b.block_id, p) for b, h, p in self._tier_loads
+                 if b.ref_cnt > 0 and b.block_hash == h]
+        stores = [e for b, e in self._tier_stores
+                  if b.ref_cnt > 0 and b.block_hash == e.block_hash]
+        self._tier_loads.clear()
+        self._tier_stores.clear()
+        if self.events is not None:
+            self.events.flush()
+        return loads, stores
 
     def step_dropped(self) -> None:
         """Some sequences left the step before its forward and were freed: blocks they

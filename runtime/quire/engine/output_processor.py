@@ -8,9 +8,11 @@ import logging
 import time
 
 from quire.engine.detokenizer import IncrementalDetokenizer
+from quire.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from quire.engine.request import Request, RequestStatus
 from quire.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from quire.sampling_params import RequestOutputKind, SamplingParams
+from quire.step_batch import PromptLogprobsResult
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,10 @@ class SiblingGroup:
         self.sent_tokens = [0] * len(seqs)
         self.seen_tokens = [0] * len(seqs)  # output tokens detokenized, per sequence
         self.error: str | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None  # filled as its prefill runs
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.sent_prompt_logprobs = False  # (delta outputs carry them once)
 
     @property
     def finished(self) -> bool:
@@ -72,6 +78,16 @@ class OutputProcessor:
                     break
 
         return touched
+
+    def add_prompt_logprobs(self, results: list[PromptLogprobsResult]) -> None:
+        """A step's scored prompt positions, into their groups (complete by the time the
+        first token is sampled, which is when the first output goes out)."""
+        for r in results:
+            group, _ = self._seq_group.get(r.key, (None, 0))
+            if group is None or group.prompt_logprobs is None:
+                continue  # aborted since
+            fill_prompt_logprobs(group.prompt_logprobs, group.prompt_token_ids, r,
+                                 group.detoks[0].decode_token)
 
     def _detokenize(self, group: SiblingGroup, i: int, seq: Request, j: int,
                     logprobs: dict[str, TokenLogprobs], finish) -> bool:
@@ -145,11 +161,15 @@ class OutputProcessor:
                 cumulative_logprob=seq.cumulative_logprob if lps is not None else None,
                 logprobs=lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         first = group.seqs[0]
+        prompt_logprobs = group.prompt_logprobs
+        if kind == RequestOutputKind.DELTA and group.sent_prompt_logprobs:
+            prompt_logprobs = None
+        group.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
             metrics=first.metrics, num_cached_tokens=max(first.num_cached_tokens, 0),
-            error=group.error)
+            error=group.error, prompt_logprobs=prompt_logprobs)
 
     def _drop(self, group: SiblingGroup) -> None:
         self.groups.pop(group.request_id, None)

@@ -7,8 +7,13 @@ Vocabulary, as in DESIGN.md's glossary:
 - its *sibling group*: the sequences of one client request that share its prompt blocks. With
   n > 1 samples the first sequence computes the prompt; the others wait in `pending_siblings`
   and are forked from it (sharing its KV blocks) at the step its prompt completes.
-- a *beam group* (`beam_group`, a BeamSearchGroup): the live beams of one beam search; the
-  scheduler runs and preempts them as a unit.
+- a *lockstep group* (`lockstep_group`): the live beams of one beam search; the scheduler
+  runs and preempts them as a unit.
+
+A Request holds what the scheduler needs and nothing a feature owns: grammar states,
+speculation states, beam groups and seeded generators live in their owners' stores, keyed by
+`request_id` (engine/features/, the executor). Only the engine's bookkeeping modules write a
+Request (tests/engine/test_boundaries.py names them).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from typing import TYPE_CHECKING
 from quire.outputs import RequestMetrics
 from quire.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the scheduler's side never needs torch itself
-    import torch
+if TYPE_CHECKING:
+    from quire.lora.request import AdapterHandle
 
 
 class RequestStatus(enum.IntEnum):
@@ -57,6 +62,10 @@ class Request:
         arrival_time: float | None = None,
         client_request_id: str | None = None,
         sample_index: int = 0,
+        lora: AdapterHandle | None = None,
+        cache_salt: str | None = None,
+        lockstep_group: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id  # this sequence's id
         self.client_request_id = client_request_id or request_id  # the id the client gave
@@ -72,26 +81,19 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time or time.time())
-        self.prev_token_time: float | None = None  # for inter-token latency
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
-        # seeded sampling's own generator (made on add): every step's SamplingBatch hands it
-        # to the sampler, so its draws go on across steps and preemptions
-        self.generator: torch.Generator | None = None
         self.pending_siblings: list[Request] = []  # (n > 1) forked when the prompt is done
         self.block_hashes: list[bytes] = []     # chained hashes of this request's full blocks
         self.num_preemptions = 0
-        self.beam_group = None  # the BeamSearchGroup this sequence is a beam of, if any
-        self.structured = None  # its GrammarState under guided decoding (quire/structured)
-        self.lora = None        # the AdapterHandle it computes with (quire/lora); None: base
+        # the beam search whose live beams run and are preempted with it as a unit
+        self.lockstep_group = lockstep_group
+        self.lora = lora  # the AdapterHandle it computes with (quire/lora); None: base model
         # with the adapter, these seed its block-hash chain (block_hash.ExtraKeys): blocks
         # under other keys never match
-        self.cache_salt: str | None = None  # the client's cache_salt (tenant isolation)
+        self.cache_salt = cache_salt  # the client's cache_salt (tenant isolation)
+        self.priority = priority  # lower first under the priority policy (sched_policy.py)
         self.long_rope = False  # its K/V use LongRoPE's long table (scheduler.py)
-        # speculative decoding: the tokens proposed for its next step (verified there, never
-        # part of token_ids until accepted), and its proposer's per-sequence state
-        self.spec_token_ids: list[int] = []
-        self.spec = None
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property

@@ -13,7 +13,7 @@ admitted for want of KV blocks (or of a sequence slot) preempts running units of
 worse priority, the worst and youngest first; under `fcfs` priorities are accepted and
 ignored (as vLLM's V1 engine does) and the scheduler behaves exactly as it always has.
 
-The policy reads `seq.priority` (set by LLMEngine.add_request; 0 when absent) and
+The policy reads `seq.priority` (set when the Request is made; 0 by default) and
 `seq.metrics.arrival_time`; it never touches blocks itself: preemption goes through the
 scheduler's own `_preempt`, so the KV bookkeeping stays in one place.
 """
@@ -32,7 +32,7 @@ BAND_LIMIT = 10  # priorities beyond +-10 share a metric band
 
 
 def priority_of(seq) -> int:
-    return getattr(seq, "priority", 0)
+    return seq.priority
 
 
 def sort_key(seq) -> tuple[int, float]:
@@ -84,8 +84,7 @@ class PriorityPolicy(FcfsPolicy):
         urgent than the least urgent running unit and would not fit (blocks for its first
         chunk, or a sequence slot), preempt that unit. vLLM's priority preemption."""
         kv = scheduler.kv_manager
-        head = next((s for s in scheduler.waiting
-                     if s.structured is None or s.structured.ready), None)
+        head = next((s for s in scheduler.waiting if scheduler.runnable(s)), None)
         while head is not None:  # (one still compiling could not run this step anyway)
             units = self.order_units(scheduler._running_units())
             if not units or priority_of(units[-1][0]) <= priority_of(head):

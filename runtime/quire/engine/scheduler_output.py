@@ -1,28 +1,26 @@
-"""What one scheduler step hands to the worker (and back to the scheduler's update)."""
+"""What one scheduler step hands to the executor and back to the scheduler's update: plain
+data (ids, token ids, block tables, sampling columns), never a Request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quire.engine.request import Request
+from quire.step_batch import StepBatch
 
 
 @dataclass
 class SchedulerOutput:
-    requests: list[Request] = field(default_factory=list)  # sequences run; decodes first
-    num_new_tokens: list[int] = field(default_factory=list)  # per sequence in `requests`
-    forks: dict[str, list[Request]] = field(default_factory=dict)  # parent id -> n>1 siblings
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block ids
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    preempted: list[Request] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)  # per sequence in `requests`
-    stuck: list[Request] = field(default_factory=list)  # failed by the liveness guard
-    stuck_reason: str | None = None
-    lora_keys_in_use: frozenset[int] = frozenset()  # adapters of running sequences (pinned)
-    # speculative decoding: sequence id -> the proposals verified this step (its
-    # num_new_tokens counts them after its one known token)
+    batch: StepBatch                       # what the executor runs (chunks may be empty)
+    seq_ids: list[str] = field(default_factory=list)  # the scheduled sequences
+    chunk_seq_ids: list[str] = field(default_factory=list)  # batch.chunks[i]'s sequence
+    num_new_tokens: list[int] = field(default_factory=list)  # per sequence in seq_ids
+    row_seq_ids: list[str] = field(default_factory=list)  # sampling row -> its sequence
+    forks: dict[str, list[str]] = field(default_factory=dict)  # parent id -> n>1 sibling ids
+    # speculative decoding: sequence id -> the proposals verified this step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the last step
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (client request id, why)
 
     @property
     def total_tokens(self) -> int:
@@ -30,5 +28,6 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        """Nothing for the worker to do (the scheduler may still have failed stuck ones)."""
-        return not self.requests and not self.swap_out and not self.swap_in
+        """Nothing for the executor to run (the scheduler may still have failed some)."""
+        b = self.batch
+        return not b.chunks and not b.swap_out and not b.swap_in

@@ -24,6 +24,7 @@ class EngineSnapshot:
     # sequences per priority band (sched_policy.counts_by_band), for the queue metrics
     waiting_by_priority: dict[str, int] = field(default_factory=dict)
     running_by_priority: dict[str, int] = field(default_factory=dict)
+    kv_tiers: dict | None = None  # tier -> lifetime counters (kv_tiers TierChain.snapshot)
 
 
 @dataclass

@@ -87,18 +87,47 @@ def _grammar(tokenizer, tools, choice, parallel: bool, family: str,
 
 
 # --- answers ----------------------------------------------------------------------------
+# An answer that max_tokens cut ("length") keeps that finish_reason, streamed or not: its
+# complete calls, and the call the cut interrupted with its arguments as far as they came
+# (not JSON; OpenAI's own answer to a cut call), once its name was whole. A whole answer is
+# the stream's pieces joined, so both paths read a cut answer with the same streamer.
+LENGTH = "length"
+
+
 def message_parts(use: ToolUse, text: str | None, finish_reason: str | None
                   ) -> tuple[str | None, list[ToolCallOut], str | None]:
     """(content, tool_calls, finish_reason) of a whole answer (`text`: its content part;
     None when it is all reasoning)."""
     if use.parser is None or text is None:
         return text, [], finish_reason
+    if finish_reason == LENGTH:
+        return _cut_answer(use.parser, text)
     parsed = use.parser.parse(text)
     if not parsed.tools_called:
         return text, [], finish_reason
     calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
              for c in parsed.tool_calls]
     return parsed.content, calls, TOOL_CALLS
+
+
+def _cut_answer(parser: ToolParser, text: str
+                ) -> tuple[str | None, list[ToolCallOut], str]:
+    """A cut answer's parts: exactly what its stream sends, joined."""
+    streamer = parser.streamer()
+    pieces = [streamer.feed(text), streamer.finish()]
+    content = "".join(p.content or "" for p in pieces)
+    calls: dict[int, dict] = {}
+    for piece in (tc for p in pieces for tc in p.tool_calls):
+        call = calls.setdefault(piece["index"], {"arguments": ""})
+        if "id" in piece:
+            call["id"], call["name"] = piece["id"], piece["function"]["name"]
+        call["arguments"] += piece["function"].get("arguments") or ""
+    if not calls:
+        return content, [], LENGTH
+    out = [ToolCallOut(id=c["id"], function=FunctionCallOut(name=c["name"],
+                                                            arguments=c["arguments"]))
+           for _, c in sorted(calls.items())]
+    return (content if content.strip() else None), out, LENGTH
 
 
 class ToolCallDeltas:
@@ -117,7 +146,7 @@ class ToolCallDeltas:
             rest = s.finish()
             delta = DeltaMessage((delta.content or "") + (rest.content or "") or None,
                                  delta.tool_calls + rest.tool_calls)
-            if s.tools_called:
+            if s.tools_called and finish_reason != LENGTH:
                 finish_reason = TOOL_CALLS
         calls = [DeltaToolCall.model_validate(c) for c in delta.tool_calls] or None
         return delta.content, calls, finish_reason

@@ -15,7 +15,8 @@ from quire.entrypoints.serve import MissingDependency, add_serve_parser
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from quire import LLM, SamplingParams
+    from quire.entrypoints.llm import LLM
+    from quire.sampling_params import SamplingParams
     llm = LLM.from_engine_args(engine_args_from(ns, ns.model))
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens,
                             seed=ns.sampling_seed)

@@ -25,16 +25,16 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
+        if f.name in skip or not f.init:
             continue
         if f.name == "lora_modules":  # a dict in EngineArgs; a list of name=path here
             group.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
                                metavar="NAME=PATH", help=f.metadata["help"] + " (name=path, "
                                "or vLLM's JSON {\"name\", \"path\", \"base_model_name\"})")
             continue
-        if f.name == "speculative_config":  # a dict in EngineArgs; JSON here, as vLLM's
-            group.add_argument("--speculative-config", type=str, default=None, metavar="JSON",
-                               help=f.metadata["help"])
+        if f.name in ("speculative_config", "kv_events_config"):  # dicts; JSON here, as vLLM's
+            group.add_argument("--" + f.name.replace("_", "-"), type=str, default=None,
+                               metavar="JSON", help=f.metadata["help"])
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
@@ -56,7 +56,7 @@ def model_help() -> str:
 def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
     """EngineArgs from the flags; a ValueError names the flag at fault."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(ns, f.name)}
+              if f.init and hasattr(ns, f.name)}
     values["model"] = model
     if values.get("lora_modules") is not None:
         values["lora_modules"] = lora_modules_dict(values["lora_modules"])

@@ -1,5 +1,6 @@
-"""The errors the server answers with, in OpenAI's shape, and the one mapping from engine
-exceptions to HTTP answers (so "the engine is dead" is 503 wherever it is noticed).
+"""The errors the server answers with, in OpenAI's shape (Anthropic's on the Messages API's
+paths), and the one mapping from engine exceptions to HTTP answers (so "the engine is dead" is
+503 wherever it is noticed).
 
 Bad input's `param` is the field a QuireValidationError carries, never read out of a message:
 a plain ValueError answers 400 with param null."""
@@ -39,8 +40,42 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# The Messages API's paths answer in Anthropic's shape, {"type": "error", "error": {"type",
+# "message"}}, with Anthropic's error types for the same statuses.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         408: "timeout_error", 413: "request_too_large",
+                         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def anthropic_body(e: OpenAIError) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(e.status) or (
+        "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
+
+
+def error_response(e: OpenAIError, path: str):
+    """The HTTP answer to `e` in the shape the endpoint at `path` speaks."""
+    if not speaks_anthropic(path):
+        return e.response()
+    from fastapi.responses import JSONResponse
+    return JSONResponse(anthropic_body(e), status_code=e.status, headers=e.headers)
+
+
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param, "invalid_value")
+
+
+def unsupported_media_type(content_type: str) -> OpenAIError:
+    """vLLM's answer to a body that is not declared as JSON (its words, and 415)."""
+    return OpenAIError(415, "Unsupported Media Type: Only 'application/json' is allowed "
+                       f"(the request's Content-Type is {content_type!r})",
+                       "invalid_request_error", None, "unsupported_media_type")
 
 
 def server_busy(message: str) -> OpenAIError:

@@ -1,5 +1,5 @@
 """Every limit the server puts on a client, in one place: the numbers (each one a flag of
-`quire serve`, documented in the README) and the checks that enforce them on a request.
+`quire serve`, documented in docs/serving.md) and the checks that enforce them on a request.
 
 Work is refused by size before it is done: the body's bytes (before it is read), then the
 prompt's characters (before it is tokenized), then its tokens (before the engine sees it).
@@ -45,6 +45,9 @@ class ServerLimits:
     allow_request_chat_template: bool = False
     chat_template_timeout: float = 1.0
     max_chat_template_chars: int = 64 << 10
+    # --- /v1/responses' stored responses (previous_response_id, GET) ---------------------
+    max_stored_responses: int = 1024
+    stored_response_ttl: float = 3600.0
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:
@@ -80,6 +83,9 @@ HELP = {
                                    "jinja2 sandbox within a time and size budget)",
     "chat_template_timeout": "seconds a request's own chat template may take to render",
     "max_chat_template_chars": "characters of a request's own chat template",
+    "max_stored_responses": "responses /v1/responses keeps in memory for "
+                            "previous_response_id and GET (the oldest are dropped first)",
+    "stored_response_ttl": "seconds a stored response is kept (after that its id is 404)",
 }
 
 
@@ -121,7 +127,7 @@ def check_count(name: str, items, limit: int, flag: str) -> None:
                           f"got {len(items)}", name)
 
 
-def check_stop(stop, stop_token_ids, limits: ServerLimits) -> None:
+def check_stop(stop, stop_token_ids, limits: ServerLimits, vocab_size: int) -> None:
     stops = [stop] if isinstance(stop, str) else (stop or [])
     check_count("stop", stops, limits.max_stop_strings, "max-stop-strings")
     for s in stops:
@@ -130,6 +136,10 @@ def check_stop(stop, stop_token_ids, limits: ServerLimits) -> None:
                               f"characters (--max-stop-string-chars), got {len(s)}", "stop")
     check_count("stop_token_ids", stop_token_ids, limits.max_stop_token_ids,
                 "max-stop-token-ids")
+    for t in stop_token_ids or ():  # (the model's vocabulary: only the server knows it)
+        if isinstance(t, int) and not 0 <= t < vocab_size:
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}) (this "
+                              f"model's vocabulary), got {t}", "stop_token_ids")
 
 
 def check_schema_bytes(name: str, value, limit: int) -> None:

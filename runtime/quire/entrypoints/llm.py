@@ -9,9 +9,11 @@ from tqdm.auto import tqdm
 
 from quire.config import EngineArgs
 from quire.engine.beam_search import BeamSearchParams
-from quire.engine.engine import LLMEngine, PromptType
+from quire.engine.engine import PromptType
+from quire.engine.factory import create_engine
 from quire.lora.request import LoRARequest
-from quire.outputs import RequestOutput
+from quire.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from quire.pooling.params import PoolingParams
 from quire.sampling_params import RequestOutputKind, SamplingParams
 from quire.validation import QuireValidationError
 
@@ -19,18 +21,51 @@ Message = dict[str, str]
 
 
 class LLM:
-    """`LLM()` loads the default SmolLM2-135M-Instruct; every EngineArgs field is a keyword."""
+    """`LLM()` loads the default SmolLM2-135M-Instruct; every EngineArgs field is a keyword.
+    `LLM(model, runner="pooling")` (or `convert="embed"`, or a base-model checkpoint such as
+    a sentence-transformers Qwen3-Embedding folder) embeds instead: `LLM.embed`."""
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        self.engine = create_engine(EngineArgs(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(args)
+        llm.engine = create_engine(args)
         llm.tokenizer = llm.engine.tokenizer
         return llm
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (`.outputs.embedding`), on the pooling
+        runner. Text prompts get the checkpoint's default prompt first, as
+        sentence-transformers' encode() does; `pooling_params.dimensions` cuts a matryoshka
+        model's embedding (renormalized)."""
+        if getattr(self.engine, "runner_type", "generate") != "pooling":
+            raise QuireValidationError(
+                "runner", "embed needs the pooling runner: LLM(model, runner='pooling') (or "
+                "convert='embed'); this one generates text")
+        prompts = _as_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise QuireValidationError(
+                "pooling_params", f"pooling_params has {len(pooling_params)} entries for "
+                f"{len(prompts)} prompts; give one, or one per prompt")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, pooling_params):
+                ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            self.engine.abort_request(ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids,
+                                       EmbeddingOutput(out.embedding))
+                for out in self._run(ids, use_tqdm)]
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

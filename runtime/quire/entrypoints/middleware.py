@@ -6,27 +6,36 @@ from __future__ import annotations
 import asyncio
 import hmac
 
-from quire.entrypoints.errors import OpenAIError
+from quire.entrypoints.errors import OpenAIError, error_response
 from quire.entrypoints.limits import body_too_large, body_too_slow
 
 
 class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` (what the anthropic SDK
+    and Claude Code send)."""
+
     def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_x_api_key = api_key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        x_api_key = headers.get(b"x-api-key")
+        if hmac.compare_digest(given, self.expected) or (
+                x_api_key is not None and hmac.compare_digest(x_api_key,
+                                                              self.expected_x_api_key)):
             await self.app(scope, receive, send)
             return
-        response = OpenAIError(
-            401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-            "invalid_request_error", None, "invalid_api_key").response()
+        response = error_response(OpenAIError(
+            401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or "
+                 "'x-api-key: <key>')", "invalid_request_error", None, "invalid_api_key"),
+            scope["path"])
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
@@ -46,7 +55,8 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await body_too_large(self.max_bytes).response()(scope, receive, send)
+            await error_response(body_too_large(self.max_bytes), scope["path"])(
+                scope, receive, send)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout

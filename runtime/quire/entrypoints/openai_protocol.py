@@ -10,6 +10,7 @@ limits.py.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -32,13 +33,30 @@ def parse_request(cls: type[_Request], raw: bytes) -> Any:
     try:
         return cls.model_validate_json(raw or b"")
     except ValidationError as e:
-        raise _validation_error(cls, e) from None
+        raise _validation_error(cls, e, raw or b"") from None
 
 
-def _validation_error(cls: type[BaseModel], exc: ValidationError) -> OpenAIError:
-    err = exc.errors(include_url=False)[0]
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or a \uDC00-\uDFFF alone
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _validation_error(cls: type[BaseModel], exc: ValidationError,
+                      raw: bytes = b"") -> OpenAIError:
+    errors = exc.errors(include_url=False)
+    # of the first bad field's errors, the deepest: a union's other branches fail at its top
+    # ("input should be a valid string") while the one the client meant says what is wrong
+    err = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+              key=lambda e: len(e["loc"]))
     kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
+        lone = _LONE_SURROGATE.search(raw)
+        if lone is not None:  # the parser's own words ("end of hex escape") mislead
+            return bad_request(
+                f"the request body is not valid JSON: {lone.group().decode()} at byte "
+                f"{lone.start()} is a lone UTF-16 surrogate, not a character (a \\uD800-"
+                f"\\uDBFF escape must be followed by a \\uDC00-\\uDFFF one)")
         return bad_request(f"the request body is not valid JSON: {err['msg']}")
     if kind == "model_type" or not loc:
         return bad_request("the request body must be a JSON object")
@@ -81,22 +99,19 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                        stream: bool, max_n: int | None = None,
+                        stream: bool,
                         guided_decoding: GuidedDecodingParams | None = None,
-                        renames: dict[str, str] | None = None) -> SamplingParams:
+                        renames: dict[str, str] | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams, or OpenAIError 400 naming the parameter that is out of range
         (`renames`: SamplingParams' names this endpoint's request spells otherwise)."""
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise bad_request(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed}",
-                              "seed")
-        if max_n is not None and isinstance(self.n, int) and self.n > max_n:
-            raise bad_request(f"n must be <= {max_n} (this server's --max-num-seqs), "
-                              f"got {self.n}", "n")
+        # (seed's range is SamplingParams'; n against max_num_seqs is the engine's check)
         values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs,
-                                  output_kind=kind, guided_decoding=guided_decoding)
+                                  output_kind=kind, guided_decoding=guided_decoding,
+                                  prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise invalid_input(e, renames) from None
 
@@ -167,8 +182,11 @@ class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField, 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
                     "token ids")
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
+    # vLLM's extra: each prompt token's logprob and top-k (choices[].prompt_logprobs)
+    prompt_logprobs: int | None = Field(
+        None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -223,9 +241,6 @@ class ChatMessage(_Request):
             msg["tool_call_id"] = self.tool_call_id
         return msg
 
-    def has_tool_parts(self) -> bool:
-        return bool(self.tool_calls) or self.role == "tool"
-
     def num_chars(self) -> int:
         if isinstance(self.content, list):
             n = sum(len(p.text or "") for p in self.content)
@@ -247,6 +262,9 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltFie
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
+    # vLLM's extra: each prompt token's logprob and top-k (the response's prompt_logprobs)
+    prompt_logprobs: int | None = Field(
+        None, description=f"an integer in [0, {MAX_LOGPROBS}] or null")
     stream: bool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
@@ -317,12 +335,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class LogprobOut(BaseModel):
+    """vLLM's Logprob, as prompt_logprobs carry it (keyed by token id)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one entry per prompt token, the first null: token id -> its Logprob
+PromptLogprobsOut = list[dict[int, LogprobOut] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -381,6 +411,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 # --- stream chunks -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 
 from quire.entrypoints.engine_args import add_engine_flags, engine_args_from, model_help
@@ -91,6 +92,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         f"(needs --enable-lora; also on with {RUNTIME_LORA_ENV}=true); "
                         "without it they answer 404")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (vLLM's: the tokenizer's configuration and "
+                        "chat template, which lm-eval's remote tokenizer reads); without it "
+                        "it answers 404")
     add_tls_flags(p)
     add_tracing_flag(p)
     add_limit_flags(p)
@@ -150,6 +155,27 @@ def lora_parents(ns: argparse.Namespace) -> dict[str, str]:
     return {m.name: m.base_model_name for m in (ns.lora_modules or []) if m.base_model_name}
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads (uvicorn binds only after the
+    app's start-up, by when the model has been loading for a while); a ValueError, which
+    the CLI prints as its one line, if the address can't be had."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)"
+                         ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def require_server_packages() -> None:
     for name in SERVER_PACKAGES:
         try:
@@ -170,6 +196,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from quire.metrics import ServerMetrics, cache_config_labels
 
     tls = tls_from(ns)  # before the model loads: a bad certificate fails at once
+    sock = listening_socket(ns.host, ns.port)  # and a port in use too
     if ns.malloc_arena_max > 0:
         memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
     args = engine_args_from(ns, ns.model)
@@ -189,6 +216,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                     default_template_kwargs=ns.default_chat_template_kwargs,
                     allow_runtime_lora=allow_runtime_lora, lora_parents=lora_parents(ns),
                     model_aliases=names[1:],
+                    enable_tokenizer_info=ns.enable_tokenizer_info_endpoint,
                     tracer=tracing.tracer if tracing is not None else None)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.log_requests, limits, tls)
     server = QuireServer(config, engine, ns.shutdown_timeout)
@@ -201,7 +229,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if allow_runtime_lora and not api_key:  # vLLM warns too: any folder on this host
         logger.warning("runtime LoRA loading is on without an API key: any client can make "
                        "the server read any adapter folder it can see")
-    server.run()
+    server.run(sockets=[sock])
     if tracing is not None:
         tracing.shutdown()
     if server.exit_code:

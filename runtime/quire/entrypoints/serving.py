@@ -28,12 +28,17 @@ from quire.entrypoints.limits import (
     check_prompt_tokens,
 )
 from quire.entrypoints.reasoning import ReasoningParser
+from quire.entrypoints.responses_store import ResponseStore
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
+from quire.pooling.params import PoolingParams
 from quire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+_GENERATE = SamplingParams()  # what check_runner reads a generation endpoint as
 
 
 class ClientDisconnected(Exception):
@@ -51,7 +56,18 @@ class Serving:
     model_aliases: tuple[str, ...] = ()    # the base model's other --served-model-name names
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     default_template_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs
+    tokenizer_info: bool = False           # --enable-tokenizer-info-endpoint
     _pool: TokenizerPool | None = None
+    _special_ids: frozenset[int] | None = None
+    _responses: ResponseStore | None = None
+
+    @property
+    def responses(self) -> ResponseStore:
+        """/v1/responses' stored responses, bounded by the limits."""
+        if self._responses is None:
+            self._responses = ResponseStore(self.limits.max_stored_responses,
+                                            self.limits.stored_response_ttl)
+        return self._responses
 
     @property
     def pool(self) -> TokenizerPool:
@@ -72,14 +88,19 @@ class Serving:
         neither the base model's served name nor a loaded LoRA adapter."""
         return self.model_for(name)[0]
 
-    def model_for(self, name: str | None) -> tuple[ModelInfo, LoRARequest | None]:
-        """check_model, and the adapter `name` picks (None: the base model)."""
+    def model_for(self, name: str | None,
+                  runner: str | None = None) -> tuple[ModelInfo, LoRARequest | None]:
+        """check_model, and the adapter `name` picks (None: the base model). `runner`: what
+        the endpoint needs ('generate' or 'pooling'); a server of the other runner says why
+        with a 400 before any work."""
         state = self.engine.state
         if state is EngineState.DEAD:
             raise engine_error(EngineDeadError(self.engine.fatal_error))
         info = self.engine.model_info
         if state is EngineState.LOADING or info is None:  # None: stopped while loading
             raise engine_error(EngineNotReady("the model is still loading"))
+        if runner is not None:
+            self.check_runner(PoolingParams() if runner == "pooling" else _GENERATE)
         if name is None or name == info.served_name or name in self.model_aliases:
             request_tracing.note_model(name, info.served_name, None)
             return info, None
@@ -88,6 +109,15 @@ class Serving:
             raise model_not_found(name)
         request_tracing.note_model(name, info.served_name, lora.name)
         return info, lora
+
+    def textless_ids(self, params: SamplingParams) -> frozenset[int]:
+        """Token ids that add nothing to a completion's text: the special tokens, when
+        skip_special_tokens leaves them out."""
+        if not params.skip_special_tokens:
+            return frozenset()
+        if self._special_ids is None:
+            self._special_ids = frozenset(getattr(self.engine.tokenizer, "all_special_ids", ()))
+        return self._special_ids
 
     # --- prompts, by size first: characters, then tokens ---------------------------------
     async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
@@ -143,11 +173,13 @@ class Serving:
                      renames: dict[str, str] | None = None,
                      lora_request: LoRARequest | None = None,
                      cache_salt: str | None = None,
-                     priority: int = 0) -> list[RequestStream]:
+                     priority: int | None = None) -> list[RequestStream]:
         """One engine request per prompt (token ids), all or none: if one is refused, the
         others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
-        the request's (checked when the body was parsed). priority: the request's
-        (lower first under --scheduling-policy priority)."""
+        the request's (checked when the body was parsed). priority: the request's (lower
+        first under --scheduling-policy priority). A request for the other runner
+        (generation on a pooling server, embeddings on a generation one) gets a 400."""
+        self.check_runner(params)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}"
                for i in range(len(prompts))]
         results = await asyncio.gather(
@@ -169,6 +201,19 @@ class Serving:
                             "cache_salt set" if cache_salt is not None else "no cache_salt",
                             params)
         return request_tracing.follow(request_id, prompts, params, streams)
+
+    def check_runner(self, params) -> None:
+        """400 for a generation request to a pooling server, or an embedding request to a
+        generation server (`params`: SamplingParams or PoolingParams)."""
+        runner = self.engine.model_info.runner
+        if isinstance(params, PoolingParams) and runner != "pooling":
+            raise bad_request("this model generates text; embeddings, score and rerank need a "
+                              "server started with --runner pooling (or --convert embed)",
+                              "model")
+        if isinstance(params, SamplingParams) and runner == "pooling":
+            raise bad_request("this server runs the pooling runner (embeddings): it can't "
+                              "generate text; use /v1/embeddings, /score or /rerank, or start "
+                              "a server without --runner pooling", "model")
 
     async def finals(self, streams: list[RequestStream], disconnected) -> list[RequestOutput]:
         """The final output of each stream. If the client goes away first, every request is

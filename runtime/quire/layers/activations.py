@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quire.models.fused_ops import silu_and_mul
+from quire.native.fused_ops import silu_and_mul
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

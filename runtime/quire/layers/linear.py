@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quire.distributed import parallel_state as ps
+from quire import parallel_state as ps
 from quire.layers.quantization import NO_QUANT, QuantConfig
 from quire.layers.weights import materialize, narrow
 

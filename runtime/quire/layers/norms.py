@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quire.distributed import parallel_state as ps
-from quire.models.fused_ops import rms_norm, rms_norm_ref
+from quire import parallel_state as ps
+from quire.native.fused_ops import rms_norm, rms_norm_ref
 
 
 class RMSNorm(nn.Module):

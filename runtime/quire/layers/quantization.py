@@ -29,7 +29,7 @@ from torch import nn
 
 from quire.layers import quant_formats as qf
 from quire.layers import quant_kernels
-from quire.models import packed_linear
+from quire.native import packed_linear
 
 
 class LinearMethod:
@@ -48,7 +48,7 @@ class LinearMethod:
 class FloatLinearMethod(LinearMethod):
     """The weight as a float [out, in] matrix. fp32 (and everything off the CPU) multiplies
     with F.linear, whose exact sums the transformers parity tests rely on; bf16 on CPU uses
-    the oneDNN-packed copy (models/packed_linear.py, bit-identical, packed once, the plain
+    the oneDNN-packed copy (native/packed_linear.py, bit-identical, packed once, the plain
     copy freed unless something else still reads it)."""
 
     def create_weights(self, layer, in_features, out_features, dtype):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quire.distributed import parallel_state as ps
+from quire import parallel_state as ps
 from quire.layers import quant_formats as qf
 from quire.layers.quantization import NO_QUANT, FloatLinearMethod, LinearMethod, QuantConfig
 from quire.layers.weights import materialize, narrow, shape_of

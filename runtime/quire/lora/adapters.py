@@ -1,12 +1,11 @@
-"""EngineAdapters: what the engine holds when LoRA is on (registry, slot manager, scheduler
-rule), behind the few calls the engine makes. The engine's add_lora / remove_lora /
-list_loras are thin wrappers over this."""
+"""EngineAdapters: what the engine holds when LoRA is on (registry, the executor's slot
+manager, the scheduler's admission rule), behind the few calls the engine makes. The engine's
+add_lora / remove_lora / list_loras are thin wrappers over this; the scheduler reaches it
+through its LoRA feature (engine/features/lora_slots.py)."""
 
 from __future__ import annotations
 
 import logging
-
-import torch
 
 from quire.lora.admission import AdapterAdmission
 from quire.lora.manager import LoRAManager, Packed
@@ -17,12 +16,10 @@ logger = logging.getLogger(__name__)
 
 
 class EngineAdapters:
-    def __init__(self, args, model, dtype: torch.dtype, device: torch.device,
-                 use_triton: bool) -> None:
+    def __init__(self, args, manager: LoRAManager) -> None:
+        """`manager`: the executor's slot manager (it holds the model's LoRA slots)."""
         self.registry = AdapterRegistry()
-        self.manager = LoRAManager(model, args.max_loras, args.max_lora_rank,
-                                   args.max_cpu_loras or args.max_loras, dtype, device,
-                                   use_triton)
+        self.manager = manager
         self.admission = AdapterAdmission(args.max_loras, refs=self.manager)
         for i, (name, path) in enumerate((args.lora_modules or {}).items(), start=1):
             self.add(LoRARequest(name, i, path))
@@ -72,10 +69,3 @@ class EngineAdapters:
 
     def list(self) -> list[LoRARequest]:
         return self.registry.requests()
-
-
-def tag_request(seq, handle: AdapterHandle | None) -> None:
-    """The request computes with this adapter, and its prefix-cache hashes are salted with
-    the adapter's registration (KVCacheManager.extra_keys), so no two adapters (nor base and
-    adapter) share KV blocks."""
-    seq.lora = handle

@@ -3,7 +3,7 @@ norm and LM head, rotary tables, attention backends and checkpoint loading.
 
 A family module subclasses `CausalLM` and says only what differs: its decoder layer
 (`make_layer`), its norm, its embedding and logit scaling, its rotary tables per layer kind,
-and how its checkpoint names map onto ours (`_FUSED`, `_PLAIN`, `_LAYER_NORMS`, `_SPLIT`).
+and how its checkpoint names map onto ours (`_FUSED`, `_PLAIN`, `_LAYER_NORMS`).
 
 Layers follow one protocol: `layer(x, residual, cos, sin, k_cache, v_cache, meta)` returns
 (x, residual) whose sum is the layer's output; a layer that keeps its own residual stream

@@ -14,8 +14,8 @@ from quire.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, R
 from quire.layers.norms import GemmaRMSNorm
 from quire.models.config import rope_of
 from quire.models.decoder import GLOBAL_ROPE, CausalLM
-from quire.models.fused_ops import rope
 from quire.models.rope import RotaryEmbedding
+from quire.native.fused_ops import rope
 
 LOCAL_ROPE = "sliding_attention"
 

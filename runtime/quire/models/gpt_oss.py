@@ -21,9 +21,9 @@ from torch import nn
 from quire.layers.fused_moe import topk_softmax
 from quire.layers.fused_moe.activation import SWIGLU_OAI
 from quire.layers.weights import materialize, narrow, shape_of
-from quire.models.fused_ops import rope
 from quire.models.llama import LlamaForCausalLM
 from quire.models.moe import MoECausalLM, MoEDecoderLayer
+from quire.native.fused_ops import rope
 
 
 class GptOssDecoderLayer(MoEDecoderLayer):

@@ -21,7 +21,7 @@ from quire.layers.norms import RMSNorm
 from quire.layers.quantization import QuantConfig
 from quire.models.config import ModelConfig
 from quire.models.decoder import GLOBAL_ROPE, CausalLM
-from quire.models.fused_ops import rope, silu_and_mul
+from quire.native.fused_ops import rope, silu_and_mul
 
 
 class DecoderLayer(nn.Module):

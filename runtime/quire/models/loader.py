@@ -346,9 +346,28 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, object]]:
 def read_gguf(path: str):
     import gguf
     try:
-        return gguf.GGUFReader(path)
+        return _checked_gguf_reader(gguf)(path)
     except Exception as e:
         raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from None
+
+
+def _checked_gguf_reader(gguf):
+    """gguf's reader, saying "truncated (N of M bytes)" for a file shorter than its tensor
+    table says (an interrupted download), where the reader's own error is numpy's "cannot
+    reshape array"."""
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields) -> None:
+            needed = start_offs
+            for field in fields:
+                _, _, _, dims, raw_dtype, offset_tensor = field.parts
+                block_size, type_size = gguf.GGML_QUANT_SIZES[
+                    gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                n_bytes = int(np.prod([int(d) for d in dims])) * type_size // block_size
+                needed = max(needed, int(start_offs + offset_tensor[0]) + n_bytes)
+            if needed > len(self.data):
+                raise ValueError(f"truncated ({len(self.data)} of {needed} bytes)")
+            super()._build_tensors(start_offs, fields)
+    return CheckedReader
 
 
 def gguf_architecture(reader) -> str:

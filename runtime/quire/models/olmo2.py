@@ -4,7 +4,7 @@ across the ranks (layers/norms.py ShardedRMSNorm)."""
 
 from __future__ import annotations
 
-from quire.distributed import parallel_state as ps
+from quire import parallel_state as ps
 from quire.layers.norms import RMSNorm, ShardedRMSNorm
 from quire.models.llama import DecoderLayer, LlamaForCausalLM
 

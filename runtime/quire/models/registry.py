@@ -35,6 +35,12 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeConfig", "qwen3_moe",
                                   "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": Family("gpt_oss", "GptOssConfig", "gpt_oss", "GptOssForCausalLM"),
+    # base models without an LM head (sentence-transformers' embedding checkpoints, such as
+    # Qwen3-Embedding): the same families, served by the pooling runner
+    "LlamaModel": Family("llama", "LlamaConfig", "llama", "LlamaForCausalLM"),
+    "MistralModel": Family("mistral", "MistralConfig", "llama", "LlamaForCausalLM"),
+    "Qwen2Model": Family("qwen2", "Qwen2Config", "llama", "LlamaForCausalLM"),
+    "Qwen3Model": Family("qwen3", "Qwen3Config", "qwen3", "Qwen3ForCausalLM"),
 }
 _BY_MODEL_TYPE = {f.model_type: arch for arch, f in reversed(ARCHITECTURES.items())}
 

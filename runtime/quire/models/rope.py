@@ -43,11 +43,6 @@ def _transformers_inv_freq(hf_config, rope_type: str, layer_type: str | None, **
     return inv_freq.float().cpu(), float(scaling)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by position (dynamic NTK computes per token; LongRoPE
     keeps a short and a long table and picks per token). `rotary_dim` < head_dim rotates only

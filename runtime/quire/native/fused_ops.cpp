@@ -2,7 +2,7 @@
 // RoPE in place on q/k, SiLU-and-mul. Each one replaces a handful of torch ops (and their
 // dispatch and temporaries) with one pass over the rows.
 //
-// Every result is bit-identical to the torch ops it replaces (quire.models.fused_ops has
+// Every result is bit-identical to the torch ops it replaces (quire.native.fused_ops has
 // them), because greedy parity with transformers is the correctness oracle:
 //  - products and sums are rounded to the tensor dtype where torch rounds them (bf16 math
 //    is float math rounded to bf16 after each op), and never contracted into an FMA;

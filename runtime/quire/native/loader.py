@@ -3,7 +3,7 @@ C++ compiler (about a second), cached under ~/.cache/quire/kernels (quire/writab
 through ctypes.
 
 `load_library("name.cpp")` builds and loads a C++ source of this folder, or of another
-folder given by its path (attention/cpu_kernels/paged_decode.cpp), the same way: one cache
+folder given by its path, the same way: one cache
 entry per source, compiler and CPU. Every source may include the shared headers of this folder
 (bf16.h). It returns None where there is no compiler, the build failed, or
 QUIRE_CPU_KERNELS=0, and each caller keeps a torch path for that case: where there is no

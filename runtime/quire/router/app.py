@@ -1,6 +1,7 @@
 """The router's ASGI app.
 
-    /v1/completions /v1/chat/completions /v1/models /generate /tokenize /detokenize  proxied
+    /v1/completions /v1/chat/completions /v1/models[/{id}] /generate /tokenize /detokenize
+                     proxied
     /health /ready   200 while the process runs (with no replica it holds, it does not fail)
     /metrics         the router's own metrics (see metrics.py)
     /router/state    the same figures as JSON: pending, idle seconds, replicas and their load
@@ -27,7 +28,8 @@ from quire.router.request_tracing import traced
 logger = logging.getLogger(__name__)
 
 PROXIED = {"/v1/completions": ["POST"], "/v1/chat/completions": ["POST"], "/generate": ["POST"],
-           "/tokenize": ["POST"], "/detokenize": ["POST"], "/v1/models": ["GET"]}
+           "/tokenize": ["POST"], "/detokenize": ["POST"], "/v1/models": ["GET"],
+           "/v1/models/{model_id:path}": ["GET"]}
 
 
 def build_app(state: RouterState, background=(), admin_api: bool = False,
@@ -69,7 +71,10 @@ def build_app(state: RouterState, background=(), admin_api: bool = False,
         return Response(state.metrics.render(state.backends), media_type=CONTENT_TYPE)
 
     async def router_state(request: Request):
-        return JSONResponse({
+        events = getattr(state.policy, "events_index", None)  # precise-prefix routing
+        extra = {} if events is None else {
+            "kv_events": {"blocks": len(events), "events": events.num_events}}
+        return JSONResponse({**extra,
             "pending_requests": state.holding.pending,
             "flow_control_queued": state.flow.queued if state.flow is not None else 0,
             "idle_seconds": round(time.time() - state.metrics.last_request_time, 3),

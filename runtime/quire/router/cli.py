@@ -60,6 +60,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefix-aware: a replica is overloaded above (1 + this) x the mean "
                         "load plus --prefix-load-slack; then least-load decides")
     p.add_argument("--prefix-load-slack", type=float, default=4.0)
+    p.add_argument("--kv-events-bind", default=None, metavar="ENDPOINT",
+                   help="precise-prefix: the ZMQ endpoint the router binds for the replicas' "
+                        "KV-cache events (e.g. tcp://*:5557); each replica connects with "
+                        "--kv-events-config topic kv@<its host:port>@<model>")
+    p.add_argument("--kv-events-max-blocks", type=int, default=1_000_000,
+                   help="precise-prefix: block hashes the events index keeps at most")
     p.add_argument("--scrape-interval", type=float, default=1.0,
                    help="seconds between reads of each replica's /metrics")
     p.add_argument("--max-pending", type=int, default=256,
@@ -144,10 +150,22 @@ def build_state(ns: argparse.Namespace):
     backends = BackendSet(ns.backend, scheme=ns.backend_scheme)
     metrics = RouterMetrics()
     hasher = None
+    events_index = subscriber = None
+    if ns.routing == "precise-prefix":
+        from quire.router.kv_event_index import KVEventIndex
+        from quire.router.kv_event_subscriber import KVEventSubscriber
+        if not ns.kv_events_bind or "://" not in ns.kv_events_bind:
+            raise ValueError("--routing precise-prefix needs --kv-events-bind, a ZMQ endpoint "
+                             f"such as tcp://*:5557; got {ns.kv_events_bind!r}")
+        if ns.kv_events_max_blocks < 1:
+            raise ValueError("--kv-events-max-blocks must be >= 1")
+        events_index = KVEventIndex(ns.kv_events_max_blocks)
+        subscriber = KVEventSubscriber(ns.kv_events_bind, events_index, ns.backend_scheme)
     policy = make_policy(ns.routing, PrefixIndex(max(1, ns.prefix_cache_entries)),
-                         ns.prefix_load_factor, ns.prefix_load_slack)
-    if ns.routing == "prefix-aware":
-        hasher = PromptHasher(load_tokenizer(ns.model, ns.tokenizer), ns.block_size)
+                         ns.prefix_load_factor, ns.prefix_load_slack, events_index)
+    if ns.routing in ("prefix-aware", "precise-prefix"):
+        hasher = PromptHasher(load_tokenizer(ns.model, ns.tokenizer), ns.block_size,
+                              seed_with_model=ns.routing == "prefix-aware")
         backends.on_removed.append(policy.forget)
     client = httpx.AsyncClient(
         verify=verify, timeout=httpx.Timeout(ns.connect_timeout, read=None, write=30.0, pool=None),
@@ -171,6 +189,8 @@ def build_state(ns: argparse.Namespace):
         if not ns.k8s_service:
             raise ValueError("--watch-objectives needs --k8s-service (its namespace's API)")
         background.append(_objective_watch(ns, objectives).run)
+    if subscriber is not None:
+        background.append(subscriber.run)
     return state, background
 
 

@@ -6,6 +6,10 @@
 - prefix-aware: the replica that holds the longest run of the prompt's leading KV blocks,
   unless it is overloaded (bounded load: more than (1 + load_factor) x the mean load plus
   `load_slack` requests), in which case least-load; no match at all is least-load too.
+- precise-prefix: as prefix-aware, but the replicas' own KV-cache events say who holds which
+  blocks and in which tier (kv_event_index.py), not this router's history: a replica that
+  evicted a prefix stops attracting it, one that got it by another path (another router, a
+  shared tier) starts; the longest tier-weighted run wins.
 
 Each pick says why (`Choice.reason`): that is the routing-decision metric's label.
 """
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from quire.router.backends import Backend
 from quire.router.prefix_index import PrefixIndex
 
-POLICIES = ("round-robin", "least-load", "prefix-aware")
+POLICIES = ("round-robin", "least-load", "prefix-aware", "precise-prefix")
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,40 @@ class PrefixAware(LeastLoad):
         self.index.forget(url)
 
 
+class PrecisePrefix(PrefixAware):
+    name = "precise-prefix"
+
+    def __init__(self, events_index, load_factor: float = 1.0, load_slack: float = 4.0) -> None:
+        super().__init__(PrefixIndex(1), load_factor, load_slack)
+        self.events_index = events_index  # a KVEventIndex, fed by KVEventSubscriber
+
+    def pick(self, candidates: list[Backend], hashes: list[bytes]) -> Choice:
+        scores = self.events_index.scores(hashes, {b.url for b in candidates})
+        top = max(scores.values(), default=0.0)
+        if top <= 0:
+            return Choice(self._least_loaded(candidates), "prefix_miss")
+        best = self._least_loaded([b for b in candidates if scores[b.url] >= top])
+        if self.overloaded(best, candidates):
+            return Choice(self._least_loaded(candidates), "prefix_overloaded")
+        return Choice(best, "prefix_hit")
+
+    def routed(self, backend: Backend, hashes: list[bytes]) -> None:
+        pass  # the replica's events will say what it holds
+
+    def forget(self, url: str) -> None:
+        self.events_index.forget(url)
+
+
 def make_policy(name: str, index: PrefixIndex | None = None, load_factor: float = 1.0,
-                load_slack: float = 4.0):
+                load_slack: float = 4.0, events_index=None):
     if name == "round-robin":
         return RoundRobin()
     if name == "least-load":
         return LeastLoad()
     if name == "prefix-aware":
         return PrefixAware(index or PrefixIndex(), load_factor, load_slack)
+    if name == "precise-prefix":
+        from quire.router.kv_event_index import KVEventIndex
+        return PrecisePrefix(events_index if events_index is not None else KVEventIndex(),
+                             load_factor, load_slack)
     raise ValueError(f"routing must be one of {', '.join(POLICIES)}; got {name!r}")

@@ -33,11 +33,13 @@ def block_hashes(token_ids: list[int], block_size: int,
     return hashes
 
 
-def request_keys(body: dict) -> ExtraKeys:
+def request_keys(body: dict, with_model: bool = True) -> ExtraKeys:
     """The extra keys a request body names: its `model` and its `cache_salt` (strings only:
-    anything else is the replica's to refuse)."""
+    anything else is the replica's to refuse). `with_model` False: the engine's own keys for
+    the base model (precise-prefix routing compares with the replicas' real block hashes, and
+    an adapter's engine key is the replica's own: its requests simply never match)."""
     model, salt = body.get("model"), body.get("cache_salt")
-    return ExtraKeys(adapter=model if isinstance(model, str) else None,
+    return ExtraKeys(adapter=model if with_model and isinstance(model, str) else None,
                      cache_salt=salt if isinstance(salt, str) and salt else None)
 
 
@@ -69,11 +71,12 @@ def _template_message(message: Any) -> dict:
 
 
 class PromptHasher:
-    def __init__(self, tokenizer, block_size: int) -> None:
+    def __init__(self, tokenizer, block_size: int, seed_with_model: bool = True) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.tokenizer = tokenizer
         self.block_size = block_size
+        self.seed_with_model = seed_with_model
 
     def prompt_tokens(self, path: str, body: Any) -> list[int] | None:
         """The prompt's token ids, or None when the body names no prompt we can read (the
@@ -103,7 +106,8 @@ class PromptHasher:
             tokens = self.prompt_tokens(path, body)
             if not tokens:
                 return []
-            return block_hashes(tokens, self.block_size, request_keys(body))
+            return block_hashes(tokens, self.block_size,
+                                request_keys(body, self.seed_with_model))
         except Exception as e:  # noqa: BLE001 - a bad body is the replica's to reject
             logger.debug("cannot hash the prompt for routing: %s", e)
             return []

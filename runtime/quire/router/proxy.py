@@ -244,7 +244,10 @@ class ProxyEndpoint:
         return await asyncio.to_thread(hasher.hashes, scope["path"], parsed)
 
     def _request(self, backend: Backend, scope, body: bytes) -> httpx.Request:
-        url = backend.url + scope["path"]
+        # the path as the client sent it, still percent-encoded: decoded, a control
+        # character in it (a model id in /v1/models/{id}) is no URL httpx will send
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        url = backend.url + raw_path.decode("latin-1")
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_REQUEST_HEADERS]

@@ -1,2 +1,5 @@
-"""Speculative decoding: proposers (n-gram, draft model) behind one interface, the rejection
-sampler that verifies their proposals in the target's step, and the acceptance counters."""
+"""Speculative decoding's proposers: n-gram lookup (ngram.py) and a draft model's bookkeeping
+(draft.py, over the executor's DraftModel), with each sequence's adaptive acceptance record
+(spec_state.py). The scheduler feature that drives them is engine/features/speculation.py;
+the rejection sampler that verifies proposals is worker/rejection.py; the config is
+quire/speculative_config.py."""

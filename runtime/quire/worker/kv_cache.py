@@ -1,9 +1,12 @@
-"""The KV tensors: one pool of blocks for every layer, sized from a memory budget."""
+"""The KV tensors: one pool of blocks for every layer, sized from a memory budget; and the
+byte moves between them and the KV tiers (quire/kv_tiers): a block's payload is its K and V
+in every layer, [layers, 2, block_size, kv heads, head dim], contiguous, as raw bytes."""
 
 from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -71,6 +74,12 @@ class KVCache:
         self.kv = _zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
                          dtype, device, pin_memory)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
+        self.tier_sink = None  # callable(entries, payloads): the KV tier chain's store
+        self._offload = None   # CUDA: the side stream and thread that copy blocks out
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.nbytes // self.num_blocks
 
     @property
     def nbytes(self) -> int:
@@ -93,3 +102,68 @@ class KVCache:
         src = torch.tensor([s for s, _ in pairs], device=self.kv.device)
         dst = torch.tensor([d for _, d in pairs], device=self.kv.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
+
+    # --- KV tiers ----------------------------------------------------------------------------
+    def load_blocks(self, loads: list[tuple[int, bytes]]) -> None:
+        """Write tier payloads into their pool blocks (before the step's forward)."""
+        if not loads:
+            return
+        size = self.block_nbytes
+        for block_id, payload in loads:
+            if len(payload) != size:
+                raise ValueError(f"a KV tier payload of {len(payload)} bytes for block "
+                                 f"{block_id}; a block holds {size}")
+        buf = bytearray(b"".join(p for _, p in loads))  # writable: torch.frombuffer wants it
+        host = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+        host = host.view(len(loads), *self._block_shape()).permute(1, 2, 0, 3, 4, 5)
+        ids = torch.tensor([b for b, _ in loads], device=self.kv.device)
+        self.kv[:, :, ids] = host.to(self.kv.device, non_blocking=False)
+
+    def offload_blocks(self, entries: list) -> None:
+        """Copy blocks out to the tiers (after the step's forward filled them). On CUDA the
+        gather runs on a side stream that the next step waits for, and the device-to-host
+        copy and the tier stores finish on a thread: off the step's critical path."""
+        if not entries or self.tier_sink is None:
+            return
+        ids = torch.tensor([e.block_id for e in entries], device=self.kv.device)
+        if self.kv.device.type != "cuda":
+            self.tier_sink(entries, self._payloads(self.kv[:, :, ids]))
+            return
+        if self._offload is None:
+            self._offload = (torch.cuda.Stream(self.kv.device), ThreadPoolExecutor(1))
+        stream, pool = self._offload
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(stream):
+            gathered = self.kv[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+            gathered_done = torch.cuda.Event()
+            gathered_done.record(stream)
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        # the next forward may overwrite these blocks: it waits for the gather only
+        torch.cuda.current_stream(self.kv.device).wait_event(gathered_done)
+
+        def finish() -> None:
+            copied.synchronize()
+            self.tier_sink(entries, _split(host))
+        pool.submit(finish)
+
+    def flush_offloads(self) -> None:
+        """Wait for copies still on their way to the tiers (CUDA)."""
+        if self._offload is not None:
+            self._offload[1].submit(lambda: None).result()
+
+    def _block_shape(self) -> tuple[int, ...]:
+        return (self.kv.shape[0], 2, *self.kv.shape[3:])
+
+    def _payloads(self, blocks: torch.Tensor) -> list[bytes]:
+        """[layers, 2, n, ...] -> one bytes object per block."""
+        return _split(blocks.permute(2, 0, 1, 3, 4, 5).contiguous().cpu())
+
+
+def _split(blocks: torch.Tensor) -> list[bytes]:
+    raw = blocks.view(torch.uint8).reshape(blocks.shape[0], -1).numpy()
+    return [row.tobytes() for row in raw]
+
+

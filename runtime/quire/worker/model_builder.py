@@ -7,14 +7,14 @@ import logging
 
 import torch
 
+from quire import parallel_state as ps
+from quire.attention.selector import attention_backend_class
 from quire.config import EngineArgs
-from quire.distributed import parallel_state as ps
 from quire.layers.quantization import describe
 from quire.models import registry
 from quire.models.config import ModelConfig
 from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
 from quire.models.param_counts import ParameterCount
-from quire.platform import attention_backend_class
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
     quant = quant_config(source, args.quantization, args.quantization_group_size)
     with ps.shard_as(rank, size), default_dtype(dtype), device:
         model = registry.model_class(cfg.architecture)(cfg, make_backend, max_model_len, dtype, device, quant)
+    if args.runner == "pooling" or args.convert == "embed":
+        model.lm_head = None  # embeddings pool final hidden states (base checkpoints have none)
     counts = ParameterCount()  # from the checkpoint's shapes: the whole model's
     model.load_weights(counts.counted(iter_weights(source, cfg, args.quantization)))
     model.pack_weights()

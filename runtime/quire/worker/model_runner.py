@@ -8,14 +8,15 @@ of one comes in the StepBatch's chunks and SamplingBatch (quire/step_batch.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from quire.attention.base import AttentionMetadata
-from quire.step_batch import SequenceChunk, StepBatch
+from quire.step_batch import PromptLogprobsResult, SequenceChunk, StepBatch
 from quire.worker.kv_cache import KVCache
+from quire.worker.prompt_logprobs import score_prompt_positions
 from quire.worker.sampler import Sampler, SamplerOutput
 
 
@@ -27,6 +28,10 @@ class StepResult:
     logprobs: list[tuple | None]
     num_prompt_tokens: int                  # tokens computed this step that lie in a prompt
     num_tokens: int                         # all tokens computed this step
+    # the chunks that asked for prompt logprobs (SequenceChunk.prompt_logprobs)
+    prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
+    # the pooling runner: pool key -> the last position's final hidden state (float32, CPU)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -42,8 +47,11 @@ class HostBatch:
     slot_mapping: np.ndarray     # [T] int64
     num_decodes: int
     rope_seq_lens: np.ndarray | None
-    logits_indices: np.ndarray   # [rows that sample] int64
+    # [rows that sample, then prompt positions scored, then pooled positions] int64
+    logits_indices: np.ndarray
     num_prompt_tokens: int
+    num_sample_rows: int = -1    # -1: every row of logits_indices samples
+    num_pooled_rows: int = 0     # the last rows: pooled (final hidden states, not logits)
 
 
 @dataclass
@@ -53,6 +61,8 @@ class StepInputs:
     swap_in: list[tuple[int, int]]
     block_copies: list[tuple[int, int]]
     batch: HostBatch | None
+    kv_load: list[tuple[int, bytes]] = field(default_factory=list)  # KV tiers: before
+    kv_store: list = field(default_factory=list)                    # ... and after the forward
 
 
 @dataclass
@@ -94,8 +104,9 @@ class ModelRunner:
             self.cuda_graphs.capture_all()
         self.decode_stack = None  # decode steps' layers in one native call (CPU, quantized)
         if device.type == "cpu" and workers is None and lora is None:
-            from quire.models.decode_stack import DecodeStack
-            self.decode_stack = DecodeStack.build(model, kv_cache.layers)
+            from quire.models.llama import DecoderLayer
+            from quire.native.decode_stack import DecodeStack
+            self.decode_stack = DecodeStack.build(model, kv_cache.layers, DecoderLayer)
         if workers is not None:  # they allocate the same blocks for their KV heads
             workers.allocate_kv_cache(kv_cache.num_blocks,
                                       host_cache.num_blocks if host_cache else 0)
@@ -103,18 +114,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepBatch) -> StepResult:
         batch = self._prepare(step) if step.chunks else None
-        inputs = StepInputs(step.swap_out, step.swap_in, step.block_copies, batch)
+        inputs = StepInputs(step.swap_out, step.swap_in, step.block_copies, batch,
+                            step.kv_load, step.kv_store)
         if self.workers is not None:
             logits = self.workers.run_step(inputs, self.run)
         else:
             logits = self.run(inputs)
         if batch is None:
             return StepResult([], [], 0, 0)
+        logits, scored, pooled = _split_rows(logits, batch)
         result = SamplerOutput([], [])
         if len(step.sampling):
             result = self.sampler(logits, step.sampling)
-        return StepResult(result.token_ids, result.logprobs, batch.num_prompt_tokens,
-                          len(batch.input_ids))
+        out = StepResult(result.token_ids, result.logprobs, batch.num_prompt_tokens,
+                         len(batch.input_ids))
+        asks = [c for c in step.chunks if c.prompt_logprobs is not None]
+        if asks:
+            out.prompt_logprobs = score_prompt_positions(
+                scored, [c.start for c in asks], [c.prompt_logprobs for c in asks])
+        pool_keys = [c.pool_key for c in step.chunks if c.pool_key is not None]
+        if pool_keys:
+            out.pooled = dict(zip(pool_keys, pooled.float().cpu()))
+        return out
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -122,6 +143,7 @@ class ModelRunner:
         sample (on rank 0; None elsewhere, and when no row samples)."""
         if inputs.swap_out or inputs.swap_in:
             self.kv_cache.swap(self.host_cache, inputs.swap_out, inputs.swap_in)
+        self.kv_cache.load_blocks(inputs.kv_load)  # tier hits, before anything reads them
         self.kv_cache.copy_blocks(inputs.block_copies)
         if inputs.batch is None:
             return None
@@ -138,20 +160,32 @@ class ModelRunner:
             self.model.prepare(batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, batch.meta,
                                 self.kv_cache.layers, batch.rope_seq_lens)
+        self.kv_cache.offload_blocks(inputs.kv_store)  # blocks this forward filled
         if not len(host.logits_indices):
             return None
         logits_indices = torch.from_numpy(host.logits_indices).to(self.device)
+        if host.num_pooled_rows:  # the pooling runner: final hidden states, no LM head
+            return self.model.norm(hidden[logits_indices])
         return self.model.compute_logits(hidden[logits_indices])
 
     def _prepare(self, step: StepBatch) -> HostBatch:
         chunks = _verification_as_decodes(step.chunks)
         tokens: list[int] = []
         logits_indices: list[int] = []
+        scored: list[int] = []  # prompt positions whose logits are scored (prompt logprobs)
+        pooled: list[int] = []  # positions whose hidden states are pooled
         end = 0
         for c in chunks:
+            first = end
             end += len(c.token_ids)
             tokens.extend(c.token_ids)
             logits_indices.extend([end - 1] * c.num_samples)  # its rows sample its last token
+            if c.prompt_logprobs is not None:
+                scored.extend(range(first, first + len(c.prompt_logprobs.target_ids)))
+            if c.pool_key is not None:
+                pooled.append(end - 1)
+        num_sample_rows = len(logits_indices)
+        logits_indices += scored + pooled
         b = len(chunks)
         starts_a = np.asarray([c.start for c in chunks], dtype=np.int64)
         ns_a = np.asarray([len(c.token_ids) for c in chunks], dtype=np.int64)
@@ -182,7 +216,8 @@ class ModelRunner:
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
             num_decodes=_num_decodes(chunks), rope_seq_lens=rope_seq_lens,
             logits_indices=np.asarray(logits_indices, dtype=np.int64),
-            num_prompt_tokens=num_prompt_tokens)
+            num_prompt_tokens=num_prompt_tokens, num_sample_rows=num_sample_rows,
+            num_pooled_rows=len(pooled))
 
     def _to_device(self, b: HostBatch) -> _Batch:
         dev = self.device
@@ -208,6 +243,15 @@ class ModelRunner:
             logits_indices=torch.from_numpy(b.logits_indices).to(dev),
             num_prompt_tokens=b.num_prompt_tokens,
         )
+
+
+def _split_rows(logits: torch.Tensor | None, batch: HostBatch):
+    """The rows that sample; those scored for prompt logprobs; the pooled hidden states."""
+    if logits is None or batch.num_sample_rows < 0:
+        return logits, None, None
+    if batch.num_pooled_rows:
+        return None, None, logits
+    return logits[:batch.num_sample_rows], logits[batch.num_sample_rows:], None
 
 
 def _verification_as_decodes(chunks: list[SequenceChunk]) -> list[SequenceChunk]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from quire.sampling_batch import SamplingBatch
-from quire.spec_decode.rejection import verify_greedy, verify_sampled
 from quire.structured.bitmask import apply_token_bitmask
+from quire.worker.rejection import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -78,6 +78,12 @@ class Sampler:
         freq = self._tensor([batch.frequency_penalty[i] for i in idx])[:, None]
         pres = self._tensor([batch.presence_penalty[i] for i in idx])[:, None]
         x = x - freq * out_counts - pres * (out_counts > 0).float()
+        # a penalty near 0 (or huge) divides a logit past float's range: +inf would make the
+        # softmax NaN (and the draw token 0, whatever the grammar allows). Saturate at the
+        # largest finite value instead; a token that was -inf (a grammar's or a ban's "never")
+        # stays -inf.
+        big = torch.finfo(x.dtype).max
+        x = torch.where(torch.isneginf(logits[idx]), logits[idx], x.clamp(-big, big))
         logits[idx] = x
         return logits
 
@@ -101,7 +107,7 @@ class Sampler:
             logits[i, ids] = float("-inf")
         return logits
 
-    # --- speculative decoding: verification (spec_decode/rejection.py) --------------------
+    # --- speculative decoding: verification (worker/rejection.py) --------------------
     def _verify_and_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         grouped = {start + j for start, p in batch.spec_groups for j in range(len(p) + 1)}
         plain = [i for i in range(len(batch)) if i not in grouped]

@@ -1,5 +1,11 @@
 """/v1/completions: one engine request per prompt (its grammar from response_format or
-guided_*), answered whole or streamed."""
+guided_*), answered whole or streamed.
+
+Scoring, as lm-eval's local-completions asks for it: `echo` with `logprobs` returns the
+prompt's tokens with their logprobs (the engine's prompt logprobs, from the prefill's own
+logits; the first token's is null) before the output's, and `max_tokens: 0` with echo scores
+the prompt alone (the engine samples one token, which is not returned). vLLM's
+`prompt_logprobs` extra adds each choice's prompt_logprobs in vLLM's shape."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from fastapi import APIRouter, Request
 from quire.entrypoints.continuation import continued_prompts
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_count, check_stop
-from quire.entrypoints.logprobs import completion_logprobs
+from quire.entrypoints.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs_out
 from quire.entrypoints.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -40,24 +46,32 @@ router = APIRouter()
 async def completions(request: Request):
     serving = serving_of(request)
     req = await read_body(request, CompletionRequest)
-    info, lora = serving.model_for(req.model)
+    info, lora = serving.model_for(req.model, runner="generate")
     model = lora.name if lora else req.model or info.served_name  # the name asked for
-    _check(req, serving.limits)
+    _check(req, serving.limits, info.vocab_size)
     prompts = _prompts(req.prompt)
-    params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                 stream=req.stream, max_n=info.max_num_seqs,
-                                 guided_decoding=await guided_decoding(serving, req))
+    echo_only = req.echo and req.max_tokens == 0  # score the prompt, generate nothing
+    params = req.sampling_params(max_tokens=1 if echo_only else req.max_tokens,
+                                 logprobs=req.logprobs, stream=req.stream,
+                                 guided_decoding=await guided_decoding(serving, req),
+                                 prompt_logprobs=_engine_prompt_logprobs(req))
     prompt_ids = continued_prompts([await serving.prompt_ids(p, info) for p in prompts], req)
     # echo needs each prompt's text: the client's own, or its token ids decoded
     echoes = [(p if isinstance(p, str) else await serving.pool.decode(ids)) if req.echo
               else "" for p, ids in zip(prompts, prompt_ids)]
+    # echo's logprobs name each prompt token; the first one's text is not in any entry
+    scoring = Scoring(echo_only, req.echo and req.logprobs is not None,
+                      req.prompt_logprobs is not None,
+                      [await serving.pool.decode(ids[:1]) for ids in prompt_ids]
+                      if req.echo and req.logprobs is not None else [],
+                      serving.textless_ids(params))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.submit(request_id, prompt_ids, params, lora_request=lora,
                                    cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         guard = StreamGuard(serving, streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = CompletionChunks(request_id, model, params, echoes)
+        fmt = CompletionChunks(request_id, model, params, echoes, scoring)
         return GuardedStreamingResponse(
             sse_events(serving, request_id, guard, params.n, fmt, include_usage,
                        token_ids=req.return_token_ids), guard,
@@ -71,24 +85,61 @@ async def completions(request: Request):
     for p, out in enumerate(finals):
         prompt_tokens += len(out.prompt_token_ids)
         for c in sorted(out.outputs, key=lambda c: c.index):
-            completion_tokens += len(c.token_ids)
+            completion_tokens += 0 if echo_only else len(c.token_ids)
             choices.append(CompletionChoice(
-                index=p * params.n + c.index, text=echoes[p] + c.text,
-                logprobs=completion_logprobs(c, params.logprobs, 0),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=p * params.n + c.index, text=echoes[p] + ("" if echo_only else c.text),
+                logprobs=scoring.logprobs(p, out, c, params.logprobs, 0),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                prompt_logprobs=scoring.prompt_logprobs(out)))
     serving.log_done(request_id, completion_tokens, cached_tokens)
     return json_response(CompletionResponse(
         id=request_id, model=model, choices=choices,
         usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)))
 
 
+class Scoring:
+    """How a choice reports logprobs: the output's alone, or (echo) the prompt's first; and
+    whether it carries vLLM's prompt_logprobs."""
+
+    def __init__(self, echo_only: bool, echo_logprobs: bool, prompt_logprobs: bool,
+                 first_tokens: list[str], textless: frozenset[int] = frozenset()) -> None:
+        self.echo_only, self.echo_logprobs = echo_only, echo_logprobs
+        self.with_prompt_logprobs, self.first_tokens = prompt_logprobs, first_tokens
+        self.textless = textless  # token ids that add nothing to the text (text_offset)
+
+    def logprobs(self, prompt_index: int, out: RequestOutput, c: CompletionOutput,
+                 k: int | None, offset: int, first: bool = True):
+        """`first`: this is the choice's first output (a stream's carries the prompt's)."""
+        if k is None:
+            return None
+        if not self.echo_logprobs:
+            return completion_logprobs(c, k, offset, self.textless)
+        if self.echo_only:
+            c = None
+        if not first:  # a stream's later chunks: the output's tokens only
+            return None if c is None else completion_logprobs(c, k, offset, self.textless)
+        return echo_logprobs(out.prompt_token_ids, out.prompt_logprobs or [],
+                             self.first_tokens[prompt_index], c, k, self.textless)
+
+    def prompt_logprobs(self, out: RequestOutput):
+        return prompt_logprobs_out(out.prompt_logprobs) if self.with_prompt_logprobs else None
+
+
+def _engine_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """What the engine computes: the prompt_logprobs asked for, else echo's logprobs."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if req.echo else None
+
+
 class CompletionChunks:
-    """The ChunkFormat of /v1/completions streams: text deltas, echo first."""
+    """The ChunkFormat of /v1/completions streams: text deltas, echo (and its logprobs)
+    first."""
 
     def __init__(self, request_id: str, model: str, params: SamplingParams,
-                 echoes: list[str]) -> None:
+                 echoes: list[str], scoring: Scoring) -> None:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}
-        self.params, self.echoes = params, echoes
+        self.params, self.echoes, self.scoring = params, echoes, scoring
         self.offsets: dict[int, int] = {}  # characters sent per choice (logprobs' offsets)
 
     def opening(self) -> list:
@@ -96,11 +147,13 @@ class CompletionChunks:
 
     def choice(self, index: int, prompt_index: int, out: RequestOutput,
                c: CompletionOutput) -> CompletionStreamChunk | None:
-        text = c.text
-        if index not in self.offsets:  # the first output of this choice
+        text = "" if self.scoring.echo_only else c.text
+        first = index not in self.offsets
+        if first:  # the first output of this choice
             self.offsets[index] = 0
             text = self.echoes[prompt_index] + text
-        lps = completion_logprobs(c, self.params.logprobs, self.offsets[index])
+        lps = self.scoring.logprobs(prompt_index, out, c, self.params.logprobs,
+                                    self.offsets[index], first)
         self.offsets[index] += len(text)
         if not text and lps is None and c.finish_reason is None:
             return None
@@ -112,23 +165,26 @@ class CompletionChunks:
         return CompletionStreamChunk(**self.head, choices=[], usage=usage)
 
 
-def _check(req: CompletionRequest, limits) -> None:
+def _check(req: CompletionRequest, limits, vocab_size: int) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported: the engine does not compute "
-                          "prompt logprobs", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be a positive integer (0 only with echo: the "
+                          "prompt scored, nothing generated), got 0", "max_tokens")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true",
+                          "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)):
         check_count("prompt", req.prompt, limits.max_prompts_per_request,
                     "max-prompts-per-request")
-    check_stop(req.stop, req.stop_token_ids, limits)
+    check_stop(req.stop, req.stop_token_ids, limits, vocab_size)
 
 
 def _prompts(prompt) -> list:

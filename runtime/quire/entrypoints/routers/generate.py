@@ -14,6 +14,7 @@ from quire.engine.async_engine import EngineDeadError, RequestFailed
 from quire.entrypoints.errors import engine_error
 from quire.entrypoints.limits import check_stop
 from quire.entrypoints.openai_protocol import GenerateRequest
+from quire.entrypoints.openapi_docs import GENERATE_STREAM
 from quire.entrypoints.routers.common import (
     client_gone_response,
     disconnected,
@@ -30,10 +31,10 @@ router = APIRouter()
 async def generate(request: Request):
     serving = serving_of(request)
     req = await read_body(request, GenerateRequest)
-    info, lora = serving.model_for(req.model)
-    check_stop(req.stop, req.stop_token_ids, serving.limits)
+    info, lora = serving.model_for(req.model, runner="generate")
+    check_stop(req.stop, req.stop_token_ids, serving.limits, info.vocab_size)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                 stream=req.stream, max_n=info.max_num_seqs)
+                                 stream=req.stream)
     ids = await serving.prompt_ids(req.prompt, info)
     prefix = req.prompt if isinstance(req.prompt, str) else await serving.pool.decode(ids)
     request_id = f"gen-{uuid.uuid4().hex}"
@@ -42,7 +43,7 @@ async def generate(request: Request):
     if req.stream:
         guard = StreamGuard(serving, streams)
         return GuardedStreamingResponse(_chunks(serving, request_id, guard, params.n, prefix),
-                                        guard, "application/json")
+                                        guard, GENERATE_STREAM)
     try:
         out = (await serving.finals(streams, disconnected(request)))[0]
     except ClientDisconnected:

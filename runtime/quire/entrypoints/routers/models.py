@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from quire.entrypoints.errors import model_not_found
 from quire.entrypoints.routers.common import serving_of
 
 router = APIRouter()
@@ -14,6 +15,19 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(request: Request):
+    return {"object": "list", "data": _cards(request)}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    """One entry of the list (the openai client's models.retrieve); vLLM's 404 otherwise."""
+    card = next((c for c in _cards(request) if c["id"] == model_id), None)
+    if card is None:
+        raise model_not_found(model_id)
+    return card
+
+
+def _cards(request: Request) -> list[dict]:
     serving = serving_of(request)
     info = serving.check_model(None)
     created = request.app.state.started
@@ -24,4 +38,4 @@ async def models(request: Request):
         data.append({"id": lora.name, "object": "model", "created": created,
                      "owned_by": "quire", "root": lora.path,
                      "parent": serving.lora_parents.get(lora.name, info.served_name)})
-    return {"object": "list", "data": data}
+    return data

@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-import quire
 from quire.engine.async_engine import EngineState
 from quire.metrics import CONTENT_TYPE
+from quire.version import __version__
 
 router = APIRouter()
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
@@ -45,4 +45,4 @@ async def prometheus_metrics(request: Request):
 
 @router.get("/version")
 async def version():
-    return {"version": quire.__version__}
+    return {"version": __version__}

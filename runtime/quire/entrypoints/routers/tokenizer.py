@@ -1,4 +1,6 @@
-"""/tokenize and /detokenize, in the tokenizer pool like every other tokenizer call."""
+"""/tokenize and /detokenize, in the tokenizer pool like every other tokenizer call; and
+/tokenizer_info (vLLM's, with --enable-tokenizer-info-endpoint: the tokenizer's configuration
+and chat template, which lm-eval's remote tokenizer reads)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from quire.entrypoints.openai_protocol import DetokenizeRequest, TokenizeRequest
 from quire.entrypoints.routers.common import read_body, serving_of
 
 router = APIRouter()
+info_router = APIRouter()  # registered only with --enable-tokenizer-info-endpoint, as in vLLM
 
 
 @router.post("/tokenize")
@@ -44,3 +47,35 @@ async def detokenize(request: Request):
         raise bad_request(f"tokens must be token ids in [0, {info.vocab_size}), got {bad}",
                           "tokens")
     return {"prompt": await serving.pool.decode(req.tokens)}
+
+
+@info_router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    serving = serving_of(request)
+    serving.check_model(None)  # 503 while the model (and its tokenizer) loads
+    return tokenizer_config(serving.engine.tokenizer, serving.chat_template(None))
+
+
+def tokenizer_config(tokenizer, chat_template: str | None) -> dict:
+    """vLLM's TokenizerInfo: the tokenizer's init kwargs less its file paths, made JSON
+    (special tokens as their text), its class name and the chat template."""
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    config.pop("vocab_file", None)
+    config.pop("merges_file", None)
+    config = _jsonable(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if chat_template:
+        config["chat_template"] = chat_template
+    return config
+
+
+def _jsonable(value):
+    if hasattr(value, "content"):  # AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)  # a path or an enum: its text

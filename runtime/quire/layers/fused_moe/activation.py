@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quire.models.fused_ops import silu_and_mul
+from quire.native.fused_ops import silu_and_mul
 
 SILU = "silu"            # Mixtral, Qwen3-MoE: silu(gate) * up
 SWIGLU_OAI = "swigluoai"  # gpt-oss: clamped, (up + 1) * gate * sigmoid(alpha * gate)

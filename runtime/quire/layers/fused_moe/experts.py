@@ -31,7 +31,7 @@ from quire.layers.quantization import (
     Int8LinearMethod,
     QuantConfig,
 )
-from quire.models import packed_linear
+from quire.native import packed_linear
 
 PROJECTIONS = ("w13", "w2")
 
@@ -104,7 +104,7 @@ def _loop(fn, x: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
 class FloatExperts(ExpertsMethod):
     """fp32 multiplies with F.grouped_mm, one call per projection over all experts: the op
     transformers' own default experts call, so the float32 sums are the same. bf16 on CPU
-    multiplies each expert's rows with its oneDNN-packed weight (models/packed_linear.py):
+    multiplies each expert's rows with its oneDNN-packed weight (native/packed_linear.py):
     1.2-2.5x faster than grouped_mm there (benchmarks/moe.py), bit-identical."""
 
     kind = "float"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quire.distributed import parallel_state as ps
+from quire import parallel_state as ps
 from quire.layers.fused_moe import activation as act
 from quire.layers.fused_moe import grouped, reference
 from quire.layers.fused_moe.experts import experts_method, logical

@@ -24,6 +24,7 @@ from quire.layers import quant_kernels
 from quire.layers.prequantized import act_order
 from quire.layers.prequantized import fp8 as fp8_format
 from quire.layers.prequantized.ints import Canonical
+from quire.layers.quant_kernel_base import Kernel
 from quire.layers.quantization import FloatLinearMethod, LinearMethod, QuantConfig
 from quire.layers.weights import materialize, narrow, shape_of
 
@@ -68,6 +69,8 @@ def part_sizes(layer) -> list[int]:
 def _load_raw(layer, param: nn.Parameter, loaded, shard_id) -> None:
     spec: RawParam = param.raw
     target = param.data
+    if spec.name == "weight_scale":  # the dtype the checkpoint's library dequantizes in
+        layer.checkpoint_scale_dtype = loaded.dtype
     if spec.per_part:
         target = target[parts(layer).index(shard_id)]
     if spec.prepare is not None:
@@ -126,7 +129,9 @@ class PrequantizedLinearMethod(LinearMethod):
         self.raw_names: list[str] = []
 
     def create_weights(self, layer, in_features, out_features, dtype):
+        self.dtype = dtype
         layer.quant_kernel = None
+        layer.checkpoint_scale_dtype = None
         layer.input_perm, layer.input_padded = None, False
         for spec in self.fmt.raw_params(layer, in_features, out_features):
             shape = ((len(parts(layer)),) if spec.per_part else ()) + tuple(spec.shape)
@@ -161,9 +166,30 @@ class PrequantizedLinearMethod(LinearMethod):
             input_scale = c.extra.get("input_scale")
             layer.quant_kernel = fp8_format.kernel(
                 *tensors, None if input_scale is None else input_scale.to(device))
+        self._round_like_the_library(layer)
         if layer.quant_kernel.owns_weights:  # the kernel keeps its own packed copy
             for name in self.tensor_names:
                 getattr(layer, name).data = getattr(layer, name).data.new_empty(0)
+
+    def _round_like_the_library(self, layer) -> None:
+        """compressed-tensors dequantizes (q - z) * scale in the scale's dtype: from a bf16
+        checkpoint every weight is rounded to bf16 (transformers' float32 model holds those
+        values, and vLLM's kernels dequantize in bf16 too). Exact fp32 products would differ
+        from them by a bf16 rounding per weight (~4e-3 in logprobs). At float32, where the
+        promise is the library's values exactly, a layer whose weights that rounding changes
+        multiplies by the rounded weights, dequantized once (float32 memory, logged)."""
+        scale_dtype = layer.checkpoint_scale_dtype
+        if (not getattr(self.fmt, "dequantizes_in_scale_dtype", False)
+                or self.dtype != torch.float32
+                or scale_dtype not in (torch.bfloat16, torch.float16)):
+            return
+        w = layer.quant_kernel.dequantize().float()
+        rounded = w.to(scale_dtype).float()
+        if torch.equal(w, rounded):
+            return
+        logger.info("%s: its library dequantizes in %s (each weight rounded); at float32 it "
+                    "runs on those weights, dequantized once", layer.prefix, scale_dtype)
+        layer.quant_kernel = DequantizedKernel(rounded.to(w.device))
 
     def dequantized(self, layer) -> torch.Tensor:
         """The fp32 weight [N, K] this layer multiplies by, in the checkpoint's column order
@@ -181,6 +207,22 @@ class PrequantizedLinearMethod(LinearMethod):
         y = layer.quant_kernel(x2)
         y = y.reshape(*shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+
+
+
+class DequantizedKernel(Kernel):
+    """A float32 matmul over weights dequantized once (the library's own values)."""
+    name = "dequantized-fp32"
+    owns_weights = True
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype))
 
 
 # --- which layers are quantized ------------------------------------------------------------

@@ -9,7 +9,9 @@
   naive-quantized  weight int8 [N, K] (q), weight_scale, weight_zero_point int8 (z)
   float-quantized  weight float8_e4m3fn [N, K], weight_scale [1] (tensor), [N, 1] (channel)
                    or [N/bn, K/bk] (block); static activations: input_scale [1]
-  w = (q - z) * scale  /  w = weight * weight_scale
+  w = (q - z) * scale  /  w = weight * weight_scale, computed in the scale's dtype by the
+  library (bf16 scales: every weight rounded to bf16), which a float32 model matches
+  (prequantized/base.py, _round_like_the_library)
 
 Refused by name: activations quantized to ints (W4A4, W4A8, W8A8), FP4 / MX formats, 2:4
 sparsity, transforms (rotations), KV-cache schemes, other bit widths and group sizes.
@@ -92,7 +94,7 @@ class Scheme:
             raise _refuse(f"format {self.fmt!r} for {name}")
         if self.bits not in (4, 8):
             raise _refuse(f"{self.bits}-bit weights ({name})")
-        if self.bits == 8 and not self.symmetric:
+        if self.bits == 8 and not self.symmetric:  # as vLLM: zero points only for 4-bit
             raise _refuse(f"asymmetric 8-bit weights ({name}, zero points)")
         if self.strategy == "group":
             if not isinstance(self.group, int) or self.group <= 0 or self.group % 32:
@@ -114,6 +116,8 @@ class Scheme:
 
 
 class IntFormat(LayerFormat):
+    dequantizes_in_scale_dtype = True  # compressed-tensors' _dequantize: base.py says why
+
     def __init__(self, scheme: Scheme, has_g_idx: bool) -> None:
         self.s, self.has_g_idx = scheme, has_g_idx
         self.kind = qf.INT4 if scheme.bits == 4 else qf.INT8
@@ -175,6 +179,7 @@ class IntFormat(LayerFormat):
 
 class FloatFormat(LayerFormat):
     kind = fp8.FP8
+    dequantizes_in_scale_dtype = True
 
     def __init__(self, scheme: Scheme) -> None:
         self.s = scheme

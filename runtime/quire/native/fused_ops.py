@@ -17,7 +17,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from quire.models.rope import rotate_half
 from quire.native import loader
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -29,6 +28,11 @@ _WIDTHS = {"AVX512": (8, "Sleef_expf8_u10"), "AVX2": (8, "Sleef_expf8_u10")}
 
 
 # --- the torch references (transformers' operation order) ---------------------------------
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype

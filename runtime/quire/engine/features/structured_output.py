@@ -1,16 +1,16 @@
-"""The engine's side of structured output: one grammar state per sequence, the batch's
-bitmask before sampling, and advancing every state by its accepted token.
+"""Structured output as a scheduler feature: one grammar state per sequence (in `states`,
+keyed by sequence id), the batch's bitmask before sampling, and advancing every state by its
+accepted tokens.
 
-Hooks (each one call from the engine, scheduler or batch builder):
   attach(seqs, params)   add_request: every sample of the request gets its own matcher
   poll()                 step start: compiled grammars become ready; failures are returned
-  ready(req)             scheduler: a waiting request runs only once its grammar is compiled
-  fill_bitmask(rows)     batch builder: one int32 bitmask row per sampled row (None: no
-                         grammar); the sampler applies it first
-  advance(seqs, finish)  after a step: each new token advances its matcher; a terminated
+  may_admit(seq)         a waiting sequence runs only once its grammar is compiled
+  sampling_masks(rows)   one int32 bitmask row per sampled row (all ones: no grammar); the
+                         sampler applies it first
+  updated(seqs, finish)  after the text: each new token advances its matcher; a terminated
                          grammar finishes its sequence
-  fork(req)              beam search: a new beam copies its parent's matcher
-  resync(reqs)           preemption: a matcher always matches the tokens its sequence keeps
+  fork(parent, child)    beam search: a new beam copies its parent's matcher
+  preempted(seqs)        a matcher always matches the tokens its sequence keeps
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from quire.engine.features.base import Feature
 from quire.engine.request import Request, RequestStatus
 from quire.structured.compiler import DEFAULT_CACHE_SIZE, GrammarCompiler
 from quire.structured.params import GuidedDecodingParams
@@ -50,7 +51,7 @@ class GrammarState:
         return GrammarState(None, self.matcher.fork(), self.num_accepted)
 
 
-class StructuredOutputManager:
+class StructuredOutput(Feature):
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         from quire.structured.backend import Backend, bitmask_words
@@ -58,6 +59,7 @@ class StructuredOutputManager:
         self.words = bitmask_words(max(vocab_size, len(tokenizer)))  # llguidance's width
         self.compiler = GrammarCompiler(
             lambda: Backend(tokenizer, vocab_size, eos_token_ids), cache_size)
+        self.states: dict[str, GrammarState] = {}  # sequence id -> its grammar
         self._compiling: list[list[Request]] = []  # sibling groups whose grammar is pending
         # metrics, moved into StepEvents by record()
         self.num_requests = 0
@@ -67,7 +69,7 @@ class StructuredOutputManager:
     def attach(self, seqs: list[Request], params: GuidedDecodingParams) -> None:
         future = self.compiler.submit(params)
         for s in seqs:
-            s.structured = GrammarState(future)
+            self.states[s.request_id] = GrammarState(future)
         self._compiling.append(seqs)
         self.num_requests += 1
 
@@ -76,9 +78,9 @@ class StructuredOutputManager:
         error) for each request whose grammar failed to compile: the engine fails them."""
         failed, still = [], []
         for seqs in self._compiling:
-            future = seqs[0].structured.future
             if seqs[0].finished:
                 continue  # aborted while compiling
+            future = self.states[seqs[0].request_id].future
             if not future.done():
                 still.append(seqs)
                 continue
@@ -87,14 +89,17 @@ class StructuredOutputManager:
                 failed.append((seqs[0], f"grammar compilation failed: {error}"))
                 continue
             for s in seqs:
-                s.structured.matcher = future.result().new_matcher()
-                s.structured.future = None
+                state = self.states.get(s.request_id)
+                if state is not None:
+                    state.matcher = future.result().new_matcher()
+                    state.future = None
         self._compiling = still
         return failed
 
     def wait(self, timeout: float) -> None:
         """Block until a pending grammar compiles (an idle engine need not spin)."""
-        futures = [seqs[0].structured.future for seqs in self._compiling]
+        futures = [self.states[seqs[0].request_id].future for seqs in self._compiling
+                   if seqs[0].request_id in self.states]
         if futures:
             concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
@@ -102,15 +107,36 @@ class StructuredOutputManager:
     def num_compiling(self) -> int:
         return len(self._compiling)
 
-    @staticmethod
-    def ready(req: Request) -> bool:
-        return req.structured is None or req.structured.ready
+    def waiting(self) -> bool:
+        return bool(self._compiling)
+
+    def may_admit(self, seq: Request) -> bool:
+        return self.runnable(seq)
+
+    def runnable(self, seq: Request) -> bool:
+        state = self.states.get(seq.request_id)
+        return state is None or state.ready
+
+    def decides_eos(self, seq_id: str) -> bool:
+        return seq_id in self.states
+
+    def matcher(self, seq_id: str):
+        """The sequence's ready matcher, or None (no grammar, or still compiling)."""
+        state = self.states.get(seq_id)
+        return None if state is None else state.matcher
+
+    def finished(self, seqs) -> None:
+        for s in seqs:
+            self.states.pop(s.request_id, None)
 
     # --- sampling ------------------------------------------------------------------------
+    def sampling_masks(self, rows: list[Request], groups) -> torch.Tensor | None:
+        return self.fill_bitmask_ahead(rows, groups) if groups else self.fill_bitmask(rows)
+
     def fill_bitmask(self, rows: list[Request]) -> torch.Tensor | None:
         """int32 [len(rows), words]: each grammar row's allowed tokens, all ones elsewhere."""
-        matchers = [(r.structured.matcher, i) for i, r in enumerate(rows)
-                    if r.structured is not None and r.structured.matcher is not None]
+        matchers = [(m, i) for i, r in enumerate(rows)
+                    if (m := self.matcher(r.request_id)) is not None]
         if not matchers:
             return None
         t0 = time.perf_counter()
@@ -126,12 +152,10 @@ class StructuredOutputManager:
         rolled back (the proposals are the grammar's, checked by valid_prefix)."""
         in_group = {start + j for start, p in groups for j in range(len(p) + 1)}
         plain = [r if i not in in_group else None for i, r in enumerate(rows)]
-        matchers = [(r.structured.matcher, i) for i, r in enumerate(plain)
-                    if r is not None and r.structured is not None
-                    and r.structured.matcher is not None]
-        grammar_groups = [(rows[start].structured.matcher, start, p) for start, p in groups
-                          if rows[start].structured is not None
-                          and rows[start].structured.matcher is not None]
+        matchers = [(m, i) for i, r in enumerate(plain)
+                    if r is not None and (m := self.matcher(r.request_id)) is not None]
+        grammar_groups = [(m, start, p) for start, p in groups
+                          if (m := self.matcher(rows[start].request_id)) is not None]
         if not matchers and not grammar_groups:
             return None
         t0 = time.perf_counter()
@@ -147,22 +171,24 @@ class StructuredOutputManager:
         self.mask_seconds.append(time.perf_counter() - t0)
         return bitmask
 
-    @staticmethod
-    def valid_prefix(seq: Request, proposals: list[int]) -> list[int]:
+    def valid_prefix(self, seq_id: str, proposals: list[int]) -> list[int]:
         """The leading proposals the sequence's grammar allows (all of them without one)."""
-        state = seq.structured
-        if state is None or state.matcher is None or not proposals:
+        matcher = self.matcher(seq_id)
+        if matcher is None or not proposals:
             return proposals
-        return proposals[:state.matcher.valid_prefix_length(proposals)]
+        return proposals[:matcher.valid_prefix_length(proposals)]
 
     # --- after sampling ------------------------------------------------------------------
+    def updated(self, seqs, finish) -> None:
+        self.advance([s for s in seqs if s.lockstep_group is None], finish)
+
     def advance(self, seqs: list[Request], finish=None) -> None:
         """Each sequence's new tokens (one, or the accepted proposals of a step) enter its
         matcher; `finish(seq, status)` ends a sequence whose grammar has terminated (nothing
         but EOS could follow). Beams pass no `finish`: their group ends them, and a
         terminated grammar's mask leaves only EOS."""
         for seq in seqs:
-            state = seq.structured
+            state = self.states.get(seq.request_id)
             if state is None or state.matcher is None or seq.finished:
                 continue
             while state.num_accepted < seq.num_output_tokens:
@@ -178,15 +204,18 @@ class StructuredOutputManager:
                     finish(seq, RequestStatus.FINISHED_STOPPED)
                     break
 
-    def fork(self, parent: Request) -> GrammarState | None:
-        return None if parent.structured is None else parent.structured.fork()
+    def fork(self, parent: Request, child: Request) -> None:
+        """A new beam gets its own copy of its parent's grammar state."""
+        state = self.states.get(parent.request_id)
+        if state is not None:
+            self.states[child.request_id] = state.fork()
 
-    def resync(self, reqs: list[Request]) -> None:
+    def preempted(self, reqs: list[Request]) -> None:
         """After preemption: the matcher must have consumed exactly the output tokens the
         sequence keeps (recompute keeps them all, so this is a check); otherwise it is reset
         and the kept tokens replayed."""
         for req in reqs:
-            state = req.structured
+            state = self.states.get(req.request_id)
             if state is None or state.matcher is None:
                 continue
             if state.num_accepted != req.num_output_tokens:

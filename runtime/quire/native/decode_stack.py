@@ -19,9 +19,7 @@ import os
 
 import torch
 
-from quire.attention import cpu_kernels
-from quire.models import fused_ops
-from quire.native import loader, quant_matmul
+from quire.native import fused_ops, loader, paged_attention, quant_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +96,10 @@ class DecodeStack:
         return dict(zip(PHASES, self._timings.tolist()))
 
     @classmethod
-    def build(cls, model, kv_caches) -> DecodeStack | None:
-        """The stack for this model and cache, or None where a condition above fails."""
+    def build(cls, model, kv_caches, layer_type: type) -> DecodeStack | None:
+        """The stack for this model and cache, or None where a condition above fails.
+        `layer_type`: the plain decoder layer the native stack reproduces (llama.py's): a
+        model of any other layer class keeps the Python path."""
         if os.environ.get("QUIRE_DECODE_STACK", "1") == "0":
             return None
         fn = _library()
@@ -107,9 +107,8 @@ class DecodeStack:
         if fn is None or native is None or native[2] is None:
             return None
         lib, width, exp_fn = native
-        from quire.models.llama import DecoderLayer
         cfg = model.cfg
-        if not len(model.layers) or any(type(layer) is not DecoderLayer for layer in model.layers):
+        if not len(model.layers) or any(type(layer) is not layer_type for layer in model.layers):
             return None
         first = model.layers[0]
         dtype = first.input_layernorm.weight.dtype
@@ -120,7 +119,7 @@ class DecodeStack:
         if any(b.name != "torch" or b.logit_softcap is not None for b in model.backends.values()) \
                 or any(getattr(layer, "sinks", None) is not None for layer in model.layers):
             return None
-        decode_lib = cpu_kernels._library()  # quire_paged_decode, built with its library
+        decode_lib = paged_attention._library()  # quire_paged_decode, built with its library
         if decode_lib is None:
             return None
         layers, refs = (_Layer * len(model.layers))(), []

@@ -1,0 +1,191 @@
+"""The Messages API in chat's terms: `system` and the messages' blocks as chat messages
+(tool_use blocks become an assistant's tool_calls, tool_result blocks `role: "tool"`
+messages), the request as a ChatCompletionRequest, and a chat answer's parts as content
+blocks and a stop_reason.
+
+    tool_choice   {"type": "auto"}  "any"       "tool" + name             "none"
+    chat's        "auto"            "required"  {"function": {"name"}}    "none"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+
+from pydantic import ValidationError
+
+from quire.entrypoints.anthropic_protocol import (
+    ContentBlock,
+    MessagesFields,
+    MessagesRequest,
+    TextBlock,
+    TextBlockIn,
+    ThinkingBlock,
+    ToolResultBlockIn,
+    ToolUseBlock,
+    ToolUseBlockIn,
+)
+from quire.entrypoints.chat_run import AnswerParts
+from quire.entrypoints.errors import OpenAIError, bad_request
+from quire.entrypoints.openai_protocol import ChatCompletionRequest
+
+# chat's names for what the Messages API calls otherwise (in the 400s chat's checks raise)
+RENAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
+           "response_format": "output_config"}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "cache_salt")
+
+
+def chat_messages(req: MessagesFields) -> list[dict]:
+    system = _text(req.system) if req.system is not None else None
+    messages = [{"role": "system", "content": system}] if system else []
+    for m in req.messages:
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+        elif m.role == "assistant":
+            messages.append(_assistant(m.content))
+        else:
+            messages.extend(_user(m.content))
+    return messages
+
+
+def _text(content: str | list[TextBlockIn] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(b.text for b in content)
+
+
+def _assistant(blocks) -> dict:
+    texts = [b.text for b in blocks if isinstance(b, TextBlockIn)]
+    message: dict = {"role": "assistant", "content": "\n".join(texts)}
+    calls = [{"id": b.id, "type": "function",
+              "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+             for b in blocks if isinstance(b, ToolUseBlockIn)]
+    if calls:
+        message["tool_calls"] = calls
+    return message  # thinking blocks: not part of the prompt
+
+
+def _user(blocks) -> list[dict]:
+    """Tool results as `tool` messages, the text between them as user messages, in order."""
+    out, texts = [], []
+    for b in blocks:
+        if isinstance(b, TextBlockIn):
+            texts.append(b.text)
+        elif isinstance(b, ToolResultBlockIn):
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                        "content": _text(b.content)})
+        elif isinstance(b, ToolUseBlockIn):
+            raise bad_request("tool_use blocks belong in assistant messages", "messages")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def tool_fields(req: MessagesFields) -> dict:
+    """tools, tool_choice and parallel_tool_calls in chat's spelling."""
+    fields: dict = {}
+    if req.tools:
+        fields["tools"] = [t.as_chat_tool() for t in req.tools]
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise bad_request("tool_choice.name is required when tool_choice.type is "
+                                  "'tool'", "tool_choice")
+            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            fields["tool_choice"] = {"auto": "auto", "any": "required",
+                                     "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use is not None:
+            fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    return fields
+
+
+def template_kwargs(req: MessagesFields) -> dict | None:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.thinking is not None and req.thinking.type in ("enabled", "disabled"):
+        kwargs.setdefault("enable_thinking", req.thinking.type == "enabled")
+    return kwargs or None
+
+
+def chat_request(req: MessagesFields, stream: bool = False) -> ChatCompletionRequest:
+    body: dict = {"model": req.model, "messages": chat_messages(req), "stream": stream,
+                  **tool_fields(req)}
+    kwargs = template_kwargs(req)
+    if kwargs is not None:
+        body["chat_template_kwargs"] = kwargs
+    if isinstance(req, MessagesRequest):
+        body["max_tokens"] = req.max_tokens
+        body.update({k: getattr(req, k) for k in SAMPLING_FIELDS
+                     if getattr(req, k) is not None})
+        if req.stop_sequences:
+            body["stop"] = req.stop_sequences
+        if req.output_config is not None and req.output_config.format is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": req.output_config.format.schema_}}
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:  # a value chat takes in a narrower type
+        err = e.errors(include_url=False)[0]
+        param = RENAMES.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else None
+        raise bad_request(f"invalid '{param}': {err['msg']}", param) from None
+
+
+@contextlib.contextmanager
+def messages_names():
+    """Chat's 400s re-labelled with the Messages API's field names."""
+    try:
+        yield
+    except OpenAIError as e:
+        if e.param in RENAMES:
+            old, e.param = e.param, RENAMES[e.param]
+            if e.message.startswith(old):
+                e.message = e.param + e.message[len(old):]
+        raise
+
+
+# --- the answer ---------------------------------------------------------------------------
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def content_blocks(parts: AnswerParts) -> list[ContentBlock]:
+    blocks: list[ContentBlock] = []
+    if parts.reasoning:
+        blocks.append(ThinkingBlock(thinking=parts.reasoning))
+    if parts.content:
+        blocks.append(TextBlock(text=parts.content))
+    blocks.extend(ToolUseBlock(id=tool_use_id(c.id), name=c.function.name,
+                               input=tool_input(c.function.arguments))
+                  for c in parts.tool_calls)
+    return blocks
+
+
+def tool_input(arguments: str) -> dict:
+    """A call's arguments as tool_use's `input` object (the parsers give a JSON object's
+    text; anything else is wrapped, never dropped)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def stop_reason(finish_reason: str | None, stop: int | str | None
+                ) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of chat's finish_reason and stop_reason."""
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return ("end_turn", None) if finish_reason is not None else (None, None)
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
