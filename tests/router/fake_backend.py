@@ -6,7 +6,8 @@ Streams `--chunks` SSE chunks (or NUL-separated /generate chunks) `--interval` s
 each naming this replica, so a test can tell who answered. /metrics exports the runtime's gauge
 names: `quire:num_requests_running` is the number of streams open now (a client that goes away
 closes its stream, so the figure drops), the queue and KV usage are whatever POST /control set.
-A request whose prompt contains "__die__" kills the process after the second chunk. GET /seen
+A request whose prompt contains "__die__" kills the process after the second chunk (unless it
+is a router's continuation of one, with continue_token_ids). GET /seen
 lists the prompts received. `--ssl-certfile` and `--ssl-keyfile` make it an HTTPS replica.
 """
 
@@ -34,13 +35,17 @@ def _prompt_text(body: dict) -> str:
 async def _stream(body: dict, sse: bool):
     STATE["running"] += 1
     try:
-        die = "__die__" in _prompt_text(body)
+        # (a migrated request, continue_token_ids set, is served whole wherever it goes)
+        die = "__die__" in _prompt_text(body) and body.get("continue_token_ids") is None
         for i in range(int(body.get("max_tokens") or ARGS.chunks)):
             if die and i == 2:
                 os._exit(1)
             text = f"{ARGS.name}-{i} "
             if sse:
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text}], 'backend': ARGS.name})}\n\n"
+                choice = {"index": 0, "text": text}
+                if body.get("return_token_ids"):  # the runtime's contract, as a router asks
+                    choice["token_ids"] = [1000 + i]
+                yield f"data: {json.dumps({'choices': [choice], 'backend': ARGS.name})}\n\n"
             else:
                 yield json.dumps({"text": [text], "backend": ARGS.name}) + "\0"
             await asyncio.sleep(ARGS.interval)

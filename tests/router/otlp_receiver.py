@@ -15,7 +15,7 @@ import gzip
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -35,6 +35,7 @@ class Span:
     parent_span_id: str    # "" for a root span
     attributes: dict
     status_code: int
+    events: list = field(default_factory=list)  # (name, attributes)
 
 
 def _value(v):
@@ -55,7 +56,9 @@ def decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
                     trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
                     parent_span_id=s.parent_span_id.hex(),
                     attributes={a.key: _value(a.value) for a in s.attributes},
-                    status_code=s.status.code))
+                    status_code=s.status.code,
+                    events=[(e.name, {a.key: _value(a.value) for a in e.attributes})
+                            for e in s.events]))
     return spans
 
 

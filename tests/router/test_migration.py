@@ -15,8 +15,17 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from otlp_receiver import HttpReceiver
 from router_harness import InProcessRouter as router
-from router_harness import quire_serve, router_state, server_harness, wait_until
+from router_harness import (
+    fake_backend,
+    quire_serve,
+    router_state,
+    server_harness,
+    sse_texts,
+    wait_until,
+)
+from router_harness import router as router_process
 
 MAX_TOKENS = 400  # long enough (at a few hundred tokens a second) to be cut in the middle
 
@@ -206,3 +215,34 @@ def test_sigterm_drain_past_its_timeout_continues_elsewhere(tiny, reference):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_a_migration_is_counted_and_traced_on_the_routers_span():
+    """Fake replicas (no model): the one that gets the stream dies after two chunks; the
+    stream goes on on the other, and the migration is an event on the router's span."""
+    with HttpReceiver() as receiver, fake_backend("x", "127.0.0.67", chunks=8) as x, \
+            fake_backend("y", "127.0.0.68", chunks=8) as y:
+        proc = router_process("--backend", x.url, "--backend", y.url,
+                              "--otlp-traces-endpoint", receiver.url, host="127.0.0.69")
+        proc.env.update({"OTEL_BSP_SCHEDULE_DELAY": "50",
+                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
+        with proc as r:
+            response = requests.post(r.url + "/v1/completions", stream=True, timeout=60,
+                                     json={"prompt": "__die__", "stream": True, "max_tokens": 8})
+            events = sse_texts(response)
+            first = events[0]["backend"]
+            victim, other = (x, y) if first == "x" else (y, x)
+            wait_until(lambda: not victim.alive(), 30, "the replica to die")
+            assert events[-1] == {"done": True}
+            # the other went on after the two tokens (the router asked it for 8 - 2 more)
+            assert [e["backend"] for e in events[:-1]] == [first] * 2 + [other.name[-1]] * 6
+            assert all("token_ids" not in e["choices"][0] for e in events[:-1])
+            assert metric(r, "quire_router:migrations_total", reason="connection_lost") == 1
+            span = receiver.wait_for(
+                lambda s: any(name == "quire.migration" for name, _ in s.events),
+                "the router span with the migration")
+    ((_, attributes),) = [e for e in span.events if e[0] == "quire.migration"]
+    assert (attributes["quire.migration.from"], attributes["quire.migration.to"]) == \
+        (victim.url, other.url)
+    assert attributes["quire.migration.reason"] == "connection_lost"
+    assert span.attributes["quire.request.priority"] == 0

@@ -12,6 +12,10 @@ aborts the replica's request when the client goes away. Its parts, one job each:
     prefix_index.py    which replica was sent which block hashes (bounded LRU)
     policies.py        round-robin, least-load, prefix-aware
     holding.py         requests held while no replica is ready (scale from zero)
+    flow_control.py    requests held while every replica is saturated: by priority, tenants
+                       in turn; sheddable ones 429, a wait bound's 503
+    objectives.py      a request's priority (InferenceObjective header, body) and tenant
+    migration.py       a broken stream goes on on another replica (continue_token_ids)
     proxy.py           one request: pick, retry before the first byte, stream, disconnects
     endpoint_picking.py  one pick without proxying (for ext_proc): strict body reading, subset
     ext_proc*.py       --ext-proc-port: Envoy ext_proc as a GIE endpoint picker (server,

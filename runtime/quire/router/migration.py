@@ -56,13 +56,20 @@ class MigratingStream:
         self.finished = False           # the choice got its finish_reason
         self._buffer = b""
         self.chunks = None              # the current continuation's byte iterator (the proxy's)
+        self.prompt_len: int | None = None  # the first replica's prompt_token_ids
+        # a replica that sent text without its token ids, or ignored continue_token_ids (not a
+        # Quire runtime): a continuation would repeat or skip text, so none is tried
+        self.unsafe = False
 
     # --- bodies --------------------------------------------------------------------------
     def forwarded_body(self) -> bytes:
         return json.dumps({**self.body, "return_token_ids": True}).encode()
 
     def continuation_body(self) -> bytes | None:
-        """The request for the next replica, or None when nothing is left to generate."""
+        """The request for the next replica, or None when nothing is left to generate or
+        continuing would not be exact (`unsafe`)."""
+        if self.unsafe:
+            return None
         body = {**self.body, "return_token_ids": True, "continue_token_ids": list(self.token_ids),
                 "echo": False}
         if self.path == "/v1/completions" and "max_tokens" not in body:
@@ -123,6 +130,8 @@ class MigratingStream:
         elif self.continued:
             obj.update({k: v for k, v in self.head.items() if v is not None})
         for c in choices:
+            if not self._check_ids(c):
+                return None
             ids = c.get("token_ids") or []
             self.token_ids.extend(ids)
             if c.get("finish_reason") is not None:
@@ -140,6 +149,21 @@ class MigratingStream:
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.continued
         return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() \
             + b"\n\n"
+
+
+    def _check_ids(self, c: dict) -> bool:
+        """Whether this replica keeps the token-id contract; False (and broken) if not."""
+        prompt = c.get("prompt_token_ids")
+        if isinstance(prompt, list):
+            if self.prompt_len is None:
+                self.prompt_len = len(prompt)
+            elif self.continued and len(prompt) != self.prompt_len + self.continued:
+                self.unsafe, self.broken = True, "not_continued"  # it ignored continue_token_ids
+                return False
+        carries = c.get("text") or (c.get("delta") or {}).get("content")
+        if carries and "token_ids" not in c:
+            self.unsafe = True  # migrating would not know where the text stopped
+        return True
 
 
 def _opening_only(choices: list) -> bool:

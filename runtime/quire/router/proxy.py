@@ -160,6 +160,9 @@ class ProxyEndpoint:
         except BadPriority as e:
             await send_error(send, 400, str(e), "bad_request", param="priority")
             return
+        span = scope.get(SPAN_KEY)
+        if span is not None:
+            span.set_attribute("quire.request.priority", priority)  # GIE's scale (objectives.py)
         if engine_priority is not None:  # the objective's priority, for the replica's scheduler
             parsed = {**parsed, "priority": engine_priority}
             body = json.dumps(parsed).encode()
