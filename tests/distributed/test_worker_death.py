@@ -68,7 +68,7 @@ def test_workers_exit_when_the_engine_process_is_killed(tp_models, tmp_path):
         f"    e = LLMEngine(EngineArgs(model={tp_models['llama']!r}, dtype='float32',\n"
         f"                            kv_cache_memory=1 << 20, tensor_parallel_size={TP},\n"
         "                            num_threads=1))\n"
-        "    print(*e.workers.pids, flush=True)\n"
+        "    print(*e.executor.workers.pids, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
