@@ -19,7 +19,12 @@ from quire_operator.router_children import (
     desired_router_service,
     router_children,
 )
-from quire_operator.router_spec import RouterSpec, parse_router_spec, parse_scale_to_zero
+from quire_operator.router_spec import (
+    ROUTING_POLICIES,
+    RouterSpec,
+    parse_router_spec,
+    parse_scale_to_zero,
+)
 from quire_operator.scale_to_zero import (
     ColdStart,
     RouterSignal,
@@ -77,7 +82,7 @@ def test_the_crd_has_the_parsers_defaults():
     fragment = schema["openAPIV3Schema"]["properties"]["spec"]["properties"]
     props = fragment["router"]["properties"]
     defaults = RouterSpec()
-    assert props["routing"]["enum"] == ["round-robin", "least-load", "prefix-aware"]
+    assert props["routing"]["enum"] == list(ROUTING_POLICIES)
     assert (props["enabled"]["default"], props["replicas"]["default"], props["routing"]["default"],
             props["maxPending"]["default"], props["holdTimeoutSeconds"]["default"]) == (
         defaults.enabled, defaults.replicas, defaults.routing, defaults.max_pending,
