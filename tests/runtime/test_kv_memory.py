@@ -175,7 +175,7 @@ def test_swap_preemption_keeps_outputs_and_resumes_swapped_first(tiny_models):
         if swapped_before and waiting_before:
             contested.append(1)  # both queues hold requests: the order matters here
         out = original()
-        newly = [r for r in out.requests if r.request_id in waiting_before]
+        newly = [rid for rid in out.seq_ids if rid in waiting_before]
         if swapped_before and sched.swapped and newly:
             admitted_while_swapped.append(newly)
         return out
