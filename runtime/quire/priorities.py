@@ -9,3 +9,11 @@ the engine. (The router's own priorities are GIE's, higher first: router/objecti
 SCHEDULING_POLICIES = ("fcfs", "priority")
 MIN_PRIORITY = -(2 ** 31)
 MAX_PRIORITY = 2 ** 31 - 1
+
+
+def check_priority(priority) -> None:
+    """A request's priority: an integer in [MIN_PRIORITY, MAX_PRIORITY] (QuireValidationError
+    naming `priority` otherwise)."""
+    from quire.validation import check_int
+    check_int("priority", priority, MIN_PRIORITY, MAX_PRIORITY,
+              f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")

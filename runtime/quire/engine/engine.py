@@ -35,7 +35,7 @@ from quire.engine.features.structured_output import StructuredOutput
 from quire.engine.kv_cache_manager import KVCacheManager
 from quire.engine.output_processor import OutputProcessor
 from quire.engine.request import Request, RequestStatus
-from quire.engine.sched_policy import MAX_PRIORITY, MIN_PRIORITY, counts_by_band
+from quire.engine.sched_policy import counts_by_band
 from quire.engine.scheduler import Scheduler
 from quire.engine.scheduler_output import SchedulerOutput
 from quire.engine.stats import EngineSnapshot, StepEvents
@@ -48,6 +48,7 @@ from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
 from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import default_step_budget, resolve_device, resolve_dtype
+from quire.priorities import check_priority
 from quire.sampling_params import MAX_SEED, SamplingParams
 from quire.spec_decode.draft import DraftProposer
 from quire.validation import QuireValidationError, check_int
@@ -181,14 +182,13 @@ class LLMEngine:
                     cache_salt: str | None = None, priority: int = 0) -> str:
         """Validate and queue one request; raises QuireValidationError naming the field.
         priority: lower is served first under scheduling_policy='priority' (ignored under
-        fcfs); an integer in [MIN_PRIORITY, MAX_PRIORITY] (sched_policy.py).
+        fcfs); an integer in [MIN_PRIORITY, MAX_PRIORITY] (quire/priorities.py).
         lora_request: the adapter it runs with (read on first use); None: the base model.
         cache_salt: requests share prefix-cache blocks only with requests of the same salt
         (None shares with None)."""
         params = params or SamplingParams()
         check_cache_salt(cache_salt)
-        check_int("priority", priority, MIN_PRIORITY, MAX_PRIORITY,
-                  f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+        check_priority(priority)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self._in_use(request_id):
             raise _in_use(request_id)

@@ -21,6 +21,7 @@ from quire.outputs import CompletionOutput, RequestOutput
 from quire.pooling.batch import make_pooling_step
 from quire.pooling.config import PoolerConfig, load_pooler_config
 from quire.pooling.params import PoolingParams
+from quire.priorities import check_priority
 from quire.sampling_params import SamplingParams
 from quire.validation import QuireValidationError
 
@@ -54,7 +55,8 @@ class PoolingEngine(LLMEngine):
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: PoolingParams | None = None, arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, priority: int = 0) -> str:
+        """Queue one prompt to embed (priority: as LLMEngine.add_request's)."""
         if isinstance(params, SamplingParams):
             raise QuireValidationError(
                 "runner", "this engine runs the pooling runner (embeddings): it can't "
@@ -75,8 +77,9 @@ class PoolingEngine(LLMEngine):
             prompt = self.pooler.default_prompt + prompt
         text, token_ids = self._tokenize(prompt)
         self._max_tokens(len(token_ids), _PREFILL_ONLY)  # the prompt must fit
+        check_priority(priority)
         seq = Request(request_id, token_ids, _PREFILL_ONLY, frozenset(), 1, arrival_time,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, priority=priority)
         self._requests[request_id] = _PoolingRequest(seq, params, text)
         self.scheduler.add_request(seq)
         return request_id
