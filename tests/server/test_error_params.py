@@ -45,7 +45,7 @@ CASES = [
     (C, {"max_tokens": 0}, "max_tokens", "positive integer"),
     (C, {"min_tokens": 30, "max_tokens": 10}, "min_tokens", "<= max_tokens (10)"),
     (C, {"stop": ["ok", ""]}, "stop", "non-empty strings"),
-    (C, {"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    (C, {"stop_token_ids": [-1]}, "stop_token_ids", "[0, 49152)"),
     # the engine's checks at add_request
     (C, {"max_tokens": 100000}, "max_tokens", "max_tokens must be <="),
     (C, {"prompt": [[1, 2], []]}, "prompt", "non-empty"),

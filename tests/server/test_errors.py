@@ -36,7 +36,8 @@ CASES = [
     (C, {"prompt": "hi", "min_tokens": 30, "max_tokens": 10}, 400, "min_tokens"),
     (C, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    (C, {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True,
+         "prompt_logprobs": 1}, 400, "prompt_logprobs"),  # echo scores now; not when streamed
     (C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     (C, {"prompt": 5}, 400, "prompt"),
     (C, {"prompt": ""}, 400, "prompt"),

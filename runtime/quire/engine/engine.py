@@ -194,8 +194,8 @@ class LLMEngine:
             raise _in_use(request_id)
         if params.n > self.args.max_num_seqs:
             raise QuireValidationError(
-                "n", f"n must be <= max_num_seqs ({self.args.max_num_seqs}): the n samples run "
-                f"side by side; got {params.n}", params.n)
+                "n", f"n must be <= {self.args.max_num_seqs} (this engine's max_num_seqs, "
+                f"--max-num-seqs): the n samples run side by side; got {params.n}", params.n)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         # the adapter salts its prefix-cache hashes (KVCacheManager.extra_keys), so no two
