@@ -16,6 +16,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from quire.entrypoints.anthropic_protocol import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
 from quire.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -26,6 +32,15 @@ from quire.entrypoints.openai_protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from quire.entrypoints.pooling_protocol import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+from quire.entrypoints.responses_protocol import ResponseObject, ResponsesRequest
 from quire.metrics import CONTENT_TYPE as PROMETHEUS_TEXT
 
 REF = "#/components/schemas/{model}"
@@ -37,6 +52,23 @@ GENERATE_STREAM = "application/octet-stream"  # /generate's stream: NUL-separate
 class ErrorResponse(BaseModel):
     """Every error's body: OpenAI's {"error": {...}}."""
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Errors on /v1/messages*: Anthropic's {"type": "error", "error": {...}}."""
+    type: str = "error"
+    error: AnthropicErrorInfo
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: str = "response"
+    deleted: bool
 
 
 class GenerateResponse(BaseModel):
@@ -85,6 +117,7 @@ class Operation:
     answer: type[BaseModel] | None = None      # the 200's JSON
     media: dict[str, str] = field(default_factory=dict)  # other 200 media types: description
     errors: tuple[int, ...] = ()
+    error_model: type[BaseModel] | None = None  # the errors' body (None: OpenAI's shape)
 
 
 ERROR_MEANINGS = {
@@ -116,6 +149,27 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                           "each followed by a NUL byte."}, GENERATION_ERRORS),
     ("/tokenize", "post"): Operation(TokenizeRequest, TokenizeResponse, {}, BODY_ERRORS),
     ("/detokenize", "post"): Operation(DetokenizeRequest, DetokenizeResponse, {}, BODY_ERRORS),
+    ("/v1/responses", "post"): Operation(
+        ResponsesRequest, ResponseObject,
+        {SSE: "With stream: true, the Responses API's events (response.created, ..., "
+              "response.completed), each with its sequence_number."}, GENERATION_ERRORS),
+    ("/v1/responses/{response_id}", "get"): Operation(None, ResponseObject, {},
+                                                      (401, 404, 503)),
+    ("/v1/responses/{response_id}", "delete"): Operation(None, DeletedResponse, {},
+                                                         (401, 404, 503)),
+    ("/v1/messages", "post"): Operation(
+        MessagesRequest, MessageResponse,
+        {SSE: "With stream: true, Anthropic's events (message_start, content_block_*, "
+              "message_delta, message_stop, ping)."}, GENERATION_ERRORS,
+        error_model=AnthropicErrorResponse),
+    ("/v1/messages/count_tokens", "post"): Operation(
+        CountTokensRequest, TokenCount, {}, BODY_ERRORS, error_model=AnthropicErrorResponse),
+    ("/v1/embeddings", "post"): Operation(EmbeddingRequest, EmbeddingResponse, {},
+                                          GENERATION_ERRORS),
+    **{(path, "post"): Operation(ScoreRequest, ScoreResponse, {}, GENERATION_ERRORS)
+       for path in ("/score", "/v1/score")},
+    **{(path, "post"): Operation(RerankRequest, RerankResponse, {}, GENERATION_ERRORS)
+       for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
     ("/v1/models", "get"): Operation(None, ModelList, {}, (401, 503)),
     ("/v1/models/{model_id}", "get"): Operation(None, ModelCard, {}, (401, 404, 503)),
     ("/health", "get"): Operation(None, Status, {}, (503,)),
@@ -155,9 +209,13 @@ def document(schema: dict, operations: dict[tuple[str, str], Operation]) -> dict
         for media, description in op.media.items():
             content[media] = {"schema": {"type": "string", "description": description}}
         responses = {"200": {"description": "OK", "content": content}}
+        error_model = op.error_model or ErrorResponse
+        if op.errors:
+            models.add(error_model)
         for status in op.errors:
             responses[str(status)] = {"description": ERROR_MEANINGS[status], "content": {
-                "application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}}
+                "application/json": {"schema": {"$ref": REF.format(
+                    model=error_model.__name__)}}}}
         target["responses"] = responses
     _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m:
                                                                          m.__name__)],
