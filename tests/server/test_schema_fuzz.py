@@ -39,8 +39,16 @@ def srv():
 
 
 def _bounded(schema: dict, paths: tuple[str, ...] | None = None) -> dict:
-    """The server's schema with CAPS as maxima (and only `paths`, when given)."""
-    for model in schema["components"]["schemas"].values():
+    """The server's schema with CAPS as maxima of the request bodies' fields (an answer may
+    echo a request's out-of-cap value: the fuzzer sends some, which the server accepts), and
+    only `paths`, when given."""
+    bodies = {content["schema"]["$ref"].rsplit("/", 1)[-1]
+              for ops in schema["paths"].values() for op in ops.values()
+              for content in op.get("requestBody", {}).get("content", {}).values()
+              if "$ref" in content.get("schema", {})}
+    for name, model in schema["components"]["schemas"].items():
+        if name not in bodies:
+            continue
         for field, cap in CAPS.items():
             prop = model.get("properties", {}).get(field)
             if prop is None:
