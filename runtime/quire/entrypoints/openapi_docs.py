@@ -45,6 +45,10 @@ from quire.metrics import CONTENT_TYPE as PROMETHEUS_TEXT
 
 REF = "#/components/schemas/{model}"
 SSE = "text/event-stream"
+# one server-sent event, as clients (and schemathesis) read it: its fields, `data` a JSON text
+SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"},
+                                              "data": {"type": "string"},
+                                              "id": {"type": "string"}}}
 GENERATE_STREAM = "application/octet-stream"  # /generate's stream: NUL-separated JSON texts
 
 
@@ -207,7 +211,9 @@ def document(schema: dict, operations: dict[tuple[str, str], Operation]) -> dict
             content["application/json"] = {"schema": {"$ref": REF.format(
                 model=op.answer.__name__)}}
         for media, description in op.media.items():
-            content[media] = {"schema": {"type": "string", "description": description}}
+            content[media] = {"schema": SSE_EVENT | {"description": description}
+                              if media == SSE else {"type": "string",
+                                                    "description": description}}
         responses = {"200": {"description": "OK", "content": content}}
         error_model = op.error_model or ErrorResponse
         if op.errors:
