@@ -33,7 +33,8 @@ import time
 
 from machine import StealMeter
 
-CASES = {"bf16-1": ("bfloat16", 1), "fp32-1": ("float32", 1), "bf16-32": ("bfloat16", 32)}
+CASES = {"bf16-1": ("bfloat16", 1), "fp32-1": ("float32", 1), "bf16-32": ("bfloat16", 32),
+         "fp32-32": ("float32", 32)}
 
 
 def _start(llm, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
