@@ -222,7 +222,7 @@ def test_bad_requests_are_rejected_and_nothing_else_is_lost(tiny):
 def test_requests_that_could_never_run_are_rejected_up_front(tiny_models):
     """n above max_num_seqs could never be admitted and would block the queue behind it."""
     llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=2)
-    with pytest.raises(ValueError, match="n must be <= max_num_seqs"):
+    with pytest.raises(ValueError, match=r"n must be <= 2 \(this engine's max_num_seqs"):
         llm.engine.add_request("big", [5, 6], SamplingParams(n=3, max_tokens=2))
     from quire import BeamSearchParams
     with pytest.raises(ValueError, match="beam_width must be <= max_num_seqs"):
