@@ -13,7 +13,9 @@ second table splits the stack's time by phase (its own timers, summed over the l
 
 With `--baseline REV` it measures the engine-step cost of this checkout beside an older
 commit's engine (a `git archive` snapshot of its runtime/), in alternating rounds in fresh
-processes, and prints each case's median ms per decode step for both and their ratio:
+processes, and prints each case's median ms per decode step for both and their ratio, for the
+whole step and for the part outside the model's forward (ModelRunner.run): the engine's own
+overhead, which the native kernels' run-to-run noise does not blur:
 
     python benchmarks/decode_profile.py --baseline e189fa3 --rounds 5 --cases bf16-1,bf16-32
 """
@@ -54,13 +56,32 @@ def _finish(llm) -> None:
         llm.engine.step()
 
 
-def decode_speed(llm, batch: int, args) -> tuple[float, int]:
+def decode_speed(llm, batch: int, args) -> tuple[float, float, int]:
+    """Seconds per decode step, and the part of it spent outside the model's forward (the
+    engine's own overhead: scheduling, features, batch building, sampling, detokenizing)."""
+    from quire.worker.model_runner import ModelRunner  # the same class in older commits
+    forward = ModelRunner.run
+    in_forward = [0.0]
+
+    def timed_run(self, inputs):
+        t = time.perf_counter()
+        try:
+            return forward(self, inputs)
+        finally:
+            in_forward[0] += time.perf_counter() - t
+
     _start(llm, batch, args.prompt_len, args.max_tokens, seed=1)
-    steps, start = 0, time.perf_counter()
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-        steps += 1
-    return (time.perf_counter() - start) / max(steps, 1), steps
+    ModelRunner.run = timed_run
+    try:
+        steps, start = 0, time.perf_counter()
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            steps += 1
+        wall = time.perf_counter() - start
+    finally:
+        ModelRunner.run = forward
+    steps = max(steps, 1)
+    return wall / steps, (wall - in_forward[0]) / steps, steps
 
 
 def profile(llm, batch: int, args) -> None:
@@ -131,8 +152,9 @@ def main() -> None:
         llm = LLM(dtype=dtype, **kw)
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         with StealMeter() as steal:
-            step_s, steps = decode_speed(llm, batch, args)
+            step_s, overhead_s, steps = decode_speed(llm, batch, args)
         print(f"{case} ({dtype}, batch {batch}): {step_s * 1e3:.2f} ms per decode step, "
+              f"{overhead_s * 1e3:.3f} ms of it outside the forward, "
               f"{batch / step_s:.1f} tok/s over {steps} steps, {steal}")
         if not args.no_profile:
             profile(llm, batch, args)
@@ -162,17 +184,20 @@ def compare_with_baseline(args) -> None:
                 env = dict(os.environ, PYTHONPATH=path)
                 out = subprocess.run(cmd, env=env, check=True, capture_output=True,
                                      text=True).stdout
-                ms = float(re.search(r"([0-9.]+) ms per decode step", out).group(1))
-                times.setdefault((name, case), []).append(ms)
-                print(f"round {r + 1} {name:>10} {case}: {ms:.2f} ms/step", flush=True)
+                found = re.search(r"([0-9.]+) ms per decode step, ([0-9.]+) ms of it outside", out)
+                ms, outside = float(found.group(1)), float(found.group(2))
+                times.setdefault((name, case, "step"), []).append(ms)
+                times.setdefault((name, case, "overhead"), []).append(outside)
+                print(f"round {r + 1} {name:>10} {case}: {ms:.2f} ms/step, "
+                      f"{outside:.3f} outside the forward", flush=True)
     for case in args.cases.split(","):
-        new = statistics.median(times[("this", case)])
-        old = statistics.median(times[(args.baseline, case)])
-        print(f"{case}: this {new:.2f} ms/step, {args.baseline} {old:.2f} ms/step, "
-              f"ratio {new / old:.3f} (median of {args.rounds}; spread this "
-              f"{min(times[('this', case)]):.2f}-{max(times[('this', case)]):.2f}, "
-              f"{args.baseline} {min(times[(args.baseline, case)]):.2f}-"
-              f"{max(times[(args.baseline, case)]):.2f})")
+        for what, label in (("step", "the whole step"), ("overhead", "outside the forward")):
+            new, old = times[("this", case, what)], times[(args.baseline, case, what)]
+            print(f"{case}, {label}: this {statistics.median(new):.3f} ms, {args.baseline} "
+                  f"{statistics.median(old):.3f} ms, ratio "
+                  f"{statistics.median(new) / statistics.median(old):.3f} (median of "
+                  f"{args.rounds}; spread this {min(new):.3f}-{max(new):.3f}, {args.baseline} "
+                  f"{min(old):.3f}-{max(old):.3f})")
 
 
 if __name__ == "__main__":
