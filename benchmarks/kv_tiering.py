@@ -38,7 +38,7 @@ def block_bytes(args) -> int:
     key = (args.model, args.dtype)
     if key not in _block_bytes:
         probe = LLM(args.model, dtype=args.dtype, kv_cache_memory=64 << 20)
-        _block_bytes[key] = probe.engine.kv_cache.block_nbytes
+        _block_bytes[key] = probe.engine.executor.kv_cache.block_nbytes
         del probe
     return _block_bytes[key]
 

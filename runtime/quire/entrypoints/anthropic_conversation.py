@@ -9,11 +9,8 @@ blocks and a stop_reason.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-
-from pydantic import ValidationError
 
 from quire.entrypoints.anthropic_protocol import (
     ContentBlock,
@@ -27,7 +24,8 @@ from quire.entrypoints.anthropic_protocol import (
     ToolUseBlockIn,
 )
 from quire.entrypoints.chat_run import AnswerParts
-from quire.entrypoints.errors import OpenAIError, bad_request
+from quire.entrypoints.chat_translation import as_chat_request, renamed_errors
+from quire.entrypoints.errors import bad_request
 from quire.entrypoints.openai_protocol import ChatCompletionRequest
 
 # chat's names for what the Messages API calls otherwise (in the 400s chat's checks raise)
@@ -127,25 +125,12 @@ def chat_request(req: MessagesFields, stream: bool = False) -> ChatCompletionReq
         if req.output_config is not None and req.output_config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": req.output_config.format.schema_}}
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:  # a value chat takes in a narrower type
-        err = e.errors(include_url=False)[0]
-        param = RENAMES.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else None
-        raise bad_request(f"invalid '{param}': {err['msg']}", param) from None
+    return as_chat_request(body, RENAMES)
 
 
-@contextlib.contextmanager
 def messages_names():
     """Chat's 400s re-labelled with the Messages API's field names."""
-    try:
-        yield
-    except OpenAIError as e:
-        if e.param in RENAMES:
-            old, e.param = e.param, RENAMES[e.param]
-            if e.message.startswith(old):
-                e.message = e.param + e.message[len(old):]
-        raise
+    return renamed_errors(RENAMES)
 
 
 # --- the answer ---------------------------------------------------------------------------

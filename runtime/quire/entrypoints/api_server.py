@@ -51,7 +51,7 @@ from quire.entrypoints.routers import (
     tokenizer,
 )
 from quire.entrypoints.routers.common import add_body_schemas, client_gone_response
-from quire.entrypoints.serving import Serving
+from quire.entrypoints.serving import ClientDisconnected, Serving
 from quire.entrypoints.tool_calls import get_tool_parser
 from quire.version import __version__
 
@@ -161,6 +161,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _gone_mid_upload(request: Request, e: ClientDisconnect):
         # the client hung up before its body was whole: as quiet as any other disconnect
         request.app.state.serving.client_gone()
+        return client_gone_response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone_while_waiting(request: Request, e: ClientDisconnected):
+        # a whole answer's client left (Serving.finals aborted its requests): nobody reads this
         return client_gone_response()
 
     @app.exception_handler(Exception)

@@ -7,13 +7,11 @@ OpenAI's API.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 
-from pydantic import ValidationError
-
 from quire.entrypoints.chat_run import AnswerParts
-from quire.entrypoints.errors import OpenAIError, bad_request
+from quire.entrypoints.chat_translation import as_chat_request, renamed_errors
+from quire.entrypoints.errors import bad_request
 from quire.entrypoints.openai_protocol import ChatCompletionRequest
 from quire.entrypoints.responses_protocol import (
     PASSED_SAMPLING_FIELDS,
@@ -91,25 +89,12 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
             "type": "function", "function": {"name": req.tool_choice.name}}
     if req.text is not None and req.text.format is not None:
         body["response_format"] = req.text.format.as_response_format()
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:  # a value chat takes in a narrower type
-        err = e.errors(include_url=False)[0]
-        param = RENAMES.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else None
-        raise bad_request(f"invalid '{param}': {err['msg']}", param) from None
+    return as_chat_request(body, RENAMES)
 
 
-@contextlib.contextmanager
 def responses_names():
     """Chat's 400s re-labelled with the Responses API's field names."""
-    try:
-        yield
-    except OpenAIError as e:
-        if e.param in RENAMES:
-            old, e.param = e.param, RENAMES[e.param]
-            if e.message.startswith(old):
-                e.message = e.param + e.message[len(old):]
-        raise
+    return renamed_errors(RENAMES)
 
 
 # --- output -------------------------------------------------------------------------------

@@ -20,13 +20,11 @@ from quire.entrypoints.openai_protocol import (
     UsageInfo,
 )
 from quire.entrypoints.routers.common import (
-    client_gone_response,
     disconnected,
     json_response,
     read_body,
     serving_of,
 )
-from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard, sse_events
 
 router = APIRouter()
@@ -46,10 +44,7 @@ async def chat_completions(request: Request):
             sse_events(serving, request_id, guard, run.params.n, fmt, include_usage,
                        token_ids=req.return_token_ids), guard,
             "text/event-stream")
-    try:
-        out = (await serving.finals(run.streams, disconnected(request)))[0]
-    except ClientDisconnected:
-        return client_gone_response()
+    out = (await serving.finals(run.streams, disconnected(request)))[0]
     choices, completion_tokens = [], 0
     for c in sorted(out.outputs, key=lambda c: c.index):
         completion_tokens += len(c.token_ids)

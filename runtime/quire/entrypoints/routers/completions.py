@@ -27,13 +27,11 @@ from quire.entrypoints.openai_protocol import (
     UsageInfo,
 )
 from quire.entrypoints.routers.common import (
-    client_gone_response,
     disconnected,
     json_response,
     read_body,
     serving_of,
 )
-from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard, sse_events
 from quire.entrypoints.structured_output import guided_decoding
 from quire.outputs import CompletionOutput, RequestOutput
@@ -76,10 +74,7 @@ async def completions(request: Request):
             sse_events(serving, request_id, guard, params.n, fmt, include_usage,
                        token_ids=req.return_token_ids), guard,
             "text/event-stream")
-    try:
-        finals = await serving.finals(streams, disconnected(request))
-    except ClientDisconnected:
-        return client_gone_response()
+    finals = await serving.finals(streams, disconnected(request))
     choices, prompt_tokens, completion_tokens = [], 0, 0
     cached_tokens = sum(out.num_cached_tokens for out in finals)
     for p, out in enumerate(finals):

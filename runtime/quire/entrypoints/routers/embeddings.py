@@ -19,13 +19,12 @@ from quire.entrypoints.pooling_protocol import (
     PoolingUsage,
 )
 from quire.entrypoints.routers.common import (
-    client_gone_response,
     disconnected,
     json_response,
     read_body,
     serving_of,
 )
-from quire.entrypoints.serving import ClientDisconnected, Serving
+from quire.entrypoints.serving import Serving
 from quire.outputs import RequestOutput
 from quire.pooling.params import PoolingParams
 
@@ -40,10 +39,7 @@ async def embeddings(request: Request):
     inputs = _inputs(req.input, serving.limits)
     params = pooling_params(serving, req.dimensions)
     request_id = f"embd-{uuid.uuid4().hex}"
-    try:
-        finals = await embed_all(serving, request, request_id, inputs, params, "input")
-    except ClientDisconnected:
-        return client_gone_response()
+    finals = await embed_all(serving, request, request_id, inputs, params, "input")
     data = [EmbeddingData(index=i, embedding=_encoded(out.embedding, req.encoding_format))
             for i, out in enumerate(finals)]
     tokens = sum(len(out.prompt_token_ids) for out in finals)

@@ -16,12 +16,10 @@ from quire.entrypoints.limits import check_stop
 from quire.entrypoints.openai_protocol import GenerateRequest
 from quire.entrypoints.openapi_docs import GENERATE_STREAM
 from quire.entrypoints.routers.common import (
-    client_gone_response,
     disconnected,
     read_body,
     serving_of,
 )
-from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard
 
 router = APIRouter()
@@ -44,10 +42,7 @@ async def generate(request: Request):
         guard = StreamGuard(serving, streams)
         return GuardedStreamingResponse(_chunks(serving, request_id, guard, params.n, prefix),
                                         guard, GENERATE_STREAM)
-    try:
-        out = (await serving.finals(streams, disconnected(request)))[0]
-    except ClientDisconnected:
-        return client_gone_response()
+    out = (await serving.finals(streams, disconnected(request)))[0]
     outputs = sorted(out.outputs, key=lambda c: c.index)
     serving.log_done(request_id, sum(len(c.token_ids) for c in outputs), out.num_cached_tokens)
     return JSONResponse({"text": [prefix + c.text for c in outputs]})

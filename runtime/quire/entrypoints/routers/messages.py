@@ -47,14 +47,12 @@ from quire.entrypoints.chat_tools import tool_use
 from quire.entrypoints.errors import anthropic_body, engine_error
 from quire.entrypoints.openai_protocol import ChatStreamChoice
 from quire.entrypoints.routers.common import (
-    client_gone_response,
     disconnected,
     json_body,
     json_response,
     read_body,
     serving_of,
 )
-from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard
 
 router = APIRouter()
@@ -72,10 +70,7 @@ async def create_message(request: Request):
         guard = StreamGuard(serving, run.streams)
         return GuardedStreamingResponse(MessageEvents(serving, run).stream(guard), guard,
                                         "text/event-stream")
-    try:
-        out = (await serving.finals(run.streams, disconnected(request)))[0]
-    except ClientDisconnected:
-        return client_gone_response()
+    out = (await serving.finals(run.streams, disconnected(request)))[0]
     c = out.outputs[0]
     parts = answer_parts(run, c)
     reason, sequence = stop_reason(parts.finish_reason, parts.stop_reason)

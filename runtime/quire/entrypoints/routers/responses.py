@@ -52,14 +52,12 @@ from quire.entrypoints.responses_protocol import (
 )
 from quire.entrypoints.responses_store import StoredResponse
 from quire.entrypoints.routers.common import (
-    client_gone_response,
     disconnected,
     json_body,
     json_response,
     read_body,
     serving_of,
 )
-from quire.entrypoints.serving import ClientDisconnected
 from quire.entrypoints.streaming import GuardedStreamingResponse, StreamGuard
 
 router = APIRouter()
@@ -86,10 +84,7 @@ async def create_response(request: Request):
         guard = StreamGuard(serving, run.streams)
         events = ResponseEvents(serving, run, req, head, conversation)
         return GuardedStreamingResponse(events.stream(guard), guard, "text/event-stream")
-    try:
-        out = (await serving.finals(run.streams, disconnected(request)))[0]
-    except ClientDisconnected:
-        return client_gone_response()
+    out = (await serving.finals(run.streams, disconnected(request)))[0]
     c = out.outputs[0]
     parts = answer_parts(run, c)
     output = output_items(parts, req.top_logprobs is not None)

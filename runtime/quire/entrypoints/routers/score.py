@@ -23,13 +23,11 @@ from quire.entrypoints.pooling_protocol import (
     ScoreResponse,
 )
 from quire.entrypoints.routers.common import (
-    client_gone_response,
     json_response,
     read_body,
     serving_of,
 )
 from quire.entrypoints.routers.embeddings import embed_all, pooling_params
-from quire.entrypoints.serving import ClientDisconnected
 
 router = APIRouter()
 
@@ -54,11 +52,8 @@ async def score(request: Request):
         raise bad_request(f"text_1 and text_2 must be lists of the same length (or text_1 a "
                           f"single string); got {len(firsts)} and {len(seconds)}", "text_2")
     request_id = f"score-{uuid.uuid4().hex}"
-    try:
-        scores, tokens = await _cosines(request, request_id, firsts, seconds,
-                                        ("text_1", "text_2"))
-    except ClientDisconnected:
-        return client_gone_response()
+    scores, tokens = await _cosines(request, request_id, firsts, seconds,
+                                    ("text_1", "text_2"))
     return json_response(ScoreResponse(
         id=request_id, model=req.model or info.served_name,
         data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
@@ -82,11 +77,8 @@ async def rerank(request: Request):
     if req.top_n is not None and req.top_n < 1:
         raise bad_request(f"top_n must be a positive integer, got {req.top_n}", "top_n")
     request_id = f"rerank-{uuid.uuid4().hex}"
-    try:
-        scores, tokens = await _cosines(request, request_id, [req.query] * len(req.documents),
-                                        req.documents, ("query", "documents"))
-    except ClientDisconnected:
-        return client_gone_response()
+    scores, tokens = await _cosines(request, request_id, [req.query] * len(req.documents),
+                                    req.documents, ("query", "documents"))
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n]
     results = [RerankResult(index=i, relevance_score=scores[i],
                             document=RerankDocument(text=req.documents[i])
