@@ -18,7 +18,7 @@ import random
 import tempfile
 import time
 
-from machine import StealMeter, machine_caption
+from machine import StealMeter, describe_machine, machine_caption
 from plotting import add_plot_flag, grouped_bars
 
 WORDS = ("the model reads every passage and returns one vector per text so that retrieval "
@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=None)
     add_plot_flag(ap, "embeddings")
     args = ap.parse_args()
+    print(describe_machine(args.num_threads))
     import torch
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or small_checkpoint(tmp, args.hidden_size, args.num_layers)

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 
-from machine import StealMeter, machine_caption
+from machine import StealMeter, describe_machine, machine_caption
 from plotting import add_plot_flag, grouped_bars
 
 MODES = ("pool", "host", "disk", "remote", "recompute")
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 512-token prefix, 3 chats x 2 turns")
     add_plot_flag(ap, "kv_tiering")
     args = ap.parse_args()
+    print(describe_machine(args.num_threads))
     if args.quick:
         args.prefix_len, args.chats, args.turns, args.chat_system_len = 512, 3, 2, 128
         args.reply_len, args.tier_gib = 8, 0.5

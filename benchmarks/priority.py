@@ -31,6 +31,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import describe_machine  # noqa: E402
 from plotting import add_plot_flag, grouped_bars  # noqa: E402
 from processes import free_port, stop, wait_ready  # noqa: E402
 
@@ -58,16 +59,18 @@ async def ttft(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
     return first if first is not None else time.perf_counter() - start
 
 
-async def phase(url: str, args, batch_priority: int, interactive_priority: int) -> dict:
+async def phase(url: str, args, tag: str, batch_priority: int, interactive_priority: int
+                ) -> dict:
+    """`tag` starts every prompt, so no phase hits the prefix cache that an earlier one left."""
     async with httpx.AsyncClient(timeout=None) as client:
         started = time.perf_counter()
-        prompt = "Batch job {}: summarize " + "data " * args.batch_words
+        prompt = tag + " batch job {}: summarize " + "data " * args.batch_words
         batch = [asyncio.ensure_future(ttft(client, url, prompt.format(i), args.batch_tokens,
                                             batch_priority)) for i in range(args.batch)]
         await asyncio.sleep(args.interval)  # the flood is queued when the first chat comes
         chats = []
         for i in range(args.interactive):
-            chats.append(asyncio.ensure_future(ttft(client, url, f"Hi, question {i}?",
+            chats.append(asyncio.ensure_future(ttft(client, url, f"{tag} hi, question {i}?",
                                                     args.interactive_tokens,
                                                     interactive_priority)))
             await asyncio.sleep(args.interval)
@@ -92,6 +95,7 @@ def main() -> None:
     p.add_argument("--quire-args", default="", help="more `quire serve` flags")
     add_plot_flag(p, "priority")
     args = p.parse_args()
+    print(describe_machine(args.num_threads))
 
     port = free_port()
     cmd = [sys.executable, "-m", "quire.entrypoints.cli", "serve", "--host", "127.0.0.1",
@@ -109,7 +113,7 @@ def main() -> None:
                    timeout=None).raise_for_status()  # the first phase must not pay for it
         results = {}
         for name, batch_priority, chat_priority in PHASES:
-            results[name] = asyncio.run(phase(url, args, batch_priority, chat_priority))
+            results[name] = asyncio.run(phase(url, args, name, batch_priority, chat_priority))
     finally:
         stop(proc)
 

@@ -28,8 +28,11 @@ ROUTER_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/tokeni
 
 @pytest.fixture(scope="module")
 def srv():
+    # a short context: a body without max_tokens generates to the context's end (the random
+    # model rarely samples EOS), and at the model's 1,024 the fuzz ran ~1,000 tokens a request
     s = ServerProcess("fuzzed", [tiny_model(), "--dtype", "float32", "--kv-cache-memory", "16M",
-                                 "--num-threads", "1", "--max-num-seqs", "4"])
+                                 "--num-threads", "1", "--max-num-seqs", "4",
+                                 "--max-model-len", "96"])
     s.start()
     try:
         s.wait_ready(300)
