@@ -120,7 +120,7 @@ def main() -> None:
     print(f"\n{args.batch} batch requests ({args.batch_tokens} tokens) flooding "
           f"{args.max_num_seqs} slots; {args.interactive} interactive requests "
           f"({args.interactive_tokens} tokens) every {args.interval:g}s\n")
-    print("| phase | interactive TTFT p50 | p99 | batch flood done after |")
+    print("| phase | interactive TTFT p50 | p99 | the phase done after (every answer) |")
     print("|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {pct(r['ttft'], 50):.3f} s | {pct(r['ttft'], 99):.3f} s | "
