@@ -27,7 +27,8 @@ dry=${DRY_RUN:-0}
 DEFAULT_STEPS="throughput_f32 throughput_bf16 llamacpp prefix_cache memory"
 ALL_STEPS="$DEFAULT_STEPS single_stream decode_profile prefix_cache_bound block_hashing
     capacity fp8_kv quant_parity int8_activations quant_kernels quant_matmul quantized_memory
-    soak serve spec_decode router structured grammar_backends tensor_parallel lora moe"
+    soak serve spec_decode router structured grammar_backends tensor_parallel lora moe
+    step_cost kv_tiering embeddings embeddings_512 priority"
 
 args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     local q=$quick
@@ -64,6 +65,13 @@ args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     lora)             echo lora.py $([ "$q" = 1 ] && echo --num-requests 4 --output-len 4) ;;
     moe)              echo moe.py --num-threads 2 $([ "$q" = 1 ] && echo --quick) ;;
     baseline)         echo throughput.py --skip-hf --quiet $([ "$q" = 1 ] && echo --quick) ;;
+    step_cost)        echo decode_profile.py --baseline ${STEP_BASELINE:-e189fa3} --cases fp32-1,fp32-32 \
+                          $([ "$q" = 1 ] && echo --rounds 1 --max-tokens 16 || echo --rounds 5) ;;
+    kv_tiering)       echo kv_tiering.py $([ "$q" = 1 ] && echo --quick || echo --plot) ;;
+    embeddings)       echo embeddings.py $([ "$q" = 1 ] && echo --num-texts 32 || echo --plot) ;;
+    embeddings_512)   echo embeddings.py --hidden-size 512 --num-layers 24 $([ "$q" = 1 ] && echo --num-texts 32) ;;
+    priority)         if [ "$q" = 1 ]; then echo priority.py --batch 4 --interactive 2 --batch-tokens 8
+                      else echo priority.py --plot; fi ;;
     *)                return 1 ;;
     esac
 }
