@@ -82,6 +82,27 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks one model is split across (one process and device each); the model's "
                 "attention heads must divide evenly, KV heads too (or be replicated)"})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "pipeline stages: the layers are split into this many contiguous stages, each "
+                "on tensor_parallel_size ranks of its own (world = tensor x pipeline ranks); "
+                "a step's batch goes through them as micro-batches, so the stages overlap"})
+    pipeline_layer_partition: str | None = field(default=None, metadata={
+        "help": "layers per pipeline stage, comma-separated (vLLM's VLLM_PP_LAYER_PARTITION), "
+                "e.g. '15,17'; default: even, the remainder to the stages before the last"})
+    nnodes: int = field(default=1, metadata={
+        "help": "nodes the ranks are spread over (vLLM's --nnodes); node 0 runs the API and "
+                "the others `quire serve --headless`; each node runs world / nnodes ranks"})
+    node_rank: int = field(default=0, metadata={
+        "help": "this node's index in [0, nnodes): its ranks are node_rank x (world / nnodes) "
+                "onwards"})
+    master_addr: str = field(default="127.0.0.1", metadata={
+        "help": "node 0's address, which every node can reach (multi-node only)"})
+    master_port: int = field(default=29500, metadata={
+        "help": "node 0's rendezvous port (torch.distributed's store); the step channel to the "
+                "other nodes' workers is the next port (multi-node only)"})
+    distributed_timeout: float = field(default=300.0, metadata={
+        "help": "seconds start-up waits for every rank of every node before it fails, naming "
+                "the ranks that never arrived"})
     enable_lora: bool = field(default=False, metadata={
         "help": "serve LoRA adapters (PEFT format) on top of the base model"})
     max_loras: int = field(default=1, metadata={
@@ -172,6 +193,7 @@ class EngineArgs:
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, lo=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        _check_parallel(self)
         _choice("runner", self.runner, ("auto", "generate", "pooling"))
         _choice("convert", self.convert, ("auto", "none", "embed"))
         if self.convert == "embed" and self.runner == "generate":
@@ -197,6 +219,36 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise QuireValidationError(
             name, f"{name} must be one of {', '.join(allowed)}; got {value!r}", value)
+
+
+def _check_parallel(args: EngineArgs) -> None:
+    """The world's shape. What needs the model (layers, heads) is checked at start-up."""
+    check_int("pipeline_parallel_size", args.pipeline_parallel_size, lo=1)
+    check_int("nnodes", args.nnodes, lo=1)
+    check_int("node_rank", args.node_rank, lo=0, hi=args.nnodes - 1,
+              what=f"in [0, nnodes) = [0, {args.nnodes})")
+    check_int("master_port", args.master_port, lo=1, hi=65534,  # the step channel is +1
+              what="a port in [1, 65534] (the next port carries the steps)")
+    check_number("distributed_timeout", args.distributed_timeout, lo=1.0, hi=None,
+                  what="a number of seconds >= 1")
+    if not isinstance(args.master_addr, str) or not args.master_addr:
+        raise QuireValidationError("master_addr", f"master_addr must be node 0's address, got "
+                                   f"{args.master_addr!r}", args.master_addr)
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    if world % args.nnodes:
+        raise QuireValidationError(
+            "nnodes", f"nnodes ({args.nnodes}) must divide the world: tensor_parallel_size "
+            f"({args.tensor_parallel_size}) x pipeline_parallel_size "
+            f"({args.pipeline_parallel_size}) = {world} ranks, the same number on each node",
+            args.nnodes)
+    if args.pipeline_layer_partition is not None and args.pipeline_parallel_size == 1:
+        raise QuireValidationError("pipeline_layer_partition", "pipeline_layer_partition needs "
+                                   "pipeline_parallel_size > 1", args.pipeline_layer_partition)
+    if args.pipeline_parallel_size > 1 and args.enable_lora:
+        # the adapters' slot mapping is prepared on rank 0 only; the other stages would not
+        # see it
+        raise QuireValidationError("enable_lora", "enable_lora is not supported with "
+                                   "pipeline_parallel_size > 1 yet", True)
 
 
 def _check_lora(args: EngineArgs) -> None:

@@ -1,9 +1,12 @@
-"""A tensor-parallel worker process (ranks 1..N-1): join the group, build and load this
-rank's shard, allocate its KV cache, then run every step the engine process sends.
+"""A worker process (ranks 1..N-1): join the group, build and load this rank's shard (its
+tensor slice of its pipeline stage's layers), allocate its KV cache, then run every step the
+engine process sends.
 
-It never outlives the engine process: a thread waits on the parent's sentinel and exits the
-moment the parent is gone (however it went: SIGKILL included), and a closed pipe or a failed
-collective ends it too. Any error exits non-zero, which the engine sees as a dead worker.
+It never outlives its parent (the engine process on node 0, the headless process on the
+others): a thread waits on the parent's sentinel and exits the moment the parent is gone
+(however it went: SIGKILL included), and a closed channel or a failed collective ends it
+too. Any error exits non-zero, which the engine sees as a dead worker. A remote worker whose
+node 0 vanished without a goodbye exits non-zero too (its group must restart).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ logger = logging.getLogger(__name__)
 class WorkerSpec:
     rank: int
     size: int
+    tp_size: int
+    local_rank: int                # its GPU on its node
+    stage: object                  # its parallel_state.PipelineStage
     init_method: str
     args: EngineArgs
     source: ModelSource
@@ -52,17 +58,36 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="quire-parent-watch", daemon=True).start()
 
 
-def main(spec: WorkerSpec, conn) -> None:
+@dataclass
+class RemoteRank:
+    """What a headless node's worker knows before node 0 sends its WorkerSpec."""
+    rank: int
+    master_addr: str
+    step_port: int
+    timeout: float
+    source: ModelSource  # this node's copy of the model
+    log_level: int
+
+
+def main(spec: WorkerSpec | RemoteRank, conn) -> None:
     _exit_with_parent()
+    remote = isinstance(spec, RemoteRank)
     logging.basicConfig(level=spec.log_level,
-                        format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: "
+                        format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: "
                                "%(message)s")
     try:
+        if remote:
+            from quire.distributed.rendezvous import connect
+            conn, sent = connect(spec.master_addr, spec.step_port, spec.rank, spec.timeout)
+            sent.source = spec.source
+            spec = sent
         _serve(spec, conn)
-    except EOFError:  # the engine closed the pipe without a goodbye
-        os._exit(0)
+    except EOFError:  # the engine closed the channel without a goodbye
+        if remote:
+            logger.error("rank %d: node 0 went away without a goodbye", spec.rank)
+        os._exit(1 if remote else 0)
     except BaseException:  # noqa: BLE001 - any failure: say why, then die (the engine sees it)
-        logger.exception("tensor-parallel worker rank %d failed", spec.rank)
+        logger.exception("worker rank %d failed", spec.rank)
         os._exit(1)
     os._exit(0)
 
@@ -75,29 +100,36 @@ def _serve(spec: WorkerSpec, conn) -> None:
 
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
+    from quire.distributed.pipeline import PipelineLinks
+
     if spec.device_type == "cuda":
-        torch.cuda.set_device(spec.rank)
-        device = torch.device("cuda", spec.rank)
+        torch.cuda.set_device(spec.local_rank)
+        device = torch.device("cuda", spec.local_rank)
     else:
         device = torch.device("cpu")
     conn.send(("joining",))  # imports done: a failure before this is seen at once
-    ps.init_process_group(spec.rank, spec.size, spec.init_method, device)
+    ps.init_process_group(spec.rank, spec.size, spec.init_method, device,
+                          tp_size=spec.tp_size)
     cfg = spec.cfg
+    tp_rank = spec.rank % spec.tp_size
     model = build_model(spec.args, spec.source, cfg, spec.dtype, device, spec.max_model_len,
-                        spec.rank, spec.size)
-    kv_heads = ps.kv_heads_per_rank(cfg.num_kv_heads, spec.size)
+                        tp_rank, spec.tp_size, spec.stage)
+    kv_heads = ps.kv_heads_per_rank(cfg.num_kv_heads, spec.tp_size)
     conn.send(("loaded", parameter_bytes(model)))
 
     num_blocks, num_host_blocks = conn.recv()
     block_size = spec.args.block_size
-    kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim,
+    num_layers = len(model.stage_layers)
+    kv_cache = KVCache(num_layers, num_blocks, block_size, kv_heads, cfg.head_dim,
                        spec.kv_dtype, device)
     host_cache = None
     if num_host_blocks:
-        host_cache = KVCache(cfg.num_layers, num_host_blocks, block_size, kv_heads,
+        host_cache = KVCache(num_layers, num_host_blocks, block_size, kv_heads,
                              cfg.head_dim, spec.kv_dtype, torch.device("cpu"),
                              pin_memory=device.type == "cuda")
-    runner = ModelRunner(model, kv_cache, None, block_size, device, host_cache)
+    pipeline = PipelineLinks.of(spec.rank, spec.size, spec.tp_size, cfg, spec.dtype, device)
+    runner = ModelRunner(model, kv_cache, None, block_size, device, host_cache,
+                         pipeline=pipeline)
     conn.send(("ready", kv_cache.nbytes))
     while True:
         inputs = conn.recv()

@@ -1,22 +1,27 @@
-"""The tensor-parallel worker processes, seen from the engine process (which is rank 0).
+"""The worker processes (tensor and pipeline ranks), seen from the engine process (rank 0).
 
 Why rank 0 is the engine process: the sampler's batch (a SamplingBatch) refers to the
 requests' own state (seeded generators that must advance across steps, the token histories
 penalties count), which lives with the scheduler; sampling where that state is avoids
-shipping it every step, and costs no extra process. Ranks 1..N-1 are spawned (`torch.multiprocessing` spawn: no forked CUDA or OpenMP
-state) and hold their shards.
+shipping it every step, and costs no extra process. The other ranks of node 0 are spawned
+(`torch.multiprocessing` spawn: no forked CUDA or OpenMP state); those of the other nodes are
+spawned there by `quire serve --headless` (headless.py) and connect to this process
+(rendezvous.py). Each holds its shard: its tensor slice of its pipeline stage's layers.
 
 Each step, `run_step` sends the step's inputs (`StepInputs`: block moves and the prepared
-batch as numpy arrays) down one pipe per worker, then runs rank 0's own shard; the ranks meet
-in the collectives (all-reduces, the logits gather to rank 0), and only rank 0 samples. A pipe,
-not a collective, carries the inputs because a worker waits on it for as long as the engine
-is idle (hours), which a collective's timeout would not allow.
+batch, or micro-batches, as numpy arrays) down one channel per worker (a pipe on this node,
+a socket to another), then runs rank 0's own part; the ranks meet in the collectives
+(all-reduces, the logits gather) and the stage-to-stage sends, and only rank 0 samples. A
+channel, not a collective, carries the inputs because a worker waits on it for as long as
+the engine is idle (hours), which a collective's timeout would not allow.
 
-A worker's death fails the engine cleanly: a watcher thread waits on the workers' sentinels
-and, when one dies, records why and kills the others (so none is left stuck in a
-collective); rank 0, if it is inside a collective, gets an error from gloo at once (the dead
-peer's sockets close) or at the latest after the collective timeout; the next `run_step`
-raises `TensorParallelError` naming the rank, its pid and its exit code.
+A worker's death fails the engine cleanly: a watcher thread waits on the local workers'
+sentinels and the remote workers' channels (a dead process's socket closes) and, when one
+dies, records why, kills the others (so none is left stuck in a collective) and calls
+`on_death` (the server then fails at once, idle or not); rank 0, if it is inside a
+collective, gets an error from gloo at once (the dead peer's sockets close) or at the latest
+after the collective timeout; the next `run_step` raises `TensorParallelError` naming the
+rank, where it ran and why.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from quire.config import EngineArgs
 from quire.distributed.errors import TensorParallelError
 from quire.distributed.worker_main import WorkerSpec
 from quire.distributed.worker_main import main as worker_main
+from quire.distributed.world import World
 from quire.models.config import ModelConfig
 from quire.models.loader import ModelSource
 
@@ -54,121 +60,184 @@ def _kill(procs) -> None:
         p.join(SHUTDOWN_GRACE_S)
 
 
-def _release(procs, tmp: str) -> None:
+def _release(procs, tmp: str, remote_conns) -> None:
     """The last word on a group, run once: by shutdown(), or when the Workers object is
     collected or the interpreter exits without one (an engine whose start-up failed)."""
     _kill(procs)
+    for conn in remote_conns:  # the remote workers see their channel close and exit
+        conn.close()
     ps.destroy_process_group()
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _watch(procs, stop, workers_ref) -> None:
-    """Waits for the first worker to die (or for the stop signal) and tells the Workers."""
-    sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(procs, start=1)}
-    ready = multiprocessing.connection.wait([*sentinels, stop])
+def _watch(waitables: dict, stop, workers_ref) -> None:
+    """Waits for the first worker to die (a local one's sentinel, a remote one's channel
+    becoming readable: after start-up they send nothing, so that is its end) or for the
+    stop signal, and tells the Workers."""
+    ready = multiprocessing.connection.wait([*waitables, stop])
     workers = workers_ref()
     if stop in ready or workers is None:
         return
-    workers._on_death(*sentinels[ready[0]])
+    workers._on_death(waitables[ready[0]])
 
 
 class Workers:
     @classmethod
     def start(cls, args: EngineArgs, source: ModelSource, cfg: ModelConfig,
               dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
-              max_model_len: int) -> Workers | None:
-        """Spawn ranks 1..N-1 and join the group as rank 0; None at size 1. The workers then
-        load their shards while the engine loads rank 0's."""
-        size = args.tensor_parallel_size
-        if size == 1:
+              max_model_len: int, world: World) -> Workers | None:
+        """Spawn this node's other ranks, wait for the other nodes' (if any), and join the
+        group as rank 0; None at size 1. The workers then load their shards while the engine
+        loads rank 0's."""
+        if world.size == 1:
             return None
-        ps.heads_per_rank(cfg.num_heads, size)      # clear errors before spawning anything
-        ps.kv_heads_per_rank(cfg.num_kv_heads, size)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices; "
+        ps.heads_per_rank(cfg.num_heads, world.tp)  # clear errors before spawning anything
+        ps.kv_heads_per_rank(cfg.num_kv_heads, world.tp)
+        local = world.ranks_per_node
+        if device.type == "cuda" and torch.cuda.device_count() < local:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size / nnodes = {local} "
+                             f"ranks on this node need {local} CUDA devices; "
                              f"{torch.cuda.device_count()} are visible")
-        return cls(args, source, cfg, dtype, kv_dtype, device, max_model_len)
+        return cls(args, source, cfg, dtype, kv_dtype, device, max_model_len, world)
 
-    def __init__(self, args, source, cfg, dtype, kv_dtype, device, max_model_len) -> None:
-        self.size = size = args.tensor_parallel_size
+    def __init__(self, args, source, cfg, dtype, kv_dtype, device, max_model_len,
+                 world: World) -> None:
+        self.world = world
+        self.size = size = world.size
         threads = args.num_threads
-        if threads is None and device.type == "cpu":  # the ranks share the cores
-            threads = max(1, torch.get_num_threads() // size)  # the quota's (cpu_threads)
+        if threads is None and device.type == "cpu":  # this node's ranks share its cores
+            threads = max(1, torch.get_num_threads() // world.ranks_per_node)  # (cpu_threads)
             torch.set_num_threads(threads)
         self._tmp = tempfile.mkdtemp(prefix="quire-tp-")
-        init_method = "file://" + os.path.join(self._tmp, "rendezvous")
+        if world.nnodes == 1:
+            init_method = "file://" + os.path.join(self._tmp, "rendezvous")
+        else:
+            init_method = f"tcp://{args.master_addr}:{args.master_port}"
+
+        def spec_for(rank: int) -> WorkerSpec:
+            return WorkerSpec(rank, size, world.tp, world.local_rank(rank), world.stage(rank),
+                              init_method, args, source, cfg, dtype, kv_dtype, device.type,
+                              max_model_len, threads if world.node_of(rank) == 0 else
+                              args.num_threads, logging.getLogger().getEffectiveLevel())
+
         ctx = torch.multiprocessing.get_context("spawn")
-        self.procs, self.conns = [], []
-        for rank in range(1, size):
-            spec = WorkerSpec(rank, size, init_method, args, source, cfg, dtype, kv_dtype,
-                              device.type, max_model_len, threads,
-                              logging.getLogger().getEffectiveLevel())
+        self.procs: dict[int, object] = {}   # this node's workers
+        self.conns: dict[int, object] = {}   # every worker's channel, by rank
+        self.where: dict[int, str] = {}      # rank -> "pid 123" / "node 1 (10.0.0.2)"
+        for rank in world.node_ranks(0)[1:]:
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(spec, theirs), daemon=True,
-                               name=f"quire-tp-rank{rank}")
+            proc = ctx.Process(target=worker_main, args=(spec_for(rank), theirs), daemon=True,
+                               name=f"quire-rank{rank}")
             proc.start()
             theirs.close()
-            self.procs.append(proc)
-            self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _release, list(self.procs), self._tmp)
+            self.procs[rank], self.conns[rank] = proc, ours
+            self.where[rank] = f"pid {proc.pid}"
+        self.remote: dict[int, object] = {}
+        self._finalizer = weakref.finalize(self, _release, list(self.procs.values()),
+                                           self._tmp, [])
         self.dead: str | None = None
         self.closed = False
+        self.on_death = None  # callable(), from the watcher thread: the server fails fast
         self.worker_param_bytes: dict[int, int] = {}
         self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
+        self._watchers = []
         # holds no reference to self while it waits, so an engine dropped without
         # shutdown() is still collected (and its finalizer kills the workers)
-        self._watcher = threading.Thread(
-            target=_watch, args=(list(self.procs), self._stop_r, weakref.ref(self)),
-            name="quire-tp-watch", daemon=True)
-        self._watcher.start()
+        self._watch_for_deaths({p.sentinel: rank for rank, p in self.procs.items()})
         try:
-            list(self._expect("joining", "starting"))
-            ps.init_process_group(0, size, init_method, device)
+            if world.nnodes > 1:
+                self._accept_remote(args, spec_for)
+            list(self._expect("joining", "starting", args.distributed_timeout))
+            ps.init_process_group(0, size, init_method, device, tp_size=world.tp)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (workers: pids %s)", size,
-                    ", ".join(str(p.pid) for p in self.procs))
+        logger.info("%s (workers: %s)", world.describe(),
+                    ", ".join(f"rank {r} {w}" for r, w in self.where.items()))
+
+    def _accept_remote(self, args, spec_for) -> None:
+        from quire.distributed.rendezvous import RemoteWorkers, step_port
+        world = self.world
+        ranks = [r for r in range(world.size) if world.node_of(r) != 0]
+        rendezvous = RemoteWorkers(step_port(args.master_port), ranks,
+                                   lambda r: f"rank {r} (node {world.node_of(r)})")
+        try:
+            self.remote = rendezvous.accept_all(args.distributed_timeout, spec_for)
+        except TimeoutError as e:
+            raise TensorParallelError(str(e)) from None
+        finally:
+            rendezvous.close()
+        for rank, conn in sorted(self.remote.items()):
+            self.conns[rank] = conn
+            self.where[rank] = f"on node {world.node_of(rank)}"
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, list(self.procs.values()),
+                                           self._tmp, list(self.remote.values()))
+
+    def _watch_for_deaths(self, waitables: dict) -> None:
+        watcher = threading.Thread(
+            target=_watch, args=(waitables, self._stop_r, weakref.ref(self)),
+            name="quire-workers-watch", daemon=True)
+        watcher.start()
+        self._watchers.append(watcher)
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        """This node's workers."""
+        return [p.pid for p in self.procs.values()]
 
     # --- start-up ------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        """Once the workers have loaded: the same number of blocks (each for its KV heads)."""
-        for rank, msg in self._expect("loaded", "loading its shard"):
+        """Once the workers have loaded: the same number of blocks (each for its KV heads
+        of its stage's layers)."""
+        for rank, msg in self._expect("loaded", "loading its shard", None):
             self.worker_param_bytes[rank] = msg[1]
-        for conn in self.conns:
+        for conn in self.conns.values():
             conn.send((num_blocks, num_host_blocks))
-        list(self._expect("ready", "allocating its KV cache"))
+        list(self._expect("ready", "allocating its KV cache", None))
+        if self.remote:  # from now on a remote channel that becomes readable has closed
+            self._watch_for_deaths({conn: rank for rank, conn in self.remote.items()})
 
-    def _expect(self, kind: str, doing: str):
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            ready = multiprocessing.connection.wait([conn, proc.sentinel])
+    def _expect(self, kind: str, doing: str, timeout: float | None):
+        for rank, conn in self.conns.items():
+            proc = self.procs.get(rank)
+            ready = multiprocessing.connection.wait(
+                [conn] + ([proc.sentinel] if proc is not None else []), timeout)
             msg = None
             if conn in ready:
                 try:
                     msg = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):
                     pass
             if msg is None or msg[0] != kind:
-                proc.join(DEATH_GRACE_S)
+                if proc is not None:
+                    proc.join(DEATH_GRACE_S)
                 self.shutdown()
-                raise TensorParallelError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                    f"{proc.exitcode} while {doing}; its log says why")
+                raise TensorParallelError(self._describe_end(rank, f"while {doing}") + (
+                    "; its log says why" if proc is not None else
+                    "; the log of its node's `quire serve --headless` says why"))
             yield rank, msg
 
+    def _describe_end(self, rank: int, when: str) -> str:
+        proc = self.procs.get(rank)
+        if proc is not None:
+            return (f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
+                    f"{when}")
+        return (f"worker rank {rank} on node {self.world.node_of(rank)} went away (its "
+                f"channel closed) {when}")
+
     # --- steps ---------------------------------------------------------------------------
-    def run_step(self, inputs, run_local):
-        """Send the step to every worker, run rank 0's part; any failure is fatal."""
+    def check(self) -> None:
         if self.dead is not None:
             raise TensorParallelError(self.dead)
         if self.closed:
-            raise TensorParallelError("the tensor-parallel workers were shut down")
+            raise TensorParallelError("the workers were shut down")
+
+    def run_step(self, inputs, run_local):
+        """Send the step to every worker, run rank 0's part; any failure is fatal."""
+        self.check()
         try:
-            for conn in self.conns:
+            for conn in self.conns.values():
                 conn.send(inputs)
             return run_local(inputs)
         except Exception as e:  # noqa: BLE001 - a rank out of step: nothing can go on
@@ -178,20 +247,29 @@ class Workers:
         deadline = time.monotonic() + DEATH_GRACE_S
         while self.dead is None and time.monotonic() < deadline:
             time.sleep(0.05)  # a killed peer fails gloo a moment before its sentinel fires
-        reason = self.dead or f"a tensor-parallel step failed: {type(error).__name__}: {error}"
+        reason = self.dead or f"a parallel step failed: {type(error).__name__}: {error}"
         logger.error("%s; stopping the other workers", reason)
         self.shutdown()
         self.dead = reason
         return TensorParallelError(reason)
 
-    def _on_death(self, rank: int, proc) -> None:
+    def _on_death(self, rank: int) -> None:
         if self.closed:
             return  # an orderly shutdown
-        proc.join(1.0)
-        self.dead = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died (exit code "
-                     f"{proc.exitcode}); the engine cannot go on without it")
+        proc = self.procs.get(rank)
+        if proc is not None:
+            proc.join(1.0)
+            self.dead = (f"worker rank {rank} (pid {proc.pid}) died (exit code "
+                         f"{proc.exitcode}); the engine cannot go on without it")
+        else:
+            self.dead = (f"worker rank {rank} on node {self.world.node_of(rank)} died (its "
+                         f"channel closed); the engine cannot go on without it")
         logger.error("%s; stopping the other workers", self.dead)
-        _kill(self.procs)
+        _kill(self.procs.values())
+        for conn in self.remote.values():
+            conn.close()
+        if self.on_death is not None:
+            self.on_death()
 
     # --- shutdown ------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -200,13 +278,13 @@ class Workers:
             return
         self.closed = True
         self._stop_w.send(None)
-        for conn in self.conns:
+        for conn in self.conns.values():
             try:
                 conn.send(None)
-            except OSError:
-                pass  # already gone
-        for p in self.procs:
+            except (OSError, ValueError):
+                pass  # already gone (or closed by the death watcher)
+        for p in self.procs.values():
             p.join(SHUTDOWN_GRACE_S)
-        for conn in self.conns:
+        for conn in self.conns.values():
             conn.close()
         self._finalizer()  # kills the stragglers, leaves the group

@@ -51,6 +51,7 @@ from quire.engine.async_errors import (
 from quire.engine.engine_commands import (
     AbortRequest,
     AddRequest,
+    CheckWorkers,
     Command,
     CommandQueue,
     EngineCall,
@@ -384,6 +385,7 @@ class AsyncLLMEngine:
             return
         if self.stats is not None:
             self.stats.bind(self.served_model_name)
+        self._watch_workers(loop)
         self._publish_stats()
         if self.state is EngineState.LOADING:  # else a drain began while it loaded
             self._lifecycle.move_to(EngineState.READY)
@@ -395,6 +397,15 @@ class AsyncLLMEngine:
             raise
         except Exception as e:  # noqa: BLE001
             self._die(e, "the engine loop failed")
+
+    def _watch_workers(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A worker's death (seen by a watcher thread) fails the engine now, idle or not."""
+        workers = getattr(getattr(self.engine, "executor", None), "workers", None)
+        if workers is not None:
+            workers.on_death = lambda: loop.call_soon_threadsafe(self._commands.put,
+                                                                 CheckWorkers())
+            if workers.dead is not None:  # died while the model loaded
+                loop.call_soon(self._commands.put, CheckWorkers())
 
     def _describe_model(self) -> None:
         e = self.engine

@@ -1,6 +1,7 @@
 """Executor: owns the model runner, the KV tensors (and the swap space's), the sampler, the
-LoRA slots, the draft model and the tensor-parallel workers, and runs one step from the
-scheduler's plain output (vLLM v1's executor, one process plus optional TP workers).
+LoRA slots, the draft model and the tensor- and pipeline-parallel workers, and runs one step
+from the scheduler's plain output (vLLM v1's executor: one process plus optional workers, on
+this node or others).
 
 It also keeps what must outlive a step on the tensor side: each seeded sequence's own
 generator, keyed by sequence id, made on first sight from the row's seed and dropped when
@@ -14,7 +15,9 @@ import logging
 import torch
 
 from quire.config import EngineArgs
+from quire.distributed.pipeline import PipelineLinks
 from quire.distributed.workers import Workers
+from quire.distributed.world import World
 from quire.models.config import ModelConfig
 from quire.validation import QuireValidationError
 from quire.worker.kv_cache import KVCache, bytes_per_block, kv_budget, kv_torch_dtype
@@ -32,10 +35,14 @@ class Executor:
         self.block_size = args.block_size
         self.kv_dtype = kv_dtype = kv_torch_dtype(args.kv_cache_dtype, dtype)
         self.max_model_len = max_model_len
-        # tensor parallelism: ranks 1..N-1 (None at size 1); this process is rank 0
-        self.workers = Workers.start(args, source, cfg, dtype, kv_dtype, device, max_model_len)
+        # tensor x pipeline ranks (quire.distributed.world); this process is rank 0, the
+        # others are workers (None at size 1)
+        self.world = world = World.from_args(args, cfg.num_layers)
+        self.workers = Workers.start(args, source, cfg, dtype, kv_dtype, device, max_model_len,
+                                     world)
         self.model = build_model(args, source, cfg, dtype, device, max_model_len, 0,
-                                 args.tensor_parallel_size)
+                                 world.tp, world.stage(0))
+        self.num_stage_layers = len(self.model.stage_layers)  # what this rank's KV cache holds
         self.attention_backend = next(iter(self.model.backends.values())).name
         self.lora_manager = None  # the adapters' device slots, when LoRA is on
         if args.enable_lora:
@@ -50,7 +57,9 @@ class Executor:
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.block_size,
                                   device, self.host_cache, self.workers, self.lora_manager,
                                   cuda_graphs=not args.enforce_eager,
-                                  max_num_seqs=args.max_num_seqs)
+                                  max_num_seqs=args.max_num_seqs,
+                                  pipeline=PipelineLinks.of(0, world.size, world.tp, cfg, dtype,
+                                                            device))
         self.draft_model = None  # speculative decoding's draft, built by build_draft_model
         self.generators: dict[str, torch.Generator] = {}  # seeded sequences' own
 
@@ -64,7 +73,7 @@ class Executor:
         return 0 if self.host_cache is None else self.host_cache.num_blocks
 
     def _bytes_per_block(self) -> int:
-        return bytes_per_block(self.cfg.num_layers, self.block_size,
+        return bytes_per_block(self.num_stage_layers, self.block_size,
                                self.model.num_kv_heads_per_rank, self.cfg.head_dim,
                                self.kv_dtype)
 
@@ -77,7 +86,7 @@ class Executor:
             raise QuireValidationError(
                 "kv_cache_memory", f"kv_cache_memory of {budget} bytes holds no block; one "
                 f"block of {self.block_size} tokens needs {per_block} bytes", budget)
-        cache = KVCache(self.cfg.num_layers, num_blocks, self.block_size,
+        cache = KVCache(self.num_stage_layers, num_blocks, self.block_size,
                         self.model.num_kv_heads_per_rank, self.cfg.head_dim, self.kv_dtype,
                         self.device)
         tokens = num_blocks * self.block_size
@@ -96,7 +105,7 @@ class Executor:
             raise QuireValidationError(
                 "swap_space", f"swap_space of {self.args.swap_space} bytes holds no block; one "
                 f"block needs {per_block} bytes", self.args.swap_space)
-        host = KVCache(self.cfg.num_layers, num_host_blocks, self.block_size,
+        host = KVCache(self.num_stage_layers, num_host_blocks, self.block_size,
                        self.model.num_kv_heads_per_rank, self.cfg.head_dim, self.kv_dtype,
                        torch.device("cpu"), pin_memory=self.device.type == "cuda")
         logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, host.nbytes / 2**30)
@@ -130,7 +139,12 @@ class Executor:
             generator = self.generators[seq_id] = self.sampler.make_generator(seed)
         return generator
 
+    def check_workers(self) -> None:
+        """Raises (TensorParallelError) if a worker has died: the engine cannot go on."""
+        if self.workers is not None:
+            self.workers.check()
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (a no-op at size 1); safe to call twice."""
+        """Stop the workers (a no-op at size 1); safe to call twice."""
         if self.workers is not None:
             self.workers.shutdown()

@@ -61,10 +61,10 @@ class KVOffloadConfig:
                 raise QuireValidationError(
                     "enable_prefix_caching", "KV offloading tiers keep prefix-cache blocks: "
                     "they need enable_prefix_caching on")
-            if args.tensor_parallel_size > 1:
-                raise QuireValidationError(
-                    "tensor_parallel_size", "KV offloading tiers are not supported with "
-                    "tensor_parallel_size > 1 yet")
+            for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+                if getattr(args, name) > 1:
+                    raise QuireValidationError(
+                        name, f"KV offloading tiers are not supported with {name} > 1 yet")
         return config
 
 

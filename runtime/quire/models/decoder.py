@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from quire import parallel_state as ps
 from quire.attention.base import AttentionMetadata
 from quire.layers.linear import LinearBase
 from quire.layers.quantization import QuantConfig
@@ -30,7 +31,15 @@ from quire.models.rope import RotaryEmbedding
 GLOBAL_ROPE = "global"
 
 
+class MissingLayer(nn.Module):
+    """Another pipeline stage's layer: holds nothing (its weights are skipped at load)."""
+
+
 class CausalLM(nn.Module):
+    # a layer that keeps its own residual stream returns residual None (sandwich norms): what
+    # a pipeline stage sends on is then x alone
+    keeps_own_residual = False
+
     # transformers module -> (our fused layer, the part's shard id)
     _FUSED = {
         "self_attn.q_proj": ("qkv_proj", "q"), "self_attn.k_proj": ("qkv_proj", "k"),
@@ -54,14 +63,24 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self._backend_factory = backend_factory
         self.backends: dict = {}  # one per distinct attention option set
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, quant_config)
-        self.layers = nn.ModuleList(self.make_layer(i, quant_config)
-                                    for i in range(cfg.num_layers))
-        self.norm = self.make_norm(cfg.hidden_size)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie_to(self.embed_tokens)
-        self.num_kv_heads_per_rank = self.layers[0].num_kv_heads  # what the KV cache holds
+        # a pipeline stage holds its layers; the embedding lives on the first stage (and the
+        # last, when the LM head is tied to it), the final norm and LM head on the last
+        self.stage = stage = ps.pipeline_stage()
+        self.stage_layers = range(stage.first_layer, min(stage.end_layer, cfg.num_layers))
+        tied = cfg.tie_word_embeddings
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                    quant_config)
+                             if stage.is_first or (stage.is_last and tied) else None)
+        self.layers = nn.ModuleList(self.make_layer(i, quant_config) if stage.owns(i)
+                                    else MissingLayer() for i in range(cfg.num_layers))
+        self.norm = self.lm_head = None
+        if stage.is_last:
+            self.norm = self.make_norm(cfg.hidden_size)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config)
+            if tied:
+                self.lm_head.tie_to(self.embed_tokens)
+        # what the KV cache holds (per layer of this stage)
+        self.num_kv_heads_per_rank = self.layers[self.stage_layers[0]].num_kv_heads
         self.ropes = self.make_ropes(max_model_len, dtype, device)
         self.rope = self.ropes[GLOBAL_ROPE]  # what the runner asks about (type, table size)
 
@@ -100,14 +119,28 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                rope_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+                rope_seq_lens: torch.Tensor | None = None):
+        """The final hidden states; on a pipeline stage before the last, (x, residual) for
+        the next stage (`forward_stage`)."""
+        x, residual = self.forward_stage(self.embed(input_ids), None, positions, meta,
+                                         kv_caches, rope_seq_lens)
+        if not self.stage.is_last:
+            return x, residual
+        return x if residual is None else residual + x
+
+    def forward_stage(self, x: torch.Tensor, residual: torch.Tensor | None,
+                      positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      rope_seq_lens: torch.Tensor | None = None):
+        """This stage's layers (kv_caches: one per stage layer) from the previous stage's
+        (x, residual), or from the embeddings with residual None."""
         tables = {kind: rope.cos_sin(positions, rope_seq_lens)
                   for kind, rope in self.ropes.items()}
-        x, residual = self.embed(input_ids), None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (k_cache, v_cache) in zip(self.stage_layers, kv_caches):
+            layer = self.layers[i]
             cos, sin = tables[layer.rope_kind]
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
-        return x if residual is None else residual + x
+        return x, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Final norm and LM head for the rows that sample, in the model dtype (the sampler

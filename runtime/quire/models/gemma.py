@@ -64,6 +64,8 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class Gemma2ForCausalLM(CausalLM):
+    keeps_own_residual = True  # its layers return residual None
+
     qk_norm = False
     _LAYER_NORMS = {n: n for n in ("input_layernorm", "post_attention_layernorm",
                                    "pre_feedforward_layernorm", "post_feedforward_layernorm")}

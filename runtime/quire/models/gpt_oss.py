@@ -63,13 +63,15 @@ class GptOssForCausalLM(MoECausalLM):
     def load_weights(self, weights):
         self._sinks_loaded: set[int] = set()
         super().load_weights(weights)
-        lacking = [i for i in range(len(self.layers)) if i not in self._sinks_loaded]
+        lacking = [i for i in self.stage_layers if i not in self._sinks_loaded]
         if lacking:
             raise ValueError(f"the checkpoint lacks the attention sinks of layers {lacking}")
 
     def _load_special(self, name, tensor):
         short = name.removeprefix("model.")
         if short.startswith("layers.") and short.endswith(".self_attn.sinks"):
+            if not self.stage.owns(int(short.split(".")[1])):
+                return True  # another pipeline stage's
             layer = self.layers[int(short.split(".")[1])]
             n = layer.num_heads
             first = layer.qkv_proj.tp_rank * n

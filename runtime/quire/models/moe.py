@@ -91,6 +91,8 @@ class MoECausalLM(LlamaForCausalLM):
         if parsed is None:
             return False
         layer, rest = parsed
+        if not self.stage.owns(layer):
+            return True  # another pipeline stage's
         experts = self.layers[layer].experts
         if experts is None:
             raise ValueError(f"{name}: layer {layer} is dense in this config, but the "

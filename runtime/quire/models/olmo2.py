@@ -37,6 +37,8 @@ class Olmo2DecoderLayer(DecoderLayer):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
+    keeps_own_residual = True  # its layers return residual None
+
     _LAYER_NORMS = {"post_attention_layernorm": "post_attention_layernorm",
                     "post_feedforward_layernorm": "post_feedforward_layernorm",
                     "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: torch.dtype,
                 device: torch.device, max_model_len: int, rank: int = 0,
-                size: int = 1) -> torch.nn.Module:
+                size: int = 1, stage: ps.PipelineStage | None = None) -> torch.nn.Module:
+    """rank, size: the tensor-parallel shard; stage: the pipeline stage's layers (None: all)."""
     backend_cls = attention_backend_class(args.attention_backend, device)
     scale = cfg.head_dim ** -0.5
     num_heads = ps.heads_per_rank(cfg.num_heads, size)          # this rank's heads
@@ -32,15 +33,16 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
         return backend_cls(num_heads, num_kv_heads, cfg.head_dim, scale, window, **extra)
 
     quant = quant_config(source, args.quantization, args.quantization_group_size)
-    with ps.shard_as(rank, size), default_dtype(dtype), device:
+    stage = stage or ps.PipelineStage()
+    with ps.shard_as(rank, size), ps.stage_as(stage), default_dtype(dtype), device:
         model = registry.model_class(cfg.architecture)(cfg, make_backend, max_model_len, dtype, device, quant)
-    if args.runner == "pooling" or args.convert == "embed":
+    if (args.runner == "pooling" or args.convert == "embed") and model.lm_head is not None:
         model.lm_head = None  # embeddings pool final hidden states (base checkpoints have none)
     counts = ParameterCount()  # from the checkpoint's shapes: the whole model's
     model.load_weights(counts.counted(iter_weights(source, cfg, args.quantization)))
     model.pack_weights()
     model.parameter_count = counts
-    if rank == 0:
+    if rank == 0 and stage.is_first:
         logger.info("model: %s", counts.describe(model))
         logger.info("quantization %s: %s", args.quantization, describe(model))
     return model.eval()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from quire.attention.base import AttentionMetadata
+from quire.distributed.pipeline import split_micro_batches, wait_all
 from quire.step_batch import PromptLogprobsResult, SequenceChunk, StepBatch
 from quire.worker.kv_cache import KVCache
 from quire.worker.prompt_logprobs import score_prompt_positions
@@ -63,6 +64,8 @@ class StepInputs:
     batch: HostBatch | None
     kv_load: list[tuple[int, bytes]] = field(default_factory=list)  # KV tiers: before
     kv_store: list = field(default_factory=list)                    # ... and after the forward
+    # pipeline parallelism: the batch as micro-batches, in order (batch is None then)
+    micro_batches: list[HostBatch] = field(default_factory=list)
 
 
 @dataclass
@@ -83,8 +86,12 @@ class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, sampler: Sampler | None, block_size: int,
                  device: torch.device, host_cache: KVCache | None = None,
                  workers=None, lora=None, cuda_graphs: bool = False,
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, pipeline=None) -> None:
         self.model = model
+        # pipeline parallelism (quire.distributed.pipeline): this stage's links, and how many
+        # micro-batches a step's batch is cut into (one per stage, as vLLM's virtual engines)
+        self.pipeline = pipeline
+        self.micro_batches = pipeline.num_stages if pipeline is not None else 1
         self.lora = lora  # a quire.lora LoRAManager, when LoRA is on
         self.kv_cache = kv_cache
         self.host_cache = host_cache  # swap space
@@ -97,13 +104,13 @@ class ModelRunner:
         self.cuda_graphs = None  # decode steps replay CUDA graphs: one GPU, no LoRA
         graph_safe = all(b.supports_cuda_graphs for b in model.backends.values())
         if (cuda_graphs and device.type == "cuda" and workers is None and lora is None
-                and not self.dynamic_rope and graph_safe):
+                and pipeline is None and not self.dynamic_rope and graph_safe):
             from quire.worker.cuda_graphs import CUDAGraphRunner
             self.cuda_graphs = CUDAGraphRunner(model, kv_cache.layers, max_num_seqs,
                                                model.rope.cos_table.shape[0], block_size, device)
             self.cuda_graphs.capture_all()
         self.decode_stack = None  # decode steps' layers in one native call (CPU, quantized)
-        if device.type == "cpu" and workers is None and lora is None:
+        if device.type == "cpu" and workers is None and lora is None and pipeline is None:
             from quire.models.llama import DecoderLayer
             from quire.native.decode_stack import DecodeStack
             self.decode_stack = DecodeStack.build(model, kv_cache.layers, DecoderLayer)
@@ -113,21 +120,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepBatch) -> StepResult:
-        batch = self._prepare(step) if step.chunks else None
+        batch, micro = None, []
+        if step.chunks and self.pipeline is not None:
+            chunks = _verification_as_decodes(step.chunks)
+            micro = [self._prepare(step, part)
+                     for part in split_micro_batches(chunks, self.micro_batches)]
+        elif step.chunks:
+            batch = self._prepare(step)
         inputs = StepInputs(step.swap_out, step.swap_in, step.block_copies, batch,
-                            step.kv_load, step.kv_store)
+                            step.kv_load, step.kv_store, micro)
         if self.workers is not None:
             logits = self.workers.run_step(inputs, self.run)
         else:
             logits = self.run(inputs)
-        if batch is None:
+        if batch is None and not micro:
             return StepResult([], [], 0, 0)
-        logits, scored, pooled = _split_rows(logits, batch)
+        parts = micro or [batch]
+        logits, scored, pooled = (_join_rows(logits, micro) if micro
+                                  else _split_rows(logits, batch))
         result = SamplerOutput([], [])
         if len(step.sampling):
             result = self.sampler(logits, step.sampling)
-        out = StepResult(result.token_ids, result.logprobs, batch.num_prompt_tokens,
-                         len(batch.input_ids))
+        out = StepResult(result.token_ids, result.logprobs,
+                         sum(b.num_prompt_tokens for b in parts),
+                         sum(len(b.input_ids) for b in parts))
         asks = [c for c in step.chunks if c.prompt_logprobs is not None]
         if asks:
             out.prompt_logprobs = score_prompt_positions(
@@ -145,6 +161,8 @@ class ModelRunner:
             self.kv_cache.swap(self.host_cache, inputs.swap_out, inputs.swap_in)
         self.kv_cache.load_blocks(inputs.kv_load)  # tier hits, before anything reads them
         self.kv_cache.copy_blocks(inputs.block_copies)
+        if self.pipeline is not None:
+            return self._run_stage(inputs.micro_batches)
         if inputs.batch is None:
             return None
         host = inputs.batch
@@ -168,8 +186,43 @@ class ModelRunner:
             return self.model.norm(hidden[logits_indices])
         return self.model.compute_logits(hidden[logits_indices])
 
-    def _prepare(self, step: StepBatch) -> HostBatch:
-        chunks = _verification_as_decodes(step.chunks)
+    def _run_stage(self, micro_batches: list[HostBatch]) -> list[torch.Tensor | None] | None:
+        """This pipeline stage's part of each micro-batch, in order; on rank 0, the rows to
+        sample (or score, or pool) of each (None where it has none)."""
+        links, model = self.pipeline, self.model
+        pending, rows = [], []
+        for host in micro_batches:
+            batch = self._to_device(host)
+            model.prepare(batch.meta)
+            if links.is_first:
+                x, residual = model.embed(batch.input_ids), None
+            else:
+                x, residual = links.recv_hidden(len(host.input_ids),
+                                                not model.keeps_own_residual)
+            x, residual = model.forward_stage(x, residual, batch.positions, batch.meta,
+                                              self.kv_cache.layers, batch.rope_seq_lens)
+            if not links.is_last:
+                pending += links.send_hidden(x, residual)
+                continue
+            out = None
+            if len(host.logits_indices):
+                hidden = x if residual is None else residual + x
+                picked = hidden[batch.logits_indices]
+                out = (model.norm(picked) if host.num_pooled_rows
+                       else model.compute_logits(picked))
+            if links.sends_logits and out is not None:
+                pending += links.send_rows(out)
+        if links.rank == 0:  # the first stage: the last stage's rows come back
+            rows = [links.recv_rows(len(h.logits_indices), bool(h.num_pooled_rows))
+                    if len(h.logits_indices) else None for h in micro_batches]
+        wait_all(pending)
+        return rows if links.rank == 0 else None
+
+    def _prepare(self, step: StepBatch, chunks: list[SequenceChunk] | None = None
+                 ) -> HostBatch:
+        """One flat batch of the step's chunks (of `chunks`, a micro-batch of them, already
+        with their verification rows as decodes)."""
+        chunks = _verification_as_decodes(step.chunks) if chunks is None else chunks
         tokens: list[int] = []
         logits_indices: list[int] = []
         scored: list[int] = []  # prompt positions whose logits are scored (prompt logprobs)
@@ -243,6 +296,17 @@ class ModelRunner:
             logits_indices=torch.from_numpy(b.logits_indices).to(dev),
             num_prompt_tokens=b.num_prompt_tokens,
         )
+
+
+def _join_rows(per_micro_batch: list, micro: list[HostBatch]):
+    """_split_rows of each micro-batch, joined in order."""
+    parts = [_split_rows(rows, b) for rows, b in zip(per_micro_batch, micro)
+             if rows is not None]
+    joined = []
+    for i in range(3):
+        got = [p[i] for p in parts if p[i] is not None and len(p[i])]
+        joined.append(torch.cat(got) if got else None)
+    return tuple(joined)
 
 
 def _split_rows(logits: torch.Tensor | None, batch: HostBatch):

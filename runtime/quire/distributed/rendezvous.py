@@ -1,0 +1,133 @@
+"""The step channel between node 0 and the other nodes' workers (multi-node only).
+
+Node 0 listens on master_port + 1 (torch.distributed's store has master_port); each remote
+worker connects, says which rank it is, and gets its WorkerSpec back; from then on the
+connection carries the steps, as a pipe does for a worker on node 0. A connection, not a
+collective, because a worker waits on it for as long as the engine is idle (hours).
+
+Both sides are bounded by --distributed-timeout: node 0 names the ranks that never arrived,
+a worker gives up on a node 0 it cannot reach. The channel is authenticated (HMAC,
+multiprocessing's authkey: $QUIRE_DISTRIBUTED_KEY, same on every node) but not encrypted:
+keep the port inside the group's network (the operator's NetworkPolicy does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+
+logger = logging.getLogger(__name__)
+
+KEY_ENV = "QUIRE_DISTRIBUTED_KEY"
+HELLO_TIMEOUT_S = 10.0  # a connection that says nothing this long is not one of ours
+
+
+def authkey() -> bytes:
+    return os.environ.get(KEY_ENV, "quire-distributed").encode()
+
+
+def step_port(master_port: int) -> int:
+    return master_port + 1
+
+
+class RemoteWorkers:
+    """Node 0's side: accept the other nodes' ranks, each once."""
+
+    def __init__(self, port: int, ranks: list[int], describe_rank) -> None:
+        self.expected = set(ranks)
+        self.describe_rank = describe_rank  # rank -> "rank 2 (node 1)"
+        self.listener = Listener(("", port), authkey=authkey(), backlog=len(ranks) + 4)
+        logger.info("waiting for %d remote ranks on port %d", len(ranks), port)
+
+    def accept_all(self, timeout: float, spec_for) -> dict[int, Connection]:
+        """rank -> connection, once every expected rank has said hello and got
+        `spec_for(rank)`; a TimeoutError names the missing ones."""
+        conns: dict[int, Connection] = {}
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def accept():
+            while not done.is_set() and set(conns) != self.expected:
+                try:
+                    conn = self.listener.accept()
+                except OSError:
+                    return  # closed: the deadline passed
+                except Exception as e:  # noqa: BLE001 - a stranger (a bad key): keep going
+                    logger.warning("refused a connection to the step channel: %s", e)
+                    continue
+                rank = _hello(conn)
+                if rank not in self.expected or rank in conns:
+                    logger.warning("refused a step-channel hello from rank %r (expected %s)",
+                                   rank, sorted(self.expected - set(conns)))
+                    conn.close()
+                    continue
+                try:
+                    conn.send(spec_for(rank))
+                except OSError as e:
+                    errors.append(e)
+                    continue
+                conns[rank] = conn
+            done.set()
+
+        thread = threading.Thread(target=accept, name="quire-rendezvous", daemon=True)
+        thread.start()
+        done.wait(timeout)
+        if set(conns) != self.expected:
+            done.set()
+            self.close()
+            thread.join(5)
+            for conn in conns.values():
+                conn.close()
+            missing = sorted(self.expected - set(conns))
+            raise TimeoutError(
+                f"{len(missing)} of {len(self.expected)} remote ranks never arrived within "
+                f"{timeout:g} s: {', '.join(map(self.describe_rank, missing))}; start "
+                f"`quire serve --headless --node-rank N` with the same model and parallelism "
+                f"flags on each other node, with --master-addr reaching this one")
+        thread.join(5)
+        return conns
+
+    def close(self) -> None:
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+
+def _hello(conn: Connection) -> int | None:
+    try:
+        if not conn.poll(HELLO_TIMEOUT_S):
+            return None
+        msg = conn.recv()
+    except (EOFError, OSError):
+        return None
+    if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "hello" and isinstance(msg[1], int):
+        return msg[1]
+    return None
+
+
+def connect(addr: str, port: int, rank: int, timeout: float):
+    """A worker's side: connect to node 0 (retrying while it is not up yet), say hello, and
+    return (connection, the WorkerSpec node 0 sent)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while True:
+        try:
+            conn = Client((addr, port), authkey=authkey())
+            break
+        except (OSError, EOFError) as e:
+            if time.monotonic() + delay > deadline:
+                raise TimeoutError(f"rank {rank} could not reach node 0 at {addr}:{port} "
+                                   f"within {timeout:g} s ({e}); is --master-addr right and "
+                                   f"the leader started?") from None
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+    conn.send(("hello", rank))
+    if not conn.poll(max(1.0, deadline - time.monotonic())):
+        raise TimeoutError(f"node 0 at {addr}:{port} took rank {rank}'s hello but sent no "
+                           f"spec within {timeout:g} s")
+    return conn, conn.recv()
+
