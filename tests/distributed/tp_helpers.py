@@ -30,15 +30,17 @@ def _load(name: str, path: Path):
 runtime_helpers = _load("runtime_helpers", ROOT / "tests" / "runtime" / "runtime_helpers.py")
 
 
-def kv_budget_for(hf_config, num_blocks: int, tp: int, block_size: int = 16) -> int:
-    """kv_cache_memory (per rank) that holds num_blocks blocks of this rank's KV heads."""
-    from quire.parallel_state import kv_heads_per_rank
+def kv_budget_for(hf_config, num_blocks: int, tp: int, block_size: int = 16,
+                  pp: int = 1) -> int:
+    """kv_cache_memory (per rank) that holds num_blocks blocks of rank 0's KV heads (of its
+    pipeline stage's layers)."""
+    from quire.parallel_state import kv_heads_per_rank, partition_layers
     from quire.worker.kv_cache import bytes_per_block
     head_dim = (getattr(hf_config, "head_dim", None)
                 or hf_config.hidden_size // hf_config.num_attention_heads)
     kv_heads = kv_heads_per_rank(hf_config.num_key_value_heads, tp)
-    return num_blocks * bytes_per_block(hf_config.num_hidden_layers, block_size, kv_heads,
-                                        head_dim, torch.float32)
+    layers = partition_layers(hf_config.num_hidden_layers, pp)[0]
+    return num_blocks * bytes_per_block(layers, block_size, kv_heads, head_dim, torch.float32)
 
 
 def alive(pid: int) -> bool:
@@ -79,16 +81,17 @@ def spawned_children(parent: int) -> list[int]:
 
 
 def assert_two_ranks_match_transformers(path: str, hf_config, prompts, max_tokens: int,
-                                        check_engine=None, **engine_kwargs) -> None:
-    """Two ranks with 64-token chunks, prefix caching and a KV budget that preempts give
-    transformers' greedy output for every prompt, with a preemption, a prefix hit and no
-    block left in use; `check_engine(engine)` adds a caller's checks before shutdown;
-    `engine_kwargs` more LLM(...) keywords."""
+                                        check_engine=None, tp: int = TP, pp: int = 1,
+                                        **engine_kwargs) -> None:
+    """tp x pp ranks (two tensor ranks by default) with 64-token chunks, prefix caching and a
+    KV budget that preempts give transformers' greedy output for every prompt, with a
+    preemption, a prefix hit and no block left in use; `check_engine(engine)` adds a
+    caller's checks before shutdown; `engine_kwargs` more LLM(...) keywords."""
     from quire import LLM, SamplingParams
     expected = runtime_helpers.hf_greedy(runtime_helpers.hf_model(path), prompts, max_tokens)
     need = -(-(max(map(len, prompts)) + max_tokens) // 16)  # blocks of the longest request
-    llm = LLM(path, dtype="float32", tensor_parallel_size=TP, num_threads=1,
-              kv_cache_memory=kv_budget_for(hf_config, need + 4, TP),
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              num_threads=1, kv_cache_memory=kv_budget_for(hf_config, need + 4, tp, pp=pp),
               max_num_batched_tokens=64, enable_prefix_caching=True, **engine_kwargs)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
