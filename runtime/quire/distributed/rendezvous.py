@@ -131,3 +131,47 @@ def connect(addr: str, port: int, rank: int, timeout: float):
                            f"spec within {timeout:g} s")
     return conn, conn.recv()
 
+
+
+def pin_gloo_interface(master_addr: str) -> None:
+    """Gloo binds to the address the hostname resolves to (often 127.0.0.1 in a container);
+    across nodes it must use the interface that reaches node 0, as vLLM sets
+    GLOO_SOCKET_IFNAME. A value the user set wins."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    ip = _source_address(master_addr)
+    name = _interface_with(ip) if ip else None
+    if name is None:
+        logger.warning("no interface found for the route to %s: gloo picks its own (set "
+                       "GLOO_SOCKET_IFNAME if the ranks cannot connect)", master_addr)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    logger.info("gloo uses interface %s (%s), the route to node 0 at %s", name, ip, master_addr)
+
+
+def _source_address(addr: str) -> str | None:
+    """This host's address on the route to addr (a UDP connect sends nothing)."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _interface_with(ip: str) -> str | None:
+    import fcntl
+    import socket
+    import struct
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr,
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    return None

@@ -66,6 +66,7 @@ class RemoteRank:
     step_port: int
     timeout: float
     source: ModelSource  # this node's copy of the model
+    num_threads: int     # this node's cores, shared by its ranks
     log_level: int
 
 
@@ -80,6 +81,7 @@ def main(spec: WorkerSpec | RemoteRank, conn) -> None:
             from quire.distributed.rendezvous import connect
             conn, sent = connect(spec.master_addr, spec.step_port, spec.rank, spec.timeout)
             sent.source = spec.source
+            sent.num_threads = sent.num_threads or spec.num_threads
             spec = sent
         _serve(spec, conn)
     except EOFError:  # the engine closed the channel without a goodbye
@@ -108,6 +110,9 @@ def _serve(spec: WorkerSpec, conn) -> None:
     else:
         device = torch.device("cpu")
     conn.send(("joining",))  # imports done: a failure before this is seen at once
+    if spec.args.nnodes > 1:
+        from quire.distributed.rendezvous import pin_gloo_interface
+        pin_gloo_interface(spec.args.master_addr)
     ps.init_process_group(spec.rank, spec.size, spec.init_method, device,
                           tp_size=spec.tp_size)
     cfg = spec.cfg

@@ -148,6 +148,9 @@ class Workers:
             if world.nnodes > 1:
                 self._accept_remote(args, spec_for)
             list(self._expect("joining", "starting", args.distributed_timeout))
+            if world.nnodes > 1:
+                from quire.distributed.rendezvous import pin_gloo_interface
+                pin_gloo_interface(args.master_addr)
             ps.init_process_group(0, size, init_method, device, tp_size=world.tp)
         except BaseException:
             self.shutdown()

@@ -96,6 +96,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve GET /tokenizer_info (vLLM's: the tokenizer's configuration and "
                         "chat template, which lm-eval's remote tokenizer reads); without it "
                         "it answers 404")
+    p.add_argument("--headless", action="store_true",
+                   help="a node other than node 0 of a multi-node group (--nnodes, "
+                        "--node-rank >= 1, --master-addr, --master-port): run this node's "
+                        "ranks, serve no API")
     add_tls_flags(p)
     add_tracing_flag(p)
     add_limit_flags(p)
@@ -188,6 +192,11 @@ def require_server_packages() -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from quire.distributed.headless import check_node_role, run_headless
+    args = engine_args_from(ns, ns.model)
+    check_node_role(args, ns.headless)
+    if ns.headless:
+        return run_headless(args)
     require_server_packages()
     from quire.engine.async_engine import AsyncLLMEngine
     from quire.entrypoints import memory
@@ -199,7 +208,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     sock = listening_socket(ns.host, ns.port)  # and a port in use too
     if ns.malloc_arena_max > 0:
         memory.limit_arenas(ns.malloc_arena_max)  # before the server starts its threads
-    args = engine_args_from(ns, ns.model)
     allow_runtime_lora = runtime_lora_allowed(ns)
     names = served_names(ns)
     limits = limits_from(ns)
