@@ -16,8 +16,8 @@ import sys
 import time
 
 import pytest
-
 from netns import TwoNodes, unavailable_reason
+
 from tp_helpers import ROOT, _load, spawned_children, wait_gone
 
 harness = _load("server_harness", ROOT / "tests" / "server" / "server_harness.py")
