@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
-from quire import LLM
+from quire import LLM, SamplingParams
 from quire.worker.model_builder import parameter_bytes
 
 from tp_helpers import ROOT, assert_two_ranks_match_transformers
@@ -98,3 +99,36 @@ def test_each_stage_holds_its_layers_and_their_kv_cache(tmp_path, smollm_tokeniz
             assert worker_bytes > (6 - first) * whole_layer_bytes  # + the norm and LM head
         finally:
             llm.engine.shutdown()
+
+
+def test_prompt_logprobs_and_embeddings_come_back_through_the_stages(tp_models):
+    """The rows rank 0 gets back from the last stage: scored prompt positions (their chunks
+    are never cut between micro-batches) and pooled hidden states, the single process's
+    (the same greedy tokens; logprobs and vectors up to the float sums' order, since the
+    micro-batches are other matmul shapes)."""
+    path = tp_models["llama"]
+    prompts = rh.random_prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, logprobs=1)
+    texts = ["hello world", "a b c " * 30]
+    results = []
+    for pp in (1, 2):
+        llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=64,
+                  pipeline_parallel_size=pp, num_threads=1)
+        try:
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.engine.shutdown()
+        pooled = LLM(path, dtype="float32", runner="pooling", convert="embed",
+                     kv_cache_memory=4 << 20, pipeline_parallel_size=pp, num_threads=1)
+        try:
+            results.append(torch.tensor([o.outputs.embedding for o in pooled.embed(texts)]))
+        finally:
+            pooled.engine.shutdown()
+    single, single_vectors, staged, staged_vectors = results
+    for a, b in zip(single, staged):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
+    torch.testing.assert_close(staged_vectors, single_vectors, atol=1e-5, rtol=0)
