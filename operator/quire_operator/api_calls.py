@@ -61,6 +61,10 @@ API_CALLS: tuple[ApiCall, ...] = (
     ApiCall("networking.k8s.io", "networkpolicies", ("get", "list", "watch", "create", "patch", "delete"),
             "with the chart's networkPolicy.enabled: who may reach the serving and router pods; "
             "watched (by label) for drift; deleted when it (or spec.router) is turned off"),
+    # An optional CRD's kind, yet watched: kopf skips a kind the cluster lacks with a warning.
+    ApiCall("leaderworkerset.x-k8s.io", "leaderworkersets", ("get", "list", "watch", "create", "patch", "delete"),
+            "spec.parallelism.pipeline > 1: the multi-node replicas (in place of the Deployment, which is "
+            "deleted, and deleted when pipeline is 1 again); watched (by label) for drift and its status"),
     ApiCall("", "pods", ("list", "watch"), "an index of ready pods, whose /metrics the autoscaler scrapes"),
     ApiCall("", "events", ("create",), "Events on state changes and failures"),
     ApiCall("", "secrets", ("get",),

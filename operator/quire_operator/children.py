@@ -31,15 +31,21 @@ def _adopted(obj: dict, owner: Mapping[str, Any]) -> dict:
     return obj
 
 
-def desired_deployment(owner: Mapping[str, Any], spec: LLMSpec, default_image: str) -> dict:
-    name = owner["metadata"]["name"]
-    # A rollout may wait for a model to load; the Deployment must not call that a failure.
-    deadline = spec.runtime.startup_timeout_seconds + 300
+def initial_replicas(spec: LLMSpec) -> int:
+    """The workload's replicas (pods, or a LeaderWorkerSet's groups)."""
     replicas = spec.replicas
     if spec.autoscaling.enabled and spec.autoscaling.max_replicas is not None:
         # spec.replicas is then only where the autoscaler starts; it corrects the count through
         # /scale at its first poll, but the first pods already respect the bounds.
         replicas = max(spec.autoscaling.min_replicas, min(spec.autoscaling.max_replicas, replicas))
+    return replicas
+
+
+def desired_deployment(owner: Mapping[str, Any], spec: LLMSpec, default_image: str) -> dict:
+    name = owner["metadata"]["name"]
+    # A rollout may wait for a model to load; the Deployment must not call that a failure.
+    deadline = spec.runtime.startup_timeout_seconds + 300
+    replicas = initial_replicas(spec)
     return _adopted({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -64,7 +70,7 @@ def desired_service(owner: Mapping[str, Any], spec: LLMSpec) -> dict:
         "metadata": {"name": name, "labels": names.child_labels(name)},
         "spec": {
             "type": "ClusterIP",
-            "selector": names.selector_labels(name),
+            "selector": names.serving_selector_labels(name, spec.parallelism.multi_node),
             "ports": [{"name": names.PORT_NAME, "port": spec.port, "targetPort": names.PORT_NAME,
                        "protocol": "TCP"}],
         },

@@ -19,8 +19,11 @@ from .quantity import same_quantity
 
 # Maps the operator owns whole, where an extra key changes the meaning: a Service's selector
 # (the main Service's moves between the runtime and the router pods; a merge patch alone would
-# keep the old key, and a selector with both selects nothing).
-OWNED_MAPS = {"Service": (("spec", "selector"),)}
+# keep the old key, and a selector with both selects nothing), and the Services' and the
+# InferencePool's, which select leaders only while the replicas are multi-node (a leftover
+# worker-index key would select nothing once they are single-node pods again).
+OWNED_MAPS = {"Service": (("spec", "selector"),),
+              "InferencePool": (("spec", "selector", "matchLabels"),)}
 
 
 def _at(obj: Any, path: tuple[str, ...]) -> Any:

@@ -53,8 +53,8 @@ def desired_inference_pool(owner: Mapping[str, Any], spec: LLMSpec) -> dict | No
         "kind": "InferencePool",
         "metadata": {"name": name, "labels": names.child_labels(name)},
         "spec": {
-            # The runtime Deployment's own selector: exactly this LLMDeployment's serving pods.
-            "selector": {"matchLabels": names.selector_labels(name)},
+            # Exactly this LLMDeployment's serving pods (a multi-node replica's leader).
+            "selector": {"matchLabels": names.serving_selector_labels(name, spec.parallelism.multi_node)},
             "targetPorts": [{"number": spec.port}],
             # With spec.router on, the Service named after the LLMDeployment selects the router pods.
             "endpointPickerRef": {"group": "", "kind": "Service", "name": name,

@@ -53,7 +53,12 @@ CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
                    # spec.router's identity (its Deployment and Services are above)
                    ("", "v1", "serviceaccounts"), ("rbac.authorization.k8s.io", "v1", "roles"),
                    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-                   ("networking.k8s.io", "v1", "networkpolicies")]  # the chart's networkPolicy
+                   ("networking.k8s.io", "v1", "networkpolicies"),  # the chart's networkPolicy
+                   # multi-node replicas. Watched like the Deployment, for drift and for the status;
+                   # where the LWS CRD is missing kopf logs that it cannot serve the kind and goes
+                   # on (discovery happens once, at start: install LWS before the operator, or
+                   # restart it), and the periodic resync still repairs the object.
+                   ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")]
 PODS = ("", "v1", "pods")
 
 
@@ -122,9 +127,10 @@ def _parent(body: kopf.Body) -> str | None:
 @kopf.on.event(*CHILD_RESOURCES[4], labels=OURS)
 @kopf.on.event(*CHILD_RESOURCES[5], labels=OURS)
 @kopf.on.event(*CHILD_RESOURCES[6], labels=OURS)
+@kopf.on.event(*CHILD_RESOURCES[7], labels=OURS)
 def child_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -> None:
     """A child changed (its status, or someone edited or deleted it): put the spec back if needed.
-    Also how the Deployment's rollout reaches the LLMDeployment's status."""
+    Also how the Deployment's (or LeaderWorkerSet's) rollout reaches the LLMDeployment's status."""
     parent = _parent(body)
     if parent is None or type is None:
         return  # type None: the initial listing at startup, when on.resume re-applies every spec anyway
@@ -139,9 +145,12 @@ def child_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -
 @kopf.index(*PODS, labels=OURS)
 def pods_by_llmdeployment(namespace: str, name: str, labels: kopf.Labels, meta: kopf.Meta,
                           spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
-    """(namespace, LLMDeployment) → its pods' IPs and readiness, kept current by the watch."""
+    """(namespace, LLMDeployment) → its serving pods' IPs and readiness, kept current by the watch.
+    A multi-node replica serves from its leader: its workers are neither scraped nor called."""
     parent = labels.get(names.SELECTOR_LABEL)
     if not parent or meta.get("deletionTimestamp"):
+        return {}
+    if labels.get(names.LWS_WORKER_INDEX_LABEL, names.LEADER_INDEX) != names.LEADER_INDEX:
         return {}
     return {(namespace, parent): PodRef(name=name, ip=status.get("podIP"), ready=_ready(status),
                                         runtime_lora=runtime_lora(spec))}

@@ -29,6 +29,11 @@ LEGACY_FINALIZER = "quire.dev/autoscaler"
 MAX_NAME_LENGTH = 63
 DNS1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
+# A multi-node replica is one LeaderWorkerSet group (lws_children.py). The LWS controller labels
+# each pod of a group with its index in the group, 0 for the leader: the only pod that serves.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LEADER_INDEX = "0"
+
 CONTAINER_NAME = "quire"
 PORT_NAME = "http"
 MODELS_MOUNT = "/models"
@@ -37,6 +42,15 @@ CACHE_MOUNT = "/var/cache/quire"
 
 def selector_labels(name: str) -> dict[str, str]:
     return {SELECTOR_LABEL: name}
+
+
+def serving_selector_labels(name: str, leaders_only: bool = False) -> dict[str, str]:
+    """The pods that answer requests: every pod of a single-node replica, the leader of a
+    multi-node one (its workers serve no API). What the Services, the router's discovery, the
+    InferencePool and /scale select."""
+    if not leaders_only:
+        return selector_labels(name)
+    return {**selector_labels(name), LWS_WORKER_INDEX_LABEL: LEADER_INDEX}
 
 
 def child_labels(name: str) -> dict[str, str]:
@@ -49,9 +63,9 @@ def child_labels(name: str) -> dict[str, str]:
     }
 
 
-def selector_string(name: str) -> str:
+def selector_string(name: str, leaders_only: bool = False) -> str:
     """The label selector in the string form the /scale subresource reports."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+    return ",".join(f"{k}={v}" for k, v in sorted(serving_selector_labels(name, leaders_only).items()))
 
 
 def name_problem(name: str) -> str | None:

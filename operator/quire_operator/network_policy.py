@@ -3,7 +3,8 @@
 
     <name>          the serving pods accept connections on the serving port only from
                     the LLMDeployment's router pods, the allowed clients, and the operator's pods
-                    (its /metrics scrapes, the adapter sync, the scale-from-zero probe)
+                    (its /metrics scrapes, the adapter sync, the scale-from-zero probe); with
+                    multi-node replicas, also any port from the LLMDeployment's own pods
     <name>-router   with spec.router: the router pods accept connections on their port only
                     from the allowed clients and the operator's pods (otherwise the router would
                     be an open door to the serving pods); with precise-prefix routing, also
@@ -96,6 +97,11 @@ def desired_network_policies(owner: Mapping[str, Any], spec: LLMSpec,
     router = {"podSelector": {"matchLabels": router_selector_labels(name)}}
     policies = [_policy(owner, name, names.child_labels(name), names.selector_labels(name),
                         spec.port, [router, *clients, operator])]
+    if spec.parallelism.multi_node:
+        # A multi-node replica's pods (leader and workers, all under this policy) reach each other
+        # on the rendezvous and control ports and on the ports NCCL picks at run time: any port,
+        # from this LLMDeployment's own pods only.
+        policies[0]["spec"]["ingress"].append({"from": [{"podSelector": {"matchLabels": names.selector_labels(name)}}]})
     if spec.router.enabled:
         policy = _policy(owner, router_name(name), router_labels(name),
                          router_selector_labels(name), ROUTER_PORT, [*clients, operator])

@@ -44,9 +44,11 @@ def server_args(spec: LLMSpec, name: str = "") -> list[str]:
         args += ["--served-model-name", spec.model.served_name]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
-    if spec.parallelism.tensor > 1:  # 1 is the runtime's default: single-worker pods keep their args
+    # 1 is the runtime's default: single-worker pods keep their args. A multi-node replica's pods
+    # get it with the rest of their group's flags (lws_children.group_args).
+    if spec.parallelism.tensor > 1 and not spec.parallelism.multi_node:
         args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
-    args += _runtime_flags(spec.runtime)
+    args += runtime_flags(spec.runtime)
     # LoRA's switch and limits only: the adapters themselves are loaded through the API, so
     # editing spec.adapters never changes (and never rolls) the pods.
     args += lora_flags(spec.lora)
@@ -59,7 +61,7 @@ def server_args(spec: LLMSpec, name: str = "") -> list[str]:
     return args
 
 
-def _runtime_flags(rt: RuntimeSpec) -> list[str]:
+def runtime_flags(rt: RuntimeSpec) -> list[str]:
     valued = [
         ("--dtype", rt.dtype),
         ("--max-model-len", rt.max_model_len),
@@ -116,7 +118,7 @@ def shm_size_limit(spec: LLMSpec) -> str | None:
     return f"{min(spec.parallelism.tensor * SHM_GI_PER_WORKER, SHM_GI_MAX)}Gi"
 
 
-def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
+def _volumes(spec: LLMSpec, serving: bool) -> tuple[list[dict], list[dict]]:
     # torch's shared-memory tensors outgrow the container runtime's 64 MiB /dev/shm.
     shm = {"medium": "Memory"}
     if (limit := shm_size_limit(spec)) is not None:
@@ -133,7 +135,8 @@ def _volumes(spec: LLMSpec) -> tuple[list[dict], list[dict]]:
         volume = claim_volume_name(claim)
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTERS_MOUNT}/{claim}", "readOnly": True})
-    tls_volumes, tls_mounts = tls_volume(spec.tls)  # spec.tls's Secret
+    # spec.tls's Secret, for the API (a headless worker serves none)
+    tls_volumes, tls_mounts = tls_volume(spec.tls) if serving else ([], [])
     kv_volumes, kv_mounts = kv_offload_volumes(spec.kv_offload)  # the disk tier
     writable, writable_mounts = pod_security.writable_volumes()  # the root filesystem is read-only
     return (volumes + tls_volumes + kv_volumes + writable,
@@ -160,21 +163,36 @@ def _probes(spec: LLMSpec) -> dict:
     }
 
 
-def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
-    volumes, mounts = _volumes(spec)
+def pod_template(name: str, spec: LLMSpec, default_image: str, *, args: list[str] | None = None,
+                 serving: bool = True, extra_ports: tuple[dict, ...] = ()) -> dict:
+    """The pod of one replica (`args`: the arguments after `quire`, server_args by default).
+
+    serving=False is a headless pipeline-stage worker of a multi-node replica (lws_children.py):
+    it serves no API, so it gets no serving port, no HTTP probes, no scrape annotations and
+    nothing only the API uses (TLS, tracing, KV events); everything else (image, resources,
+    volumes, security, scheduling) is the serving pod's, so the group's pods match."""
+    volumes, mounts = _volumes(spec, serving)
     container = {
         "name": names.CONTAINER_NAME,
         "image": spec.image or default_image,
         "command": ["quire"],
-        "args": server_args(spec, name),
-        "ports": [{"name": names.PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
-        "env": (_env(spec) + tracing_env(spec.observability, name, spec.env)
-                + kv_offload_env(spec.kv_offload) + kv_events_env(spec.router)),
+        "args": server_args(spec, name) if args is None else args,
+    }
+    if serving:
+        container["ports"] = [{"name": names.PORT_NAME, "containerPort": spec.port, "protocol": "TCP"},
+                              *extra_ports]
+        container["env"] = (_env(spec) + tracing_env(spec.observability, name, spec.env)
+                            + kv_offload_env(spec.kv_offload) + kv_events_env(spec.router))
+    else:
+        container["env"] = _env(spec)
+    container.update({
         "resources": _resources(spec),
         "volumeMounts": mounts,
         "securityContext": pod_security.container_security_context(),
-        **_probes(spec),
-    }
+        # A worker has no probe of its own: LWS recreates the whole group when any pod restarts,
+        # and a worker that hangs stalls the leader's steps, which its liveness probe catches.
+        **(_probes(spec) if serving else {}),
+    })
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     annotations = {
@@ -183,7 +201,7 @@ def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
         "prometheus.io/path": "/metrics",
         **({"prometheus.io/scheme": "https"} if spec.tls.enabled else {}),
         **spec.pod_annotations,
-    }
+    } if serving else dict(spec.pod_annotations)
     pod_spec = {
         "containers": [container],
         "volumes": volumes,
@@ -196,7 +214,9 @@ def pod_template(name: str, spec: LLMSpec, default_image: str) -> dict:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
-    return {
-        "metadata": {"labels": names.child_labels(name), "annotations": annotations},
-        "spec": pod_spec,
-    }
+    labels = names.child_labels(name) if serving else {**names.child_labels(name),
+                                                        "app.kubernetes.io/component": "worker"}
+    metadata: dict = {"labels": labels}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"metadata": metadata, "spec": pod_spec}

@@ -32,6 +32,7 @@ from .gateway_children import gateway_child_names, gateway_children
 from .keda_children import desired_scaled_object, keda_child_names
 from .kube import ApiError, Kube, resource_path
 from .kv_cache_spec import desired_valkey_children, valkey_child_names
+from .lws_children import desired_leaderworkerset, wants_leaderworkerset
 from .network_policy import desired_network_policies, policy_names, policy_settings
 from .pod_tls import with_trust_key
 from .router_children import desired_router_service, router_child_names, router_children
@@ -59,11 +60,14 @@ KINDS = {
     "InferenceObjective": ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives"),
     "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+    # spec.parallelism.pipeline > 1: the multi-node replicas, in place of the Deployment.
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
 }
 # Which install each of those kinds needs: its creation answering 404 means the CRD is missing.
 INSTALLED_BY = {"InferencePool": "the Gateway API Inference Extension CRDs",
                 "InferenceObjective": "the Gateway API Inference Extension's x-k8s.io CRDs",
-                "HTTPRoute": "the Gateway API CRDs", "ScaledObject": "KEDA"}
+                "HTTPRoute": "the Gateway API CRDs", "ScaledObject": "KEDA",
+                "LeaderWorkerSet": "the LeaderWorkerSet controller (kubernetes-sigs/lws v0.7 or later)"}
 # 4xx answers that say "not now" rather than "never": a race with another writer, or throttling.
 TRANSIENT_CLIENT_ERRORS = (404, 408, 409, 429)
 _KEEP = object()  # "leave the reported blocking problem as it is"
@@ -136,7 +140,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce:
         except ChildRejected as e:
             _block(kube, body, Blocked(status.REJECTED, str(e)), announce)
             return
-        log.debug("%s/%s: Deployment at generation %s", namespace, name,
+        log.debug("%s/%s: %s at generation %s", namespace, name, deployment.get("kind"),
                   deployment.get("metadata", {}).get("generation"))
         refresh_status(kube, namespace, name, blocked=None, spec=spec, generation=generation, announce=announce)
 
@@ -166,7 +170,7 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
     name = owner["metadata"]["name"]
     image = spec.image or default_image
     _apply_network_policies(kube, namespace, owner, spec, announce)  # before any pod can start
-    deployment = _apply_announced(kube, namespace, desired_deployment(owner, spec, default_image), announce)
+    deployment = _apply_workload(kube, namespace, owner, spec, default_image, announce)
     router = router_children(owner, spec.router, image)
     for child in router:  # identity and the headless Service before the router pods
         _apply_announced(kube, namespace, child, announce)
@@ -194,6 +198,25 @@ def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, defa
     _apply_optional(kube, namespace, [scaled_object] if scaled_object else [], keda_child_names(name),
                     announce, "spec.autoscaling.provider is not keda")
     return deployment
+
+
+def _apply_workload(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, default_image: str,
+                    announce: Announce) -> dict:
+    """The serving pods: a Deployment, or a LeaderWorkerSet when each replica spans several
+    nodes; the other kind is deleted once this one is written, so a switch never leaves two
+    sets of serving pods (and a LeaderWorkerSet the cluster cannot take leaves the Deployment
+    serving, with the reason in Degraded). The Services follow in the same pass."""
+    name = owner["metadata"]["name"]
+    if spec.parallelism.multi_node:
+        workload = desired_leaderworkerset(owner, spec, default_image)
+        other, why = "Deployment", "spec.parallelism.pipeline > 1 runs as a LeaderWorkerSet"
+    else:
+        workload = desired_deployment(owner, spec, default_image)
+        other, why = "LeaderWorkerSet", "spec.parallelism.pipeline is 1: a Deployment serves"
+    assert workload is not None
+    live = _apply_announced(kube, namespace, workload, announce)
+    _delete_child(kube, namespace, other, name, announce, why)
+    return live
 
 
 def _apply_optional(kube: Kube, namespace: str, wanted: list[dict], possible: list[tuple[str, str]],
@@ -297,21 +320,24 @@ def _block(kube: Kube, body: Mapping[str, Any], blocked: Blocked, announce: Anno
 def refresh_status(kube: Kube, namespace: str, name: str, *, blocked: Any = _KEEP,
                    spec: LLMSpec | None = None, generation: int | None = None,
                    announce: Announce | None = None) -> bool:
-    """Recompute the status from the live Deployment. With a generation, mark it as applied.
-    With `announce`, a condition that changes its status is announced as an Event."""
+    """Recompute the status from the live workload (Deployment or LeaderWorkerSet). With a
+    generation, mark it as applied. With `announce`, a condition that changes its status is
+    announced as an Event."""
     changed: list[dict] = []
 
     def change(obj: dict) -> dict:
         old = obj.get("status") or {}
         problem = status.blocked_of(old) if blocked is _KEEP else blocked
-        # Read the Deployment afresh under the status lock: a watch event may be older than it.
-        live = kube.get("apps", "v1", "deployments", namespace, name)
-        conditions = status.merge_conditions(old.get("conditions"), status.conditions(live, problem), status.now_iso())
+        # Read the workload afresh under the status lock: a watch event may be older than it.
+        multi_node = wants_leaderworkerset(obj.get("spec"))
+        kind, live = _live_workload(kube, namespace, name, multi_node)
+        conditions = status.merge_conditions(old.get("conditions"), status.conditions(live, problem, kind),
+                                             status.now_iso())
         changed[:] = status.flipped(old.get("conditions"), conditions)
         fields: dict[str, Any] = {
             "conditions": conditions,
             **status.replica_counts(live),
-            "selector": names.selector_string(name),
+            "selector": names.selector_string(name, leaders_only=multi_node),
         }
         if spec is not None:
             fields["endpoint"] = endpoint(obj, spec)
@@ -328,3 +354,14 @@ def refresh_status(kube: Kube, namespace: str, name: str, *, blocked: Any = _KEE
                 announce("Normal" if status.is_good(c) else "Warning", c["reason"],
                          f"{c['type']} is {c['status']}: {c['message']}")
     return wrote
+
+
+def _live_workload(kube: Kube, namespace: str, name: str, multi_node: bool) -> tuple[str, dict | None]:
+    """(the kind the spec asks for, the live workload): that kind's object, else the other's
+    while it still serves (a spec refused in the same edit that switched kinds)."""
+    kinds = ["LeaderWorkerSet", "Deployment"] if multi_node else ["Deployment", "LeaderWorkerSet"]
+    for kind in kinds:
+        live = kube.get(*KINDS[kind], namespace, name)
+        if live is not None:
+            return kinds[0], live
+    return kinds[0], None

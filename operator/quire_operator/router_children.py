@@ -183,7 +183,7 @@ def desired_headless_service(owner: Mapping[str, Any], spec: RouterSpec) -> dict
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": False,  # loading pods are not backends
-            "selector": names.selector_labels(name),
+            "selector": names.serving_selector_labels(name, spec.leaders_only),
             "ports": [{"name": names.PORT_NAME, "port": spec.runtime_port,
                        "targetPort": names.PORT_NAME, "protocol": "TCP"}],
         },

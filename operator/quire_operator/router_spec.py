@@ -58,6 +58,8 @@ class RouterSpec:
     tls: TLSSpec = TLSSpec()
     # spec.observability: the router sends its spans there too.
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    # spec.parallelism.pipeline > 1: only each group's leader pod serves (names.serving_selector_labels).
+    leaders_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,14 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 AUTOSCALING_PROVIDERS = ("builtin", "keda")
 # Flags the operator sets itself: the probes, the Service, the drain and the GPU request depend on them.
 MANAGED_FLAGS = ("--host", "--port", "--shutdown-timeout", "--api-key", "--tensor-parallel-size",
-                 "--ssl-certfile", "--ssl-keyfile")
+                 "--ssl-certfile", "--ssl-keyfile",
+                 # a multi-node replica's stage and rendezvous (lws_children.py)
+                 "--pipeline-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                 "--headless")
 # spec.parallelism.tensor: worker processes per pod, one per GPU; the bound of resources.gpus.
 MAX_TENSOR_PARALLEL = 16
+# spec.parallelism.pipeline: pods per replica, one pipeline stage each (the CRD's maximum too).
+MAX_PIPELINE_PARALLEL = 64
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -57,7 +62,12 @@ class ResourcesSpec:
 @dataclass(frozen=True)
 class ParallelismSpec:
     tensor: int = 1
+    pipeline: int = 1  # pods per replica: more than one makes it a LeaderWorkerSet
     shm_size: str | None = None  # the /dev/shm sizeLimit; None: pod_template's default
+
+    @property
+    def multi_node(self) -> bool:
+        return self.pipeline > 1
 
 
 @dataclass(frozen=True)
@@ -174,11 +184,15 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
     if parsed.kv_offload.enabled and parsed.parallelism.tensor > 1:
         raise SpecError("spec.kvCache.offload", "KV tiers are not supported with "
                                                 "spec.parallelism.tensor > 1 yet")
+    if parsed.kv_offload.enabled and parsed.parallelism.multi_node:
+        raise SpecError("spec.kvCache.offload", "KV tiers are not supported with "
+                                                "spec.parallelism.pipeline > 1 yet")
     gateway = parse_gateway_spec(raw, router_enabled=parsed.router.enabled)
     router = replace(parsed.router, ext_proc_port=EXT_PROC_PORT, objectives=gateway.objectives) \
         if gateway.inference_pool else parsed.router
     observability = parse_observability_spec(raw)
-    router = replace(router, observability=observability)
+    # A multi-node replica serves from its leader pod only: the router's backends are leaders.
+    router = replace(router, observability=observability, leaders_only=parsed.parallelism.multi_node)
     parsed = replace(parsed, scale_to_zero=parse_scale_to_zero(raw, parsed.router), gateway=gateway,
                      router=router, observability=observability)
     return _with_lora(parsed, spec)
@@ -194,6 +208,10 @@ def _with_lora(parsed: LLMSpec, spec: _Reader) -> LLMSpec:
     if lora.enabled and parsed.parallelism.tensor > 1:
         raise SpecError("spec.lora" if spec.has("lora") else "spec.adapters",
                         f"LoRA is not supported with spec.parallelism.tensor {parsed.parallelism.tensor} yet "
+                        "(the runtime serves adapters on single-worker pods)")
+    if lora.enabled and parsed.parallelism.multi_node:
+        raise SpecError("spec.lora" if spec.has("lora") else "spec.adapters",
+                        f"LoRA is not supported with spec.parallelism.pipeline {parsed.parallelism.pipeline} yet "
                         "(the runtime serves adapters on single-worker pods)")
     router = parsed.router
     if lora.enabled and router.enabled and parsed.runtime.api_key_secret:
@@ -241,6 +259,7 @@ def _parse_parallelism(spec: _Reader) -> ParallelismSpec:
         raise SpecError(parallelism.path + ".shmSize", f"{shm_size!r} must be greater than 0")
     return ParallelismSpec(
         tensor=parallelism.integer("tensor", 1, minimum=1, maximum=MAX_TENSOR_PARALLEL),
+        pipeline=parallelism.integer("pipeline", 1, minimum=1, maximum=MAX_PIPELINE_PARALLEL),
         shm_size=shm_size,
     )
 

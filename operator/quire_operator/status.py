@@ -1,4 +1,5 @@
-"""The LLMDeployment's status, computed from what is true: its Deployment and its spec's validity."""
+"""The LLMDeployment's status, computed from what is true: its workload (a Deployment, or a
+LeaderWorkerSet of multi-node replicas, whose counts are groups) and its spec's validity."""
 
 from __future__ import annotations
 
@@ -29,15 +30,17 @@ def _condition(kind: str, ok: bool, reason: str, message: str) -> dict:
     return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def conditions(deployment: Mapping[str, Any] | None, blocked: Blocked | None) -> list[dict]:
-    """Ready, Progressing and Degraded, without transition times (merge_conditions adds them)."""
+def conditions(deployment: Mapping[str, Any] | None, blocked: Blocked | None,
+               kind: str = "Deployment") -> list[dict]:
+    """Ready, Progressing and Degraded, without transition times (merge_conditions adds them).
+    `kind`: the workload the spec asks for, named when it does not exist."""
     if deployment is None:
         if blocked is None:
-            ready = _condition(READY, False, "NoDeployment", "the Deployment does not exist")
+            ready = _condition(READY, False, f"No{kind}", f"the {kind} does not exist")
         else:  # nothing serves, and this is why
             ready = _condition(READY, False, blocked.reason, blocked.message)
         progressing = _condition(PROGRESSING, blocked is None, "Creating" if blocked is None else "Blocked",
-                                 "creating the Deployment" if blocked is None else "waiting for a spec that applies")
+                                 f"creating the {kind}" if blocked is None else "waiting for a spec that applies")
         stalled = None
     else:
         ready, progressing, stalled = _rollout(deployment)
@@ -57,7 +60,7 @@ def _rollout(deployment: Mapping[str, Any]) -> tuple[dict, dict, str | None]:
     updated = st.get("updatedReplicas") or 0
     total = st.get("replicas") or 0
     # Until the Deployment controller has seen the latest spec, its counts describe the old one.
-    seen = (st.get("observedGeneration") or 0) >= (deployment.get("metadata", {}).get("generation") or 0)
+    seen = _observed(deployment)
     stalled = next((c.get("message", "") for c in st.get("conditions") or []
                     if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"), None)
 
@@ -68,14 +71,27 @@ def _rollout(deployment: Mapping[str, Any]) -> tuple[dict, dict, str | None]:
     else:
         ready_c = _condition(READY, False, "ReplicasNotReady", f"{ready}/{want} replicas ready")
 
+    # A LeaderWorkerSet says so while it replaces groups for a new template.
+    updating = any(c.get("type") == "UpdateInProgress" and c.get("status") == "True"
+                   for c in st.get("conditions") or [])
     if stalled is not None:
         progressing = _condition(PROGRESSING, False, "ProgressDeadlineExceeded", stalled)
-    elif seen and updated >= want and total == want and ready >= want:
+    elif seen and not updating and updated >= want and total == want and ready >= want:
         progressing = _condition(PROGRESSING, False, "RolloutComplete", f"{want} replicas up to date and ready")
     else:
         progressing = _condition(PROGRESSING, True, "RollingOut",
                                  f"{updated}/{want} updated, {ready}/{want} ready, {total} pods")
     return ready_c, progressing, stalled
+
+
+def _observed(workload: Mapping[str, Any]) -> bool:
+    """Whether the workload's status describes its latest spec."""
+    st = workload.get("status") or {}
+    if workload.get("kind") == "LeaderWorkerSet" and "observedGeneration" not in st:
+        # The LWS controller of v0.7 reports no observedGeneration: its counts are the latest it
+        # computed, and UpdateInProgress (below) says while a template change rolls out.
+        return bool(st)
+    return (st.get("observedGeneration") or 0) >= (workload.get("metadata", {}).get("generation") or 0)
 
 
 def blocked_of(status: Mapping[str, Any] | None) -> Blocked | None:

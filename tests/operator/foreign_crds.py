@@ -1,5 +1,5 @@
 """Other projects' CRDs (vendored_crds/: GIE's InferencePool, Gateway API's HTTPRoute, KEDA's
-ScaledObject) and the API server's validation of their objects, for the pure tests and the
+ScaledObject, LWS's LeaderWorkerSet) and the API server's validation of their objects, for the pure tests and the
 emulator alike.
 
 `problems(obj)` is what the API server would say: schema errors (structural defaults first, as

@@ -147,7 +147,7 @@ def _setup(emulator: Any) -> None:
     crd = yaml.safe_load(CRD_PATH.read_text())
     emulator.register_builtins()
     emulator.register_crd(crd)
-    foreign_crds.install(emulator)  # GIE, Gateway API and KEDA are installed, and validate
+    foreign_crds.install(emulator)  # GIE, Gateway API, KEDA and LWS are installed, and validate
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ read-only root filesystem, writing only to emptyDirs that HOME, XDG_CACHE_HOME a
 import pytest
 
 from quire_operator.children import desired_deployment
+from quire_operator.lws_children import desired_leaderworkerset
 from quire_operator.router_children import desired_router_deployment
 from quire_operator.spec import parse_spec
 
@@ -28,12 +29,18 @@ SPECS = {
     "router, prefix-aware on a claim": {
         "model": {"source": "qwen.gguf", "pvc": {"claimName": "models"}},
         "router": {"enabled": True, "routing": "prefix-aware"}},
+    "multi-node, TLS": {"parallelism": {"tensor": 2, "pipeline": 2}, "tls": {"secretName": "tls"}},
 }
 
 
 def deployments(raw: dict) -> list[dict]:
     spec = parse_spec(raw)
-    made = [desired_deployment(OWNER, spec, "img")]
+    if spec.parallelism.multi_node:  # a LeaderWorkerSet: its leader's and its workers' pods
+        template = desired_leaderworkerset(OWNER, spec, "img")["spec"]["leaderWorkerTemplate"]
+        made = [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": f"chat-{role}"},
+                 "spec": {"template": template[f"{role}Template"]}} for role in ("leader", "worker")]
+    else:
+        made = [desired_deployment(OWNER, spec, "img")]
     if spec.router.enabled:
         made.append(desired_router_deployment(OWNER, spec.router, "img"))
     return made
