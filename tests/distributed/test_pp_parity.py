@@ -132,3 +132,21 @@ def test_prompt_logprobs_and_embeddings_come_back_through_the_stages(tp_models):
             assert x.keys() == y.keys()
             assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
     torch.testing.assert_close(staged_vectors, single_vectors, atol=1e-5, rtol=0)
+
+
+def test_a_draft_model_on_rank_0_proposes_for_the_stages(tp_models):
+    """Draft-model speculation: the draft (its own whole model and KV cache) runs on rank 0,
+    the stages verify; transformers' greedy tokens, with proposals accepted."""
+    path = tp_models["llama"]
+    prompts = [p + p for p in rh.random_prompts(4, seed=5)]
+    expected = rh.hf_greedy(rh.hf_model(path), prompts, MAX_TOKENS)
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, pipeline_parallel_size=2,
+              num_threads=1, speculative_config={"model": path, "num_speculative_tokens": 3})
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.speculator.counters.num_accepted_tokens > 0
+        assert llm.engine.kv_manager.pool.num_used_blocks == 0
+    finally:
+        llm.engine.shutdown()
