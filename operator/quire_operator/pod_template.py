@@ -163,6 +163,16 @@ def _probes(spec: LLMSpec) -> dict:
     }
 
 
+def group_key_env(spec: LLMSpec) -> list[dict]:
+    """A multi-node group's step-channel key (the runtime's QUIRE_DISTRIBUTED_KEY), from the
+    Secret spec.parallelism.keySecret names; nothing for single-node pods."""
+    if not spec.parallelism.multi_node or spec.parallelism.key_secret is None:
+        return []
+    secret, key = spec.parallelism.key_secret
+    return [{"name": "QUIRE_DISTRIBUTED_KEY",
+             "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
+
+
 def pod_template(name: str, spec: LLMSpec, default_image: str, *, args: list[str] | None = None,
                  serving: bool = True, extra_ports: tuple[dict, ...] = ()) -> dict:
     """The pod of one replica (`args`: the arguments after `quire`, server_args by default).
@@ -182,9 +192,10 @@ def pod_template(name: str, spec: LLMSpec, default_image: str, *, args: list[str
         container["ports"] = [{"name": names.PORT_NAME, "containerPort": spec.port, "protocol": "TCP"},
                               *extra_ports]
         container["env"] = (_env(spec) + tracing_env(spec.observability, name, spec.env)
-                            + kv_offload_env(spec.kv_offload) + kv_events_env(spec.router))
+                            + kv_offload_env(spec.kv_offload) + kv_events_env(spec.router)
+                            + group_key_env(spec))
     else:
-        container["env"] = _env(spec)
+        container["env"] = _env(spec) + group_key_env(spec)
     container.update({
         "resources": _resources(spec),
         "volumeMounts": mounts,

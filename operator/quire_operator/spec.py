@@ -64,6 +64,7 @@ class ParallelismSpec:
     tensor: int = 1
     pipeline: int = 1  # pods per replica: more than one makes it a LeaderWorkerSet
     shm_size: str | None = None  # the /dev/shm sizeLimit; None: pod_template's default
+    key_secret: tuple[str, str] | None = None  # (secret name, key): the group's step-channel key
 
     @property
     def multi_node(self) -> bool:
@@ -261,7 +262,15 @@ def _parse_parallelism(spec: _Reader) -> ParallelismSpec:
         tensor=parallelism.integer("tensor", 1, minimum=1, maximum=MAX_TENSOR_PARALLEL),
         pipeline=parallelism.integer("pipeline", 1, minimum=1, maximum=MAX_PIPELINE_PARALLEL),
         shm_size=shm_size,
+        key_secret=_key_secret(parallelism),
     )
+
+
+def _key_secret(parallelism: _Reader) -> tuple[str, str] | None:
+    if not parallelism.has("keySecret"):
+        return None
+    secret = parallelism.section("keySecret")
+    return secret.string("name", required=True), secret.string("key") or "distributed-key"
 
 
 def _gpus(resources: _Reader, parallelism: ParallelismSpec, *, checked: bool) -> int:

@@ -59,6 +59,24 @@ def test_the_leaderworkerset_is_valid_for_the_vendored_lws_crd(spec):
     assert problems(lws_of(spec)) == []
 
 
+def test_the_groups_step_channel_key_comes_from_the_named_secret():
+    """Leader and workers read the same key; without keySecret neither gets one (the runtime
+    then warns that it uses its built-in key), and single-node pods never do."""
+    keyed = lws_of({**MULTI, "parallelism": {**MULTI["parallelism"],
+                                             "keySecret": {"name": "group-key"}}})
+    assert problems(keyed) == []
+    ref = {"name": "QUIRE_DISTRIBUTED_KEY",
+           "valueFrom": {"secretKeyRef": {"name": "group-key", "key": "distributed-key"}}}
+    for container in containers(keyed):
+        assert ref in container["env"]
+    for container in containers(lws_of(MULTI)):
+        assert all(e["name"] != "QUIRE_DISTRIBUTED_KEY" for e in container["env"])
+    single = desired_deployment(OWNER, parse_spec({"parallelism": {"keySecret": {"name": "k"}}}),
+                                "img")
+    (container,) = single["spec"]["template"]["spec"]["containers"]
+    assert all(e["name"] != "QUIRE_DISTRIBUTED_KEY" for e in container.get("env", []))
+
+
 def test_a_group_is_one_replica_of_pipeline_pods_that_restart_together():
     lws = lws_of({**MULTI, "replicas": 3})
     assert (lws["apiVersion"], lws["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
@@ -228,8 +246,10 @@ def test_the_operator_writes_an_owned_lws_that_follows_replicas_and_repairs_drif
         (ref,) = made["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["uid"]) == ("LLMDeployment", llmd["metadata"]["uid"])
         assert made["spec"]["replicas"] == 2 and cluster.deployment("chat") is None
-        assert cluster.service("chat")["spec"]["selector"] == {names.SELECTOR_LABEL: "chat",
-                                                               names.LWS_WORKER_INDEX_LABEL: "0"}
+        # the Service follows the workload in the same pass
+        wait_for(lambda: (cluster.service("chat") or {}).get("spec", {}).get("selector")
+                 == {names.SELECTOR_LABEL: "chat", names.LWS_WORKER_INDEX_LABEL: "0"},
+                 what="the Service selecting leaders")
 
         # kubectl scale llmd chat --replicas 3: three groups.
         cluster.patch(LLMD_API, names.PLURAL, "chat", {"spec": {"replicas": 3}})
@@ -260,11 +280,14 @@ def test_switching_nodes_replaces_the_workload_and_never_keeps_two(cluster):
 
         cluster.patch(LLMD_API, names.PLURAL, "chat", {"spec": {"parallelism": {"pipeline": 2}}})
         wait_for(lambda: lws(cluster) and cluster.deployment("chat") is None, what="the LWS in its place")
-        assert names.LWS_WORKER_INDEX_LABEL in cluster.service("chat")["spec"]["selector"]
+        # the Services follow the workload in the same pass
+        wait_for(lambda: names.LWS_WORKER_INDEX_LABEL in cluster.service("chat")["spec"]["selector"],
+                 what="the Service selecting leaders")
 
         cluster.patch(LLMD_API, names.PLURAL, "chat", {"spec": {"parallelism": {"pipeline": 1}}})
         wait_for(lambda: cluster.deployment("chat") and lws(cluster) is None, what="the Deployment back")
-        assert cluster.service("chat")["spec"]["selector"] == {names.SELECTOR_LABEL: "chat"}
+        wait_for(lambda: cluster.service("chat")["spec"]["selector"] == {names.SELECTOR_LABEL: "chat"},
+                 what="the Service selecting every pod again")
         reasons = [e["message"] for e in cluster.events("chat") if e["reason"] == "Deleted"]
         assert any(m.startswith("Deployment chat deleted") for m in reasons)
         assert any(m.startswith("LeaderWorkerSet chat deleted") for m in reasons)

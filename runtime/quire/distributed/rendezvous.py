@@ -29,6 +29,14 @@ def authkey() -> bytes:
     return os.environ.get(KEY_ENV, "quire-distributed").encode()
 
 
+def warn_if_default_key() -> None:
+    if not os.environ.get(KEY_ENV):
+        logger.warning("the step channel uses the built-in key: any host that reaches this "
+                       "port can join the group; set $%s (the same on every node; the "
+                       "operator's spec.parallelism.keySecret) or keep the port private",
+                       KEY_ENV)
+
+
 def step_port(master_port: int) -> int:
     return master_port + 1
 
@@ -39,6 +47,7 @@ class RemoteWorkers:
     def __init__(self, port: int, ranks: list[int], describe_rank) -> None:
         self.expected = set(ranks)
         self.describe_rank = describe_rank  # rank -> "rank 2 (node 1)"
+        warn_if_default_key()
         self.listener = Listener(("", port), authkey=authkey(), backlog=len(ranks) + 4)
         logger.info("waiting for %d remote ranks on port %d", len(ranks), port)
 
