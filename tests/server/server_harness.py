@@ -119,6 +119,12 @@ class ServerProcess:
         self._poller = threading.Thread(target=self._poll_until_ready, daemon=True)
         self._poller.start()
 
+    def restart(self) -> None:
+        """Start it again after it exited, on the same port, with a fresh log."""
+        self._log.close()
+        self.ready_history, self.is_ready = [], False
+        self.start()
+
     def _poll_until_ready(self) -> None:
         """From the start: probe /ready every 0.1 s until it says 200 or the process ends."""
         while self.proc.poll() is None and not self.poll_ready():
@@ -239,10 +245,14 @@ def server(name: str) -> ServerProcess:
             s.start()
             share(s)  # stopped at the session's end (tests/conftest.py), killed with it
         _servers.update(tiny)
+    wanted = _servers[name]
+    if wanted.proc.poll() is not None:  # a test ended it on purpose (the fault server's death)
+        wanted.restart()
     deadline = time.monotonic() + READY_TIMEOUT
     for s in _servers.values():  # (a failure here fails every test that asks, not only one)
-        s.wait_ready(max(1.0, deadline - time.monotonic()))
-    return _servers[name]
+        if s.proc.poll() is None or s is wanted:
+            s.wait_ready(max(1.0, deadline - time.monotonic()))
+    return wanted
 
 
 def wait_idle(srv: ServerProcess, timeout: float = 30.0) -> dict:
