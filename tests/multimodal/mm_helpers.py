@@ -4,26 +4,22 @@ on the processor's own inputs: the oracle of the multimodal parity tests."""
 
 from __future__ import annotations
 
-import functools
+import copy
 
 import numpy as np
 import torch
 
+from runtime_helpers import smollm2_tokenizer
+
 IMAGE_TOKEN = "<image>"
-IMAGE_SIZE = 28      # pixels per side after the processor's resize and crop
-PATCH = 14           # 2 x 2 patches: 4 image tokens per image (CLS dropped)
+IMAGE_SIZE = 56      # pixels per side after the processor's resize and crop
+PATCH = 14           # 4 x 4 patches: 16 image tokens per image (CLS dropped)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
     "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@functools.cache
-def smollm2_tokenizer():
-    from quire.models.loader import load_tokenizer, materialize, resolve_model
-    return load_tokenizer(materialize(resolve_model(None)), None)
 
 
 def llava_config(image_size: int = IMAGE_SIZE):
@@ -50,9 +46,10 @@ def save_tiny_llava(path: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.3)
+            if "multi_modal_projector" in name and name.endswith("weight"):
+                p.normal_(0, p.shape[1] ** -0.5)  # features that vary with the image
     model.save_pretrained(path)
-    tok = smollm2_tokenizer()
-    tok = tok.__class__.from_pretrained(tok.name_or_path) if tok.name_or_path else tok
+    tok = copy.deepcopy(smollm2_tokenizer())  # the shared one stays as it is
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tok.chat_template = CHAT_TEMPLATE
     image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
@@ -66,9 +63,14 @@ def save_tiny_llava(path: str, seed: int = 0) -> str:
 
 
 def random_image(seed: int, size=(40, 32)):
+    """Random colour blocks (a 4 x 4 grid) over a little noise: noise alone looks the same
+    to a random vision tower, blocks of colour don't."""
     from PIL import Image
     rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+    grid = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8), "RGB")
+    blocks = np.asarray(grid.resize(size, Image.NEAREST), dtype=np.int16)
+    noise = rng.integers(-20, 21, blocks.shape)
+    return Image.fromarray(np.clip(blocks + noise, 0, 255).astype(np.uint8), "RGB")
 
 
 def hf_llava(path: str):
