@@ -26,7 +26,10 @@ class MultiModalProcessor:
     def __init__(self, processor, image_token_id: int) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
-        self.image_token = getattr(processor, "image_token", None)
+        # what a text prompt writes per image: Gemma 3's processor expands its begin-of-image
+        # token (boi_token) into the run of image tokens; LLaVA and Qwen2.5-VL expand theirs
+        self.image_token = (getattr(processor, "boi_token", None)
+                            or getattr(processor, "image_token", None))
 
     @classmethod
     def of(cls, path: str, hf_config) -> MultiModalProcessor | None:
