@@ -81,3 +81,29 @@ def test_preemption_recomputes_the_images(llava_path, reference):
     assert run(llm, prompts() * 2) == reference * 2
     assert llm.engine.snapshot().preemptions.get("recompute", 0) > 0
     assert_clean(llm)
+
+
+def test_both_checkpoint_spellings_load(llava_path, reference, tmp_path):
+    """transformers writes `language_model.model.*` / `vision_tower.*`; checkpoints made
+    after its 4.52 rename say `model.language_model.*` / `model.vision_tower.*` /
+    `lm_head.*`: the same weights either way."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    renamed = tmp_path / "renamed"
+    shutil.copytree(llava_path, renamed)
+    tensors = load_file(str(renamed / "model.safetensors"))
+    new = {}
+    for name, t in tensors.items():
+        for old, now in (("language_model.model.", "model.language_model."),
+                         ("language_model.lm_head.", "lm_head."),
+                         ("vision_tower.", "model.vision_tower.vision_model."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if name.startswith(old):
+                name = now + name[len(old):]
+                break
+        new[name] = t
+    assert any(k.startswith("model.language_model.") for k in new)
+    save_file(new, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(renamed), dtype="float32")
+    assert run(llm, prompts()[:3]) == reference[:3]
