@@ -83,6 +83,16 @@ def test_preemption_recomputes_the_images(llava_path, reference):
     assert_clean(llm)
 
 
+def test_samples_of_one_prompt_share_its_image(llava_path, reference):
+    """n = 2: the second sample is forked from the first's prompt blocks, images and all."""
+    llm = LLM(llava_path, dtype="float32", max_num_batched_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, n=2)
+    out = llm.generate(prompts()[2], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [reference[2]] * 2
+    assert llm.engine.snapshot().encoder_cache["misses"] == 2  # its two images, once each
+    assert_clean(llm)
+
+
 def test_both_checkpoint_spellings_load(llava_path, reference, tmp_path):
     """transformers writes `language_model.model.*` / `vision_tower.*`; checkpoints made
     after its 4.52 rename say `model.language_model.*` / `model.vision_tower.*` /

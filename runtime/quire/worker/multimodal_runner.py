@@ -66,6 +66,9 @@ class MultiModalRunner:
         for c in chunks:
             first, end = end, end + len(c.token_ids)
             for im in c.images:
+                if embeds[im.hash].shape[0] != im.length:  # processor and encoder disagree
+                    raise RuntimeError(f"image {im.hash[:12]} has {im.length} placeholders "
+                                       f"but {embeds[im.hash].shape[0]} embeddings")
                 lo, hi = im.overlap(c.start, c.start + len(c.token_ids))
                 rows.append(np.arange(lo, hi, dtype=np.int64) - c.start + first)
                 parts.append(embeds[im.hash][lo - im.offset:hi - im.offset])
