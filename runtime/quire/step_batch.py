@@ -55,6 +55,10 @@ class SequenceChunk:
     prompt_logprobs: PromptLogprobsAsk | None = None  # logits of its prompt positions, scored
     # the pooling runner: its last position's final hidden state comes back under this key
     pool_key: str | None = None
+    # the images (quire.multimodal.inputs.ImageSpan: hash and placeholder run) whose
+    # placeholders lie in this chunk: their embeddings replace those tokens' (plain data; the
+    # executor has the pixels and the encoder cache, by hash)
+    images: list = field(default_factory=list)
 
 
 @dataclass

@@ -33,7 +33,9 @@ FLOORS = [
      "quire.speculative_config", "quire.config",
      # the KV tiers and KV-cache events: stores and a publisher the engine drives, which
      # know only these values (their configs are EngineArgs')
-     "quire.kv_tiers", "quire.kv_events"],
+     "quire.kv_tiers", "quire.kv_events",
+     # a multimodal prompt's values, its images checked and hashed, the processor step
+     "quire.multimodal"],
     ["quire.native"],                          # the C++ kernels and their wrappers
     ["quire.attention", "quire.layers"],       # attention backends, linear/norm/MoE layers
     ["quire.models", "quire.lora"],            # model families, adapters

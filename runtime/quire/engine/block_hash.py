@@ -4,9 +4,10 @@ KV-cache manager and the router's prefix-aware routing, so that routing and cach
 Public interface:
     ExtraKeys(adapter, cache_salt, long_rope, client_request)   what besides the tokens
                                             decides whether two blocks hold the same K/V
-    extend_block_hashes(hashes, token_ids, block_size, num_full_blocks, keys)
+    extend_block_hashes(hashes, token_ids, block_size, num_full_blocks, keys, images)
                                             appends the chained hashes of the next full blocks
-    hash_block_tokens(parent, token_ids)    one block's hash from its parent's
+    hash_block_tokens(parent, token_ids, extra)   one block's hash from its parent's
+    block_image_keys(images, first, end)    the image digests a token range holds
     chain_root(keys)                        the parent of a sequence's first block
     check_cache_salt(salt)                  ValueError naming cache_salt unless it is usable
     MAX_CACHE_SALT_CHARS
@@ -19,6 +20,12 @@ GHSA-rm76-4mrf-v9r8). Every input has one encoding: the parent is always 32 byte
 fixed-width, and the extra keys a JSON object with sorted keys, ASCII only, no whitespace,
 holding only strings, ints and true (never repr or pickle of arbitrary objects). Keys at
 their default are left out, so a key added later leaves today's hashes as they are.
+
+A block that holds any placeholder position of an image also hashes that image's content
+digest (32 bytes each, in prompt order, after the tokens): the placeholder tokens are the same
+for every image, so without it the same text with another image would hit. The message is
+then longer than a text block's (parent + 4 x block_size bytes), so the two never collide; a
+text block's hash is as it was (the router's, which sees no images, stays valid).
 
 The full 32-byte digest is kept (as vLLM does): it is the dict key of the block pool, a few
 dozen bytes per block, and no argument about truncated collision bounds is needed.
@@ -80,23 +87,36 @@ def chain_root(keys: ExtraKeys = NO_EXTRA_KEYS) -> bytes:
     return hashlib.sha256(_DOMAIN + keys.encode()).digest()
 
 
-def hash_block_tokens(parent: bytes, token_ids: Sequence[int]) -> bytes:
+def hash_block_tokens(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """Chained: a block is identified by its tokens *and* everything before them. Token ids
-    must be in [0, 2^32) (struct.error otherwise)."""
+    must be in [0, 2^32) (struct.error otherwise). `extra`: the digests of the images whose
+    placeholders the block holds (block_image_keys)."""
     n = len(token_ids)
     packer = _packers.get(n)
     if packer is None:
         packer = _packers[n] = struct.Struct(f"<{n}I")
-    return hashlib.sha256(parent + packer.pack(*token_ids)).digest()
+    return hashlib.sha256(parent + packer.pack(*token_ids) + extra).digest()
+
+
+def block_image_keys(images: Sequence, first: int, end: int) -> bytes:
+    """The digests (32 bytes each, in order) of the images whose placeholder runs overlap
+    token positions [first, end). `images`: objects with `offset`, `length` and `digest`
+    (quire.multimodal.inputs.ImageSpan)."""
+    return b"".join(im.digest for im in images
+                    if im.offset < end and im.offset + im.length > first)
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        num_full_blocks: int, keys: ExtraKeys = NO_EXTRA_KEYS) -> None:
+                        num_full_blocks: int, keys: ExtraKeys = NO_EXTRA_KEYS,
+                        images: Sequence = ()) -> None:
     """Append to `hashes` (the chain so far) until it covers `num_full_blocks` blocks. Each
-    block is hashed once, when it is first asked for (a block fills), never per step."""
+    block is hashed once, when it is first asked for (a block fills), never per step.
+    `images`: the prompt's image placeholder runs (ImageSpan), hashed into their blocks."""
     parent = hashes[-1] if hashes else chain_root(keys)
     for i in range(len(hashes), num_full_blocks):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        first, end = i * block_size, (i + 1) * block_size
+        extra = block_image_keys(images, first, end) if images else b""
+        parent = hash_block_tokens(parent, token_ids[first:end], extra)
         hashes.append(parent)
 
 

@@ -46,6 +46,10 @@ from quire.lora.adapters import EngineAdapters
 from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
+from quire.multimodal.images import as_images
+from quire.multimodal.inputs import ProcessedPrompt
+from quire.multimodal.processor import FIELD as MM_FIELD
+from quire.multimodal.processor import MultiModalProcessor
 from quire.outputs import RequestOutput, TokenLogprobs
 from quire.platform import default_step_budget, resolve_device, resolve_dtype
 from quire.priorities import check_priority
@@ -73,6 +77,11 @@ class LLMEngine:
         self.model_name = source.name
         self.model_config = cfg = ModelConfig.from_hf(load_hf_config(source, args.revision))
         self.tokenizer = load_tokenizer(source, args.tokenizer)
+        # a vision-language model's processor step (None: the model takes text only)
+        self.mm_processor = None
+        if cfg.multimodal_hf is not None:
+            self._check_multimodal_args(args)
+            self.mm_processor = MultiModalProcessor.of(source.path, cfg.multimodal_hf)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.max_model_len = self._max_model_len(cfg)
         self.block_size = args.block_size
@@ -147,6 +156,16 @@ class LLMEngine:
                 f"length), got {self.args.max_model_len}", self.args.max_model_len)
         return self.args.max_model_len
 
+    @staticmethod
+    def _check_multimodal_args(args: EngineArgs) -> None:
+        """What a vision-language model can't run with yet, refused before anything starts."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(args, name) != 1:
+                raise QuireValidationError(
+                    name, f"{name} must be 1 for a multimodal model (the image encoder runs "
+                    f"in the engine's process, not yet sharded), got {getattr(args, name)}",
+                    getattr(args, name))
+
     def _speculation(self) -> Speculation | None:
         config = self.args.speculative  # parsed once, with the other args
         if config is None:
@@ -196,7 +215,7 @@ class LLMEngine:
             raise QuireValidationError(
                 "n", f"n must be <= {self.args.max_num_seqs} (this engine's max_num_seqs, "
                 f"--max-num-seqs): the n samples run side by side; got {params.n}", params.n)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, mm = self._process(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         # the adapter salts its prefix-cache hashes (KVCacheManager.extra_keys), so no two
         # adapters (nor base and adapter) share KV blocks
@@ -208,15 +227,46 @@ class LLMEngine:
             seqs.append(Request(
                 request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
                 self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
-                sample_index=i, lora=adapter, cache_salt=cache_salt, priority=priority))
+                sample_index=i, lora=adapter, cache_salt=cache_salt, priority=priority,
+                images=mm.images if mm else ()))
         if params.guided_decoding is not None:  # compiles off this thread; waits till then
             self.structured.attach(seqs, params.guided_decoding)
+        if mm is not None:  # the pixels wait with the executor until the request ends
+            self.executor.add_images(request_id, mm.pixels)
         self.output_processor.add(request_id, text, token_ids, params, seqs)
         self.scheduler.add_request(seqs[0], seqs[1:])
         return request_id
 
+    def _process(self, prompt: PromptType
+                 ) -> tuple[str | None, list[int], ProcessedPrompt | None]:
+        """Text and token ids, and a prompt with images through the processor step: a dict
+        {'prompt': str, 'multi_modal_data': {'image': PIL image or list}} (vLLM's; an
+        'add_special_tokens': False key leaves out the tokenizer's BOS, for rendered chats)."""
+        if not isinstance(prompt, dict) or prompt.get(MM_FIELD) is None:
+            return (*self._tokenize(prompt), None)
+        if self.mm_processor is None:
+            raise QuireValidationError(
+                MM_FIELD, f"the model is not multimodal: {self.model_config.architecture} "
+                f"takes text only, so a prompt can't carry {MM_FIELD}")
+        data, text = prompt[MM_FIELD], prompt.get("prompt")
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            shown = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise QuireValidationError(
+                MM_FIELD, f"{MM_FIELD} must be a dict with the one key 'image' (a PIL image or "
+                f"a list of them), got {shown}")
+        if not isinstance(text, str) or not text:
+            raise QuireValidationError(
+                "prompt", f"a prompt with {MM_FIELD} needs its text as a non-empty string "
+                "'prompt', with one image placeholder per image")
+        images = as_images(data["image"], MM_FIELD)
+        mm = self.mm_processor.process(text, images, prompt.get("add_special_tokens", True))
+        return text, mm.token_ids, mm
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            if prompt.get(MM_FIELD) is not None:
+                raise QuireValidationError(MM_FIELD, f"{MM_FIELD} is not supported here (beam "
+                                           "search and pooling take text prompts)")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
@@ -362,7 +412,12 @@ class LLMEngine:
         """Schedule -> execute -> update."""
         sched = self.scheduler.schedule()  # with every feature's part, as plain data
         result = self._execute(sched)      # the executor's one forward (None: it failed)
-        return self._update(sched, result)
+        outputs = self._update(sched, result)
+        if self.mm_processor is not None:  # a finished request's images' pixels may go
+            for out in outputs:
+                if out.finished:
+                    self.executor.release_images(out.request_id)
+        return outputs
 
     def _execute(self, sched: SchedulerOutput) -> StepResult | None:
         try:
@@ -468,7 +523,15 @@ class LLMEngine:
             waiting_by_priority=counts_by_band(sched.waiting),
             running_by_priority=counts_by_band(sched.running),
             kv_tiers=self.kv_tiers.snapshot() if self.kv_tiers is not None else None,
+            encoder_cache=self._encoder_cache_counts(),
         )
+
+    def _encoder_cache_counts(self) -> dict[str, int] | None:
+        mm = self.executor.multimodal
+        if mm is None:
+            return None
+        return {"hits": mm.cache.hits, "misses": mm.cache.misses, "entries": len(mm.cache),
+                "bytes": mm.cache.num_bytes}
 
 
 def _in_use(request_id: str) -> QuireValidationError:

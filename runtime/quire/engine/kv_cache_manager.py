@@ -146,7 +146,7 @@ class KVCacheManager:
         if len(seq.block_hashes) < num_full_blocks:  # only the first block needs the keys
             keys = self.extra_keys(seq) if not seq.block_hashes else NO_EXTRA_KEYS
             extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size,
-                                num_full_blocks, keys)
+                                num_full_blocks, keys, seq.images)
 
     def extra_keys(self, seq: Request) -> ExtraKeys:
         """What seeds the sequence's hash chain besides its tokens."""

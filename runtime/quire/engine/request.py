@@ -27,6 +27,7 @@ from quire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from quire.lora.request import AdapterHandle
+    from quire.multimodal.inputs import ImageSpan
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +67,7 @@ class Request:
         cache_salt: str | None = None,
         lockstep_group: str | None = None,
         priority: int = 0,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         self.request_id = request_id  # this sequence's id
         self.client_request_id = client_request_id or request_id  # the id the client gave
@@ -94,6 +96,9 @@ class Request:
         self.cache_salt = cache_salt  # the client's cache_salt (tenant isolation)
         self.priority = priority  # lower first under the priority policy (sched_policy.py)
         self.long_rope = False  # its K/V use LongRoPE's long table (scheduler.py)
+        # its prompt's images: placeholder runs and content hashes, plain data (the pixels
+        # and embeddings are the executor's); they join the block hashes of their blocks
+        self.images = tuple(images)
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property

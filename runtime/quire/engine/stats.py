@@ -25,6 +25,8 @@ class EngineSnapshot:
     waiting_by_priority: dict[str, int] = field(default_factory=dict)
     running_by_priority: dict[str, int] = field(default_factory=dict)
     kv_tiers: dict | None = None  # tier -> lifetime counters (kv_tiers TierChain.snapshot)
+    # a multimodal model's encoder cache: lifetime lookups found / not found (None: no images)
+    encoder_cache: dict[str, int] | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from quire.engine.beam_search import BeamSearchParams
 from quire.engine.engine import PromptType
 from quire.engine.factory import create_engine
 from quire.lora.request import LoRARequest
+from quire.multimodal.chat import chat_images
 from quire.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from quire.pooling.params import PoolingParams
 from quire.sampling_params import RequestOutputKind, SamplingParams
@@ -126,12 +127,39 @@ class LLM:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
         tokenizer's chat template. `tools`: OpenAI function tools the template is given
         (assistant tool_calls and role 'tool' messages render too); parse the replies with
-        quire.entrypoints.tool_calls. `cache_salt`: as in generate()."""
+        quire.entrypoints.tool_calls. `cache_salt`: as in generate(). A message's content
+        may be a list of parts: text, and images as {'type': 'image_url', 'image_url': {'url':
+        'data:image/...;base64,...'}} or {'type': 'image_pil', 'image_pil': PIL image}
+        (a vision-language model's; rendered by its processor's chat template)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt,
-                                                                 chat_template, tools)}
-                   for c in conversations]
+        prompts = []
+        for c in conversations:
+            rendered, images = chat_images(c)
+            if images:
+                prompts.append(self._image_chat_prompt(rendered, images, add_generation_prompt,
+                                                       chat_template))
+            else:
+                prompts.append({"prompt_token_ids": self.apply_chat_template(
+                    c, add_generation_prompt, chat_template, tools)})
         return self.generate(prompts, sampling_params, use_tqdm, cache_salt=cache_salt)
+
+    def _image_chat_prompt(self, messages: list[dict], images: list,
+                           add_generation_prompt: bool, chat_template: str | None) -> dict:
+        """The conversation's text through the processor's template (which places the image
+        token per image part), with its images: the prompt dict generate() takes."""
+        processor = getattr(self.engine, "mm_processor", None)
+        if processor is None:
+            raise QuireValidationError(
+                "messages", f"the model is not multimodal: "
+                f"{self.engine.model_config.architecture} takes text only, so messages can't "
+                "carry image parts")
+        render = getattr(processor.processor, "apply_chat_template", None) \
+            or self.tokenizer.apply_chat_template
+        text = render(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                      chat_template=chat_template)
+        # the rendered text has the template's special tokens: the tokenizer adds none
+        return {"prompt": text, "multi_modal_data": {"image": images},
+                "add_special_tokens": False}
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None,

@@ -61,6 +61,7 @@ class Executor:
                                   pipeline=PipelineLinks.of(0, world.size, world.tp, cfg, dtype,
                                                             device))
         self.draft_model = None  # speculative decoding's draft, built by build_draft_model
+        self.multimodal = self.runner.mm  # images' pixels, encoder runs and cache (or None)
         self.generators: dict[str, torch.Generator] = {}  # seeded sequences' own
 
     # --- construction ----------------------------------------------------------------------
@@ -118,6 +119,15 @@ class Executor:
                                       self.block_size, dtype, self.kv_dtype, self.device,
                                       self.max_model_len)
         return self.draft_model
+
+    # --- images ------------------------------------------------------------------------------
+    def add_images(self, owner: str, pixels: dict[str, dict]) -> None:
+        """A request's images' processor tensors by hash, held until `release_images`."""
+        self.multimodal.add(owner, pixels)
+
+    def release_images(self, owner: str) -> None:
+        if self.multimodal is not None:
+            self.multimodal.release(owner)
 
     # --- the step ----------------------------------------------------------------------------
     def execute(self, out) -> StepResult:

@@ -32,13 +32,21 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
     model_type: str = "llama"
-    hf: object = field(default=None, repr=False)   # the transformers config
+    hf: object = field(default=None, repr=False)   # the transformers (decoder's) config
+    # a vision-language model's whole config (vision_config, image token, ...); hf is then
+    # its text_config, which the decoder reads as a text-only family's
+    multimodal_hf: object = field(default=None, repr=False)
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
         arch = resolve_architecture(getattr(hf, "architectures", None),
                                     getattr(hf, "model_type", None))
         model_type = family(arch).model_type
+        outer = None
+        if getattr(hf, "text_config", None) is not None and \
+                getattr(hf, "vision_config", None) is not None:  # the decoder's facts
+            outer, hf = hf, hf.get_text_config()
+            model_type = hf.model_type
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = rope_of(hf)
@@ -67,6 +75,7 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             model_type=model_type,
             hf=hf,
+            multimodal_hf=outer,
         )
 
 

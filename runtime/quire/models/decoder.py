@@ -119,11 +119,13 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                rope_seq_lens: torch.Tensor | None = None):
+                rope_seq_lens: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None):
         """The final hidden states; on a pipeline stage before the last, (x, residual) for
-        the next stage (`forward_stage`)."""
-        x, residual = self.forward_stage(self.embed(input_ids), None, positions, meta,
-                                         kv_caches, rope_seq_lens)
+        the next stage (`forward_stage`). `inputs_embeds`: the embeddings to start from in
+        place of the tokens' (a multimodal prompt's, with its images merged in)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        x, residual = self.forward_stage(x, None, positions, meta, kv_caches, rope_seq_lens)
         if not self.stage.is_last:
             return x, residual
         return x if residual is None else residual + x

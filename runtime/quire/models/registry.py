@@ -35,6 +35,9 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeConfig", "qwen3_moe",
                                   "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": Family("gpt_oss", "GptOssConfig", "gpt_oss", "GptOssForCausalLM"),
+    # vision-language: a vision encoder and projector before a family's decoder
+    "LlavaForConditionalGeneration": Family("llava", "LlavaConfig", "llava",
+                                            "LlavaForConditionalGeneration"),
     # base models without an LM head (sentence-transformers' embedding checkpoints, such as
     # Qwen3-Embedding): the same families, served by the pooling runner
     "LlamaModel": Family("llama", "LlamaConfig", "llama", "LlamaForCausalLM"),

@@ -58,18 +58,23 @@ class PoolerConfig:
                 f"{list(self.matryoshka_dimensions)}, got {dimensions}", dimensions)
 
 
+# architectures with an LM head (vision-language models end in ForConditionalGeneration)
+_GENERATING = ("ForCausalLM", "ForConditionalGeneration")
+
+
 def resolve_runner(args: EngineArgs, architecture: str) -> str:
     """'generate' or 'pooling' for a checkpoint of this architecture and these args (vLLM's
     --runner / --convert)."""
     if args.convert == "embed" or args.runner == "pooling":
         return "pooling"
+    generates = architecture.endswith(_GENERATING)
     if args.runner == "generate":
-        if not architecture.endswith("ForCausalLM"):
+        if not generates:
             raise QuireValidationError(
                 "runner", f"{architecture} is a base model without an LM head: it can't "
                 "generate; serve it with runner 'pooling'", args.runner)
         return "generate"
-    return "generate" if architecture.endswith("ForCausalLM") else "pooling"
+    return "generate" if generates else "pooling"
 
 
 def load_pooler_config(path: str, hf_config) -> PoolerConfig:

@@ -17,6 +17,7 @@ from quire.attention.base import AttentionMetadata
 from quire.distributed.pipeline import split_micro_batches, wait_all
 from quire.step_batch import PromptLogprobsResult, SequenceChunk, StepBatch
 from quire.worker.kv_cache import KVCache
+from quire.worker.multimodal_runner import MultiModalRunner
 from quire.worker.prompt_logprobs import score_prompt_positions
 from quire.worker.sampler import Sampler, SamplerOutput
 
@@ -53,6 +54,9 @@ class HostBatch:
     num_prompt_tokens: int
     num_sample_rows: int = -1    # -1: every row of logits_indices samples
     num_pooled_rows: int = 0     # the last rows: pooled (final hidden states, not logits)
+    # image placeholders: their rows [K] and the embeddings that replace theirs [K, hidden]
+    mm_rows: np.ndarray | None = None
+    mm_embeds: torch.Tensor | None = None
 
 
 @dataclass
@@ -101,6 +105,9 @@ class ModelRunner:
         self.dynamic_rope = model.rope.needs_seq_lens  # dynamic NTK, LongRoPE
         self.long_rope = model.rope.long_threshold is not None
         self.workers = workers  # quire.distributed.workers.Workers, at tensor-parallel size > 1
+        # a family that takes images: their pixels, the encoder runs and its cache
+        self.mm = (MultiModalRunner(model, device)
+                   if getattr(model, "encode_images", None) is not None else None)
         self.cuda_graphs = None  # decode steps replay CUDA graphs: one GPU, no LoRA
         graph_safe = all(b.supports_cuda_graphs for b in model.backends.values())
         if (cuda_graphs and device.type == "cuda" and workers is None and lora is None
@@ -166,10 +173,15 @@ class ModelRunner:
         if inputs.batch is None:
             return None
         host = inputs.batch
-        hidden = None
-        if self.cuda_graphs is not None and host.num_decodes == len(host.input_ids):
+        hidden, embeds = None, None
+        if host.mm_rows is not None:  # image embeddings at their placeholders' rows
+            batch = self._to_device(host)
+            embeds = self.model.embed(batch.input_ids)
+            rows = torch.from_numpy(host.mm_rows).to(self.device)
+            embeds[rows] = host.mm_embeds.to(embeds.dtype)
+        elif self.cuda_graphs is not None and host.num_decodes == len(host.input_ids):
             hidden = self.cuda_graphs.run(host)  # None: no bucket this large
-        if hidden is None:
+        if hidden is None and embeds is None:
             batch = self._to_device(host)
             if self.decode_stack is not None:
                 hidden = self.decode_stack(batch.input_ids, batch.positions, batch.meta,
@@ -177,7 +189,8 @@ class ModelRunner:
         if hidden is None:
             self.model.prepare(batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, batch.meta,
-                                self.kv_cache.layers, batch.rope_seq_lens)
+                                self.kv_cache.layers, batch.rope_seq_lens,
+                                inputs_embeds=embeds)
         self.kv_cache.offload_blocks(inputs.kv_store)  # blocks this forward filled
         if not len(host.logits_indices):
             return None
@@ -264,7 +277,9 @@ class ModelRunner:
             rope_lens = (np.asarray([c.num_tokens for c in chunks], dtype=np.int64)
                          if self.long_rope else prompt_a)
             rope_seq_lens = np.maximum(positions + 1, rope_lens[seq_idx])
+        mm = self.mm.gather(chunks) if self.mm is not None else None
         return HostBatch(
+            mm_rows=None if mm is None else mm[0], mm_embeds=None if mm is None else mm[1],
             input_ids=np.asarray(tokens, dtype=np.int64), positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
             num_decodes=_num_decodes(chunks), rope_seq_lens=rope_seq_lens,

@@ -1,0 +1,98 @@
+"""LLaVA (LlavaForConditionalGeneration): a CLIP vision tower, a two-layer projector, and the
+Llama decoder, whose embeddings take the projected image features at the image placeholders.
+
+The tower and the projector are transformers' own modules (CLIPVisionModel through
+AutoModel, LlavaMultiModalProjector), so the image features are transformers' to the bit;
+the decoder is our Llama body. Checkpoint names come in two spellings (transformers before
+and after its 4.52 rename); both map here:
+    language_model.model.X | model.language_model.X | language_model.X -> the decoder's X
+    language_model.lm_head.X | lm_head.X                               -> lm_head.X
+    vision_tower.X | model.vision_tower.X                              -> the tower
+    multi_modal_projector.X | model.multi_modal_projector.X            -> the projector
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quire.layers.weights import materialize
+from quire.models.llama import LlamaForCausalLM
+
+_VISION = ("model.vision_tower.", "vision_tower.")
+_PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
+_HEAD = ("language_model.lm_head.", "lm_head.")
+_TEXT = ("model.language_model.", "language_model.model.", "language_model.")
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    def __init__(self, cfg, backend_factory, max_model_len, dtype, device,
+                 quant_config=None) -> None:
+        super().__init__(cfg, backend_factory, max_model_len, dtype, device, quant_config)
+        from transformers import AutoModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+        mm = self.mm_config = cfg.multimodal_hf
+        self.vision_tower = AutoModel.from_config(mm.vision_config, dtype=dtype).to(device)
+        self.multi_modal_projector = LlavaMultiModalProjector(mm).to(device=device,
+                                                                     dtype=dtype)
+        for p in (*self.vision_tower.parameters(), *self.multi_modal_projector.parameters()):
+            p.loads_itself = True  # loaded here, not by the decoder's shared loader
+
+    def encode_images(self, inputs: list[dict]) -> list[torch.Tensor]:
+        """Per image, its [tokens, hidden] features as transformers' get_image_features
+        makes them (one tower call for the step's images)."""
+        mm = self.mm_config
+        dtype = next(self.vision_tower.parameters()).dtype
+        pixels = torch.cat([x["pixel_values"] for x in inputs]).to(dtype)
+        layer = mm.vision_feature_layer
+        states = self.vision_tower(pixels, output_hidden_states=True,
+                                   return_dict=True).hidden_states
+        picked = [states[layer]] if isinstance(layer, int) else [states[i] for i in layer]
+        if mm.vision_feature_select_strategy == "default":  # drop the CLS token
+            picked = [s[:, 1:] for s in picked]
+        return list(self.multi_modal_projector(torch.cat(picked, dim=-1)))
+
+    def load_weights(self, weights) -> None:
+        vision, projector = {}, {}
+
+        def text_weights():
+            for name, tensor in weights:
+                if name.startswith(_VISION):
+                    vision[_strip(name, _VISION)] = tensor
+                elif name.startswith(_PROJECTOR):
+                    projector[_strip(name, _PROJECTOR)] = tensor
+                elif name.startswith(_HEAD):
+                    yield "lm_head." + _strip(name, _HEAD), tensor
+                elif name.startswith(_TEXT):
+                    yield "model." + _strip(name, _TEXT), tensor
+
+        super().load_weights(text_weights())
+        _load_module(self.vision_tower, vision, "vision tower")
+        _load_module(self.multi_modal_projector, projector, "multi-modal projector")
+
+
+def _strip(name: str, prefixes: tuple[str, ...]) -> str:
+    return name[len(next(p for p in prefixes if name.startswith(p))):]
+
+
+def _load_module(module: torch.nn.Module, tensors: dict, what: str) -> None:
+    """A transformers module's weights, under its own names (CLIP's with or without its
+    `vision_model.` level)."""
+    own = module.state_dict()
+    loaded = set()
+    for name, tensor in tensors.items():
+        key = next((k for k in (name, f"vision_model.{name}", name.removeprefix("vision_model."))
+                    if k in own), None)
+        if key is None:
+            continue  # e.g. position_ids buffers, a head the tower does not use
+        value = materialize(tensor)
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise ValueError(f"{what} weight {name} has shape {tuple(value.shape)}, the "
+                             f"config implies {tuple(own[key].shape)}")
+        with torch.no_grad():
+            own[key].copy_(value)
+        loaded.add(key)
+    params = {n for n, _ in module.named_parameters()}
+    missing = sorted(params - loaded)
+    if missing:
+        shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+        raise ValueError(f"the checkpoint lacks {len(missing)} {what} weights: {shown}")

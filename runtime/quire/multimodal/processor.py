@@ -1,0 +1,94 @@
+"""The processor step: a prompt and its images -> token ids with each image's placeholders
+expanded, each image's placeholder run and content hash, and its pixel inputs, exactly as
+the model's own transformers processor makes them (AutoProcessor from the checkpoint).
+
+Public interface:
+    MultiModalProcessor.of(path, hf_config)    None unless the model takes images
+    MultiModalProcessor.process(text, images, add_special_tokens)  -> ProcessedPrompt
+    MultiModalProcessor.image_token            the placeholder a text prompt writes per image
+
+Family-independent: the image token comes from the config (`image_token_index`, or
+`image_token_id` as Qwen2.5-VL and Gemma 3 spell it), the placeholder runs from the expanded
+ids, and each image's count of embeddings from the processor's output (equal shares, or a
+grid per image where the processor gives one).
+"""
+
+from __future__ import annotations
+
+from quire.multimodal.images import image_hash
+from quire.multimodal.inputs import ImageSpan, ProcessedPrompt
+from quire.validation import QuireValidationError
+
+FIELD = "multi_modal_data"
+
+
+class MultiModalProcessor:
+    def __init__(self, processor, image_token_id: int) -> None:
+        self.processor = processor
+        self.image_token_id = image_token_id
+        # what a text prompt writes per image: Gemma 3's processor expands its begin-of-image
+        # token (boi_token) into the run of image tokens; LLaVA and Qwen2.5-VL expand theirs
+        self.image_token = (getattr(processor, "boi_token", None)
+                            or getattr(processor, "image_token", None))
+
+    @classmethod
+    def of(cls, path: str, hf_config) -> MultiModalProcessor | None:
+        token_id = getattr(hf_config, "image_token_index", None)
+        if token_id is None:
+            token_id = getattr(hf_config, "image_token_id", None)
+        if token_id is None or getattr(hf_config, "vision_config", None) is None:
+            return None
+        from transformers import AutoProcessor
+        try:
+            processor = AutoProcessor.from_pretrained(path)
+        except Exception as e:
+            raise ValueError(f"cannot load the image processor of {path!r}: {e}") from None
+        return cls(processor, int(token_id))
+
+    def process(self, text: str, images: list, add_special_tokens: bool = True
+                ) -> ProcessedPrompt:
+        if self.image_token and text.count(self.image_token) != len(images):
+            raise QuireValidationError(
+                FIELD, f"the prompt has {text.count(self.image_token)} {self.image_token} "
+                f"placeholders for {len(images)} images in {FIELD}; write one per image, in "
+                "order")
+        images = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
+        try:
+            out = self.processor(text=text, images=images, return_tensors="pt",
+                                 add_special_tokens=add_special_tokens)
+        except (ValueError, TypeError, OSError) as e:
+            raise QuireValidationError(FIELD, f"{FIELD}: the processor refused the input: "
+                                       f"{e}") from None
+        ids = out["input_ids"][0].tolist()
+        counts = self._counts(out, len(images), ids.count(self.image_token_id))
+        spans, pixels, at = [], {}, 0
+        for i, (image, n) in enumerate(zip(images, counts)):
+            offset = ids.index(self.image_token_id, at)
+            if ids[offset:offset + n] != [self.image_token_id] * n:
+                raise ValueError(f"image {i}'s {n} placeholder tokens are not one run")
+            h = image_hash(image)
+            spans.append(ImageSpan(h, offset, n))
+            pixels.setdefault(h, _one_image(out, i, len(images)))
+            at = offset + n
+        return ProcessedPrompt(ids, spans, pixels)
+
+    def _counts(self, out, num_images: int, total: int) -> list[int]:
+        """Each image's placeholder (and embedding) count."""
+        grid = out.get("image_grid_thw")
+        if grid is not None:  # patches merged merge_size^2 to a token (Qwen2.5-VL)
+            merge = getattr(self.processor.image_processor, "merge_size", 1)
+            return [int(g.prod()) // merge**2 for g in grid]
+        if total % num_images:
+            raise ValueError(f"{total} placeholder tokens don't split over {num_images} images")
+        return [total // num_images] * num_images
+
+
+def _one_image(out, i: int, num_images: int) -> dict:
+    """The processor's tensors for image i alone (those with a row per image)."""
+    keep = {}
+    for key, value in out.items():
+        if key in ("input_ids", "attention_mask") or not hasattr(value, "shape"):
+            continue
+        if value.ndim and value.shape[0] == num_images:
+            keep[key] = value[i:i + 1].clone()
+    return keep

@@ -1,0 +1,113 @@
+"""The ways images come in (generate's prompt dict, chat's image parts) and what is refused,
+each with a ValueError naming the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+
+from quire import LLM, SamplingParams
+from quire.validation import QuireValidationError
+
+from mm_helpers import hf_greedy_mm, random_image
+from runtime_helpers import save_tiny_model, smollm2_tokenizer, tiny_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def llm(llava_path):
+    return LLM(llava_path, dtype="float32", max_num_batched_tokens=64)
+
+
+def data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_with_image_parts_matches_transformers(llm, hf_oracle):
+    """A data URL (PNG) and a PIL image in one conversation: the processor's chat template
+    places the image token per part; the output is transformers' on the same rendering."""
+    model, processor = hf_oracle
+    a, b = random_image(20), random_image(21, (70, 50))
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Look: "},
+        {"type": "image_url", "image_url": {"url": data_url(a)}},
+        {"type": "text", "text": " and "},
+        {"type": "image_pil", "image_pil": b},
+        {"type": "text", "text": " what differs?"}]}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    template = [{"role": "user", "content": [
+        {"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " and "},
+        {"type": "image"}, {"type": "text", "text": " what differs?"}]}]
+    text = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    assert text.count("<image>") == 2
+    assert out.outputs[0].token_ids == hf_greedy_mm(model, processor, text, [a, b], 6)
+    # the PNG decodes to the same pixels: one image, whichever way it came
+    again = llm.chat([{"role": "user", "content": [
+        {"type": "text", "text": "Look: "}, {"type": "image_pil", "image_pil": a},
+        {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": data_url(b)}},
+        {"type": "text", "text": " what differs?"}]}], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"image": "not an image"}, "multi_modal_data"),
+    ({"image": [random_image(0), 3]}, "multi_modal_data"),
+    ({"image": []}, "multi_modal_data"),
+    ({"video": [random_image(0)]}, "multi_modal_data"),
+    ("an image", "multi_modal_data"),
+])
+def test_bad_images_are_refused(llm, data, field):
+    with pytest.raises(QuireValidationError) as e:
+        llm.generate({"prompt": "USER: <image> ASSISTANT:", "multi_modal_data": data},
+                     GREEDY, use_tqdm=False)
+    assert e.value.field == field
+    assert_idle(llm)
+
+
+def test_placeholder_count_must_match_the_images(llm):
+    with pytest.raises(QuireValidationError, match="placeholders for 2 images") as e:
+        llm.generate({"prompt": "USER: <image> ASSISTANT:",
+                      "multi_modal_data": {"image": [random_image(0), random_image(1)]}},
+                     GREEDY, use_tqdm=False)
+    assert e.value.field == "multi_modal_data"
+    assert_idle(llm)
+
+
+def test_bad_chat_parts_are_refused(llm):
+    for part, field in [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+         "messages[0].content[0].image_url.url"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+         "messages[0].content[0].image_url.url"),
+        ({"type": "image_pil", "image_pil": b"png"}, "messages[0].content[0].image_pil"),
+        ({"type": "audio", "audio": "x"}, "messages"),
+    ]:
+        with pytest.raises(QuireValidationError) as e:
+            llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)
+        assert e.value.field == field, part
+
+
+def test_a_text_only_model_refuses_images(tmp_path):
+    path = save_tiny_model(str(tmp_path / "llama"), tiny_config("llama"), smollm2_tokenizer())
+    llm = LLM(path, dtype="float32")
+    with pytest.raises(QuireValidationError, match="the model is not multimodal") as e:
+        llm.generate({"prompt": "hi <image>", "multi_modal_data": {"image": random_image(0)}},
+                     GREEDY, use_tqdm=False)
+    assert e.value.field == "multi_modal_data"
+    with pytest.raises(QuireValidationError, match="the model is not multimodal") as e:
+        llm.chat([{"role": "user", "content": [{"type": "image_pil",
+                                                "image_pil": random_image(0)}]}],
+                 GREEDY, use_tqdm=False)
+    assert e.value.field == "messages"
+    assert llm.engine.snapshot().encoder_cache is None
+
+
+def assert_idle(llm):
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.executor.multimodal.num_pending == 0
