@@ -24,7 +24,7 @@ def test_block_hashes_are_the_engines_own():
     tokens = list(range(1000, 1000 + 70))
     manager = KVCacheManager(BlockPool(8, enable_caching=True), block_size=16)
     request = SimpleNamespace(block_hashes=[], token_ids=tokens, cache_salt="t", lora=None,
-                              long_rope=False, client_request_id="r")
+                              long_rope=False, client_request_id="r", images=())
     manager._extend_hashes(request, len(tokens) // 16)
     assert block_hashes(tokens, 16, request_keys({"cache_salt": "t"})) == request.block_hashes
     assert len(block_hashes(tokens, 16)) == 4  # full blocks only

@@ -16,8 +16,15 @@ MODEL_FAMILIES = ("llama", "mistral", "qwen2")
 TINY_MAX_NEW_TOKENS = 32
 
 
-@functools.cache
 def smollm2_tokenizer():
+    """SmolLM2's tokenizer, a copy of each caller's own: one that sets chat_template = None on
+    it (tests/scoring) must not change the next test's."""
+    import copy
+    return copy.deepcopy(_smollm2_tokenizer())
+
+
+@functools.cache
+def _smollm2_tokenizer():
     """SmolLM2's tokenizer from the engine's GGUF conversion cache (saved there from the GGUF
     file's own, made by the first load if missing): 0.3 s, where transformers takes 10 s to
     read it out of the GGUF again in every process and fixture that asks."""
