@@ -6,27 +6,15 @@ every expert."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from quire.layers.fused_moe import FusedMoE
 
-from tp_helpers import ROOT, TP, assert_two_ranks_match_transformers
-from tp_helpers import runtime_helpers as rh
+from tp_helpers import TP, assert_two_ranks_match_transformers, moe_helpers, shared_prefix_prompts
 
 MAX_TOKENS = 16
 
-_spec = importlib.util.spec_from_file_location("moe_helpers",
-                                               ROOT / "tests" / "runtime" / "moe_helpers.py")
-moe_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(moe_helpers)
-
-
-def _prompts():
-    """Prompts of 1-300 tokens and two that share a long prefix with the longest."""
-    prompts = rh.random_prompts(6, lengths=[1, 17, 64, 150, 257, 300], seed=7)
-    return prompts + [prompts[-1][:200] + [11, 12, 13], list(prompts[-1])]
+_prompts = shared_prefix_prompts
 
 
 @pytest.mark.parametrize("family", moe_helpers.MOE_FAMILIES)

@@ -28,6 +28,13 @@ def _load(name: str, path: Path):
 
 
 runtime_helpers = _load("runtime_helpers", ROOT / "tests" / "runtime" / "runtime_helpers.py")
+moe_helpers = _load("moe_helpers", ROOT / "tests" / "runtime" / "moe_helpers.py")
+
+
+def shared_prefix_prompts():
+    """Prompts of 1-300 tokens and two that share a long prefix with the longest."""
+    prompts = runtime_helpers.random_prompts(6, lengths=[1, 17, 64, 150, 257, 300], seed=7)
+    return prompts + [prompts[-1][:200] + [11, 12, 13], list(prompts[-1])]
 
 
 def kv_budget_for(hf_config, num_blocks: int, tp: int, block_size: int = 16,
