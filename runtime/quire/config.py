@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from quire.kv_events.config import KVEventsConfig
 from quire.kv_tiers.config import KVOffloadConfig
+from quire.multimodal.limits import DEFAULT_MAX_IMAGE_PIXELS, parse_limit_mm_per_prompt
 from quire.priorities import SCHEDULING_POLICIES
 from quire.speculative_config import SpeculativeConfig
 from quire.validation import QuireValidationError, check_int, check_number
@@ -144,6 +145,12 @@ class EngineArgs:
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"model\": "
                 "DRAFT, \"num_speculative_tokens\": 4}"})
+    limit_mm_per_prompt: dict | str | None = field(default=None, metadata={
+        "help": "images one prompt may carry at most (a vision-language model's), vLLM's "
+                "JSON: {\"image\": 4}; default 4 (0: images refused)"})
+    max_image_pixels: int = field(default=DEFAULT_MAX_IMAGE_PIXELS, metadata={
+        "help": "width x height of one image at most, checked on its header before it is "
+                "decoded (the processor resizes what passes)"})
     # the parsed speculative_config (set when validated; not a knob of its own)
     speculative: SpeculativeConfig | None = field(default=None, init=False, repr=False,
                                                   compare=False)
@@ -151,6 +158,8 @@ class EngineArgs:
     kv_offload: KVOffloadConfig | None = field(default=None, init=False, repr=False,
                                                compare=False)
     kv_events: KVEventsConfig | None = field(default=None, init=False, repr=False,
+                                             compare=False)
+    mm_limits: dict[str, int] | None = field(default=None, init=False, repr=False,
                                              compare=False)
 
     def __post_init__(self) -> None:
@@ -205,6 +214,8 @@ class EngineArgs:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         self.kv_offload = KVOffloadConfig.from_args(self)
         self.kv_events = KVEventsConfig.parse(self.kv_events_config)
+        self.mm_limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        check_int("max_image_pixels", self.max_image_pixels, lo=1)
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise QuireValidationError(
                 "swap_space", "swap_space must be > 0 bytes when preemption_mode is 'swap'",

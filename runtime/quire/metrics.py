@@ -164,6 +164,7 @@ class ServerMetrics:
         self.compat = compat
         self._lora: _LoRAMetrics | None = None  # made on the first snapshot with LoRA on
         self._tiers = None  # kv_tiers.metrics.TierMetrics, on the first snapshot with tiers
+        self._encoder = None  # multimodal.metrics.EncoderMetrics, for a model taking images
         # vLLM's LoRA info: from the start with compat="vllm", else with LoRA's first snapshot
         self._lora_info = _LoRAInfo(self.registry) if compat == "vllm" else None
         self._cache_config = dict(cache_config or {})
@@ -237,6 +238,11 @@ class ServerMetrics:
                 from quire.kv_tiers.metrics import TierMetrics
                 self._tiers = TierMetrics(self.registry, self.model_name)
             self._tiers.record(snap.kv_tiers)
+        if snap.encoder_cache is not None:
+            if self._encoder is None:
+                from quire.multimodal.metrics import EncoderMetrics
+                self._encoder = EncoderMetrics(self.registry, self.model_name)
+            self._encoder.record(snap.encoder_cache)
         if self._cache_info is not None:
             self._record_cache_info(snap.blocks_total)
         for key, values in (("ttft", ev.time_to_first_token), ("itl", ev.inter_token_latency),

@@ -90,6 +90,11 @@ class ModelInfo:
     architecture: str = ""    # config.json's architecture (the server picks formats by it)
     runner: str = "generate"  # or "pooling" (embeddings)
     pooler: object = None     # the pooling runner's PoolerConfig (quire/pooling/config.py)
+    # a vision-language model's processor step (quire/multimodal/processor.py; None: text
+    # only), and the engine's image limits (--limit-mm-per-prompt, --max-image-pixels)
+    mm_processor: object = None
+    max_images_per_prompt: int = 0
+    max_image_pixels: int = 0
 
 
 class StatsSink(Protocol):
@@ -415,7 +420,10 @@ class AsyncLLMEngine:
             max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
             max_num_seqs=e.args.max_num_seqs, capacity_tokens=e.capacity_tokens,
             architecture=getattr(e.model_config, "architecture", ""),
-            runner=getattr(e, "runner_type", "generate"), pooler=getattr(e, "pooler", None))
+            runner=getattr(e, "runner_type", "generate"), pooler=getattr(e, "pooler", None),
+            mm_processor=getattr(e, "mm_processor", None),
+            max_images_per_prompt=e.args.mm_limits["image"],
+            max_image_pixels=e.args.max_image_pixels)
         loras = e.list_loras() if getattr(e, "lora", None) is not None else []
         self.lora_adapters = {r.name: r for r in loras}
         self._next_lora_id = max((r.id for r in loras), default=0) + 1

@@ -48,6 +48,7 @@ from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
 from quire.multimodal.images import as_images
 from quire.multimodal.inputs import ProcessedPrompt
+from quire.multimodal.limits import check_image_count
 from quire.multimodal.processor import FIELD as MM_FIELD
 from quire.multimodal.processor import MultiModalProcessor
 from quire.outputs import RequestOutput, TokenLogprobs
@@ -242,6 +243,8 @@ class LLMEngine:
         """Text and token ids, and a prompt with images through the processor step: a dict
         {'prompt': str, 'multi_modal_data': {'image': PIL image or list}} (vLLM's; an
         'add_special_tokens': False key leaves out the tokenizer's BOS, for rendered chats)."""
+        if isinstance(prompt, ProcessedPrompt):  # the server's, processed off this thread
+            return self._processed(prompt)
         if not isinstance(prompt, dict) or prompt.get(MM_FIELD) is None:
             return (*self._tokenize(prompt), None)
         if self.mm_processor is None:
@@ -258,9 +261,21 @@ class LLMEngine:
             raise QuireValidationError(
                 "prompt", f"a prompt with {MM_FIELD} needs its text as a non-empty string "
                 "'prompt', with one image placeholder per image")
-        images = as_images(data["image"], MM_FIELD)
+        images = as_images(data["image"], MM_FIELD, self.args.max_image_pixels)
+        check_image_count(len(images), self.args.mm_limits["image"], MM_FIELD)
         mm = self.mm_processor.process(text, images, prompt.get("add_special_tokens", True))
         return text, mm.token_ids, mm
+
+    def _processed(self, mm: ProcessedPrompt) -> tuple[None, list[int], ProcessedPrompt]:
+        """A prompt the server ran through this engine's processor itself (its images
+        checked against the same limits); the ids are still checked as any prompt's."""
+        if self.mm_processor is None and mm.images:
+            raise QuireValidationError(
+                MM_FIELD, f"the model is not multimodal: {self.model_config.architecture} "
+                "takes text only")
+        check_image_count(len(mm.images), self.args.mm_limits["image"], MM_FIELD)
+        _, ids = self._tokenize(mm.token_ids)
+        return None, ids, mm
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -531,7 +546,8 @@ class LLMEngine:
         if mm is None:
             return None
         return {"hits": mm.cache.hits, "misses": mm.cache.misses, "entries": len(mm.cache),
-                "bytes": mm.cache.num_bytes}
+                "bytes": mm.cache.num_bytes, "images": mm.images_encoded,
+                "seconds": mm.encoder_seconds}
 
 
 def _in_use(request_id: str) -> QuireValidationError:

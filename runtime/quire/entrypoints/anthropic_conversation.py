@@ -14,6 +14,7 @@ import uuid
 
 from quire.entrypoints.anthropic_protocol import (
     ContentBlock,
+    ImageBlockIn,
     MessagesFields,
     MessagesRequest,
     TextBlock,
@@ -70,17 +71,27 @@ def _user(blocks) -> list[dict]:
     for b in blocks:
         if isinstance(b, TextBlockIn):
             texts.append(b.text)
+        elif isinstance(b, ImageBlockIn):
+            texts.append(b)
         elif isinstance(b, ToolResultBlockIn):
             if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
+                out.append({"role": "user", "content": _user_content(texts)})
                 texts = []
             out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                         "content": _text(b.content)})
         elif isinstance(b, ToolUseBlockIn):
             raise bad_request("tool_use blocks belong in assistant messages", "messages")
     if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append({"role": "user", "content": _user_content(texts)})
     return out
+
+
+def _user_content(pieces: list) -> str | list[dict]:
+    """Text joined, or chat's parts when images are among them (text and images in order)."""
+    if not any(isinstance(p, ImageBlockIn) for p in pieces):
+        return "\n".join(pieces)
+    return [p.as_chat_part() if isinstance(p, ImageBlockIn) else {"type": "text", "text": p}
+            for p in pieces]
 
 
 def tool_fields(req: MessagesFields) -> dict:

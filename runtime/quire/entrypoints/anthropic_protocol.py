@@ -54,15 +54,40 @@ class RedactedThinkingBlockIn(_Request):
     data: str
 
 
+class Base64ImageSource(_Request):
+    type: Literal["base64"]
+    media_type: str = Field(description="image/jpeg, image/png, image/gif or image/webp")
+    data: str
+
+
+class URLImageSource(_Request):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlockIn(_Request):
+    """An image (a vision-language model's): inline base64, or a URL the server may fetch."""
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    cache_control: dict | None = None
+
+    def as_chat_part(self) -> dict:
+        src = self.source
+        url = src.url if isinstance(src, URLImageSource) else \
+            f"data:{src.media_type};base64,{src.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 ContentBlockIn = Annotated[
-    TextBlockIn | ToolUseBlockIn | ToolResultBlockIn | ThinkingBlockIn
+    TextBlockIn | ImageBlockIn | ToolUseBlockIn | ToolResultBlockIn | ThinkingBlockIn
     | RedactedThinkingBlockIn, Field(discriminator="type")]
 
 
 class MessageParam(_Request):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlockIn] = Field(
-        description="a string or a list of text, tool_use, tool_result and thinking blocks")
+        description="a string or a list of text, image, tool_use, tool_result and thinking "
+                    "blocks")
 
 
 class ToolParam(_Request):

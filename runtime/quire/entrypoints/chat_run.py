@@ -11,11 +11,13 @@ grammars, reasoning parsers, structured output, the request limits, cache_salt, 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from quire.engine.async_engine import RequestStream
+from quire.entrypoints.chat_media import image_chat_prompt, image_parts
 from quire.entrypoints.chat_reasoning import (
     ReasoningDeltas,
     ReasoningUse,
@@ -25,7 +27,7 @@ from quire.entrypoints.chat_reasoning import (
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts, tool_use
 from quire.entrypoints.continuation import continued_prompts
 from quire.entrypoints.errors import bad_request
-from quire.entrypoints.limits import check_stop
+from quire.entrypoints.limits import check_chat_template, check_stop
 from quire.entrypoints.logprobs import chat_logprobs
 from quire.entrypoints.openai_protocol import (
     ChatCompletionChunk,
@@ -78,14 +80,23 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
                                  stream=req.stream,
                                  guided_decoding=tools.guided or guided, renames=renames,
                                  prompt_logprobs=req.prompt_logprobs)
-    prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
-                                           req.chat_template, tools=tools.tools,
-                                           template_kwargs=req.chat_template_kwargs)
+    images = None  # a vision-language model's chat with image parts: processed here
+    if image_parts(req.messages):
+        check_chat_template(req.chat_template, serving.limits)
+        images = await image_chat_prompt(serving, req.messages, req.add_generation_prompt,
+                                         info, req.chat_template, tools.tools,
+                                         req.chat_template_kwargs)
+        prompt = images.token_ids
+    else:
+        prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
+                                               req.chat_template, tools=tools.tools,
+                                               template_kwargs=req.chat_template_kwargs)
     prompt = continued_prompts([prompt], req)[0]  # a migrated request goes on where it was
     reasoning = await reasoning_use(serving, req, prompt, params.guided_decoding is not None)
     if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers (harmony's) are special tokens
-    streams = await serving.submit(request_id, [prompt], params, renames, lora,
+    submitted = prompt if images is None else dataclasses.replace(images, token_ids=prompt)
+    streams = await serving.submit(request_id, [submitted], params, renames, lora,
                                    cache_salt=req.cache_salt, priority=priority)
     return ChatRun(request_id, model, params, tools, reasoning, streams, prompt)
 

@@ -37,4 +37,7 @@ def renamed_errors(renames: dict[str, str]) -> Iterator[None]:
             old, e.param = e.param, renames[e.param]
             if e.message.startswith(old):
                 e.message = e.param + e.message[len(old):]
+        elif e.param is not None and e.param.startswith("messages[") and "messages" in renames:
+            # a part of a message (an image's): the API's own field, which holds them all
+            e.param = renames["messages"]
         raise

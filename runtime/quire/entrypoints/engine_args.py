@@ -32,7 +32,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("
                                metavar="NAME=PATH", help=f.metadata["help"] + " (name=path, "
                                "or vLLM's JSON {\"name\", \"path\", \"base_model_name\"})")
             continue
-        if f.name in ("speculative_config", "kv_events_config"):  # dicts; JSON here, as vLLM's
+        if f.name in ("speculative_config", "kv_events_config", "limit_mm_per_prompt"):
+            # dicts; JSON here, as vLLM's
             group.add_argument("--" + f.name.replace("_", "-"), type=str, default=None,
                                metavar="JSON", help=f.metadata["help"])
             continue

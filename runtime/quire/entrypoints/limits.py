@@ -48,6 +48,18 @@ class ServerLimits:
     # --- /v1/responses' stored responses (previous_response_id, GET) ---------------------
     max_stored_responses: int = 1024
     stored_response_ttl: float = 3600.0
+    # --- images a chat message links to (a vision-language model's) ----------------------
+    allow_media_fetch: bool = False
+    allowed_media_domains: tuple[str, ...] | None = None
+    media_fetch_timeout: float = 5.0
+    max_media_bytes: int = 20 << 20
+
+    def media_fetch(self):
+        from quire.multimodal.fetch import MediaFetch
+        domains = None if self.allowed_media_domains is None else tuple(
+            d.lower() for d in self.allowed_media_domains)
+        return MediaFetch(self.allow_media_fetch, domains, self.media_fetch_timeout,
+                          self.max_media_bytes)
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:
@@ -86,6 +98,11 @@ HELP = {
     "max_stored_responses": "responses /v1/responses keeps in memory for "
                             "previous_response_id and GET (the oldest are dropped first)",
     "stored_response_ttl": "seconds a stored response is kept (after that its id is 404)",
+    "allow_media_fetch": "fetch http(s) image URLs in chat messages (off: data URLs only)",
+    "allowed_media_domains": "hosts image URLs may be fetched from (vLLM's flag; implies "
+                             "fetching, of these hosts only, each redirect's too)",
+    "media_fetch_timeout": "seconds one image fetch may take, redirects included",
+    "max_media_bytes": "bytes of one fetched image (K/M suffixes)",
 }
 
 
@@ -93,7 +110,10 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("limits")
     for f in fields(ServerLimits):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
+        if f.name == "allowed_media_domains":
+            group.add_argument(flag, nargs="+", default=None, metavar="HOST",
+                               help=HELP[f.name])
+        elif f.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                help=HELP[f.name])
         else:
@@ -104,8 +124,10 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def limits_from(ns: argparse.Namespace) -> ServerLimits:
-    return ServerLimits(**{f.name: getattr(ns, f.name) for f in fields(ServerLimits)
-                           if hasattr(ns, f.name)})
+    values = {f.name: getattr(ns, f.name) for f in fields(ServerLimits) if hasattr(ns, f.name)}
+    if values.get("allowed_media_domains") is not None:
+        values["allowed_media_domains"] = tuple(values["allowed_media_domains"])
+    return ServerLimits(**values)
 
 
 def _positive(kind):

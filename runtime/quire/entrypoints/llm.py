@@ -12,7 +12,7 @@ from quire.engine.beam_search import BeamSearchParams
 from quire.engine.engine import PromptType
 from quire.engine.factory import create_engine
 from quire.lora.request import LoRARequest
-from quire.multimodal.chat import chat_images
+from quire.multimodal.chat import chat_images, render_image_chat
 from quire.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from quire.pooling.params import PoolingParams
 from quire.sampling_params import RequestOutputKind, SamplingParams
@@ -134,7 +134,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in conversations:
-            rendered, images = chat_images(c)
+            rendered, images = chat_images(c, self.engine.args.max_image_pixels)
             if images:
                 prompts.append(self._image_chat_prompt(rendered, images, add_generation_prompt,
                                                        chat_template))
@@ -153,10 +153,8 @@ class LLM:
                 "messages", f"the model is not multimodal: "
                 f"{self.engine.model_config.architecture} takes text only, so messages can't "
                 "carry image parts")
-        render = getattr(processor.processor, "apply_chat_template", None) \
-            or self.tokenizer.apply_chat_template
-        text = render(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                      chat_template=chat_template)
+        text = render_image_chat(processor, self.tokenizer, messages, add_generation_prompt,
+                                 chat_template)
         # the rendered text has the template's special tokens: the tokenizer adds none
         return {"prompt": text, "multi_modal_data": {"image": images},
                 "add_special_tokens": False}

@@ -197,9 +197,16 @@ class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField, 
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------
+class ImageURL(_Request):
+    url: str = Field(description="a data:image/...;base64 URL, or an http(s) URL where the "
+                                 "server allows fetching")
+    detail: str | None = None  # OpenAI's auto/low/high: the model's processor decides
+
+
 class ContentPart(_Request):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None  # a 'image_url' part's (a string: vLLM's form)
 
 
 class FunctionCallIn(_Request):
@@ -222,16 +229,22 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCallIn] | None = None   # an assistant's calls
     tool_call_id: str | None = None              # a tool message: the call it answers
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, image_parts: bool = False) -> dict:
+        """image_parts: keep the parts, images as {"type": "image"} (what a processor's chat
+        template places its image placeholder for); else the text parts joined."""
         content = self.content
         if isinstance(content, list):
             texts = []
             for part in content:
+                if image_parts and part.type == "image_url":
+                    texts.append({"type": "image"})
+                    continue
                 if part.type != "text" or part.text is None:
+                    allowed = "'text' and 'image_url'" if image_parts else "only 'text'"
                     raise bad_request(f"content parts of type {part.type!r} are not supported; "
-                                      "only 'text' parts", "messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
+                                      f"{allowed} parts", "messages")
+                texts.append({"type": "text", "text": part.text} if image_parts else part.text)
+            content = texts if image_parts else "\n".join(texts)
         msg = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             msg["name"] = self.name

@@ -44,7 +44,7 @@ def conversation_of(req: ResponsesRequest, previous: StoredResponse | None) -> l
     for i, item in enumerate(req.input):
         if isinstance(item, MessageItem):
             messages.append({"role": item.role,
-                             "content": _text(item.content, f"input[{i}].content")})
+                             "content": _parts(item.content, f"input[{i}].content")})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -60,6 +60,22 @@ def conversation_of(req: ResponsesRequest, previous: StoredResponse | None) -> l
     return messages
 
 
+def _parts(content: str | list[TextPart], where: str) -> str | list[dict]:
+    """A message's text, or chat's parts when it has input_image parts."""
+    if isinstance(content, str) or not any(p.type == "input_image" for p in content):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "input_image":
+            if not part.image_url:
+                raise bad_request(f"{where}[{j}]: an input_image part needs image_url (a data "
+                                  "URL or an http(s) URL; file_id is not served)", "input")
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            parts.append({"type": "text", "text": _text([part], where)})
+    return parts
+
+
 def _text(content: str | list[TextPart], where: str) -> str:
     if isinstance(content, str):
         return content
@@ -67,7 +83,8 @@ def _text(content: str | list[TextPart], where: str) -> str:
     for j, part in enumerate(content):
         if part.type not in TEXT_PARTS or part.text is None:
             raise bad_request(f"{where}[{j}]: parts of type {part.type!r} are not supported; "
-                              f"only input_text and output_text parts", "input")
+                              f"only input_text, output_text and input_image parts",
+                              "input")
         texts.append(part.text)
     return "\n".join(texts)
 

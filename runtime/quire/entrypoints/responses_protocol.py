@@ -21,10 +21,13 @@ ROLES = ("user", "assistant", "system", "developer")
 
 # --- input items ------------------------------------------------------------------------
 class TextPart(_Request):
-    """A text part of a message: input_text (user, system, developer) or output_text
-    (assistant); images and files are refused when the conversation is built."""
+    """A part of a message: input_text (user, system, developer), output_text (assistant)
+    or input_image (its image_url: a data URL, or an http(s) URL where the server fetches);
+    files are refused when the conversation is built."""
     type: str
     text: str | None = None
+    image_url: str | None = None
+    detail: str | None = None
 
 
 class MessageItem(_Request):

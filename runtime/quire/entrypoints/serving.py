@@ -31,6 +31,7 @@ from quire.entrypoints.reasoning import ReasoningParser
 from quire.entrypoints.responses_store import ResponseStore
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.lora.request import LoRARequest
+from quire.multimodal.inputs import ProcessedPrompt
 from quire.outputs import RequestOutput
 from quire.pooling.params import PoolingParams
 from quire.sampling_params import SamplingParams
@@ -167,13 +168,14 @@ class Serving:
         return request_template or getattr(self.engine.tokenizer, "chat_template", None)
 
     # --- engine requests -----------------------------------------------------------------
-    async def submit(self, request_id: str, prompts: Sequence[list[int]],
+    async def submit(self, request_id: str, prompts: Sequence[list[int] | ProcessedPrompt],
                      params: SamplingParams,
                      renames: dict[str, str] | None = None,
                      lora_request: LoRARequest | None = None,
                      cache_salt: str | None = None,
                      priority: int | None = None) -> list[RequestStream]:
-        """One engine request per prompt (token ids), all or none: if one is refused, the
+        """One engine request per prompt (token ids, or a prompt with images the processor
+        made), all or none: if one is refused, the
         others are aborted. lora_request: the adapter model_for picked, or None. cache_salt:
         the request's (checked when the body was parsed). priority: the request's (lower
         first under --scheduling-policy priority). A request for the other runner
@@ -194,6 +196,7 @@ class Serving:
             if not isinstance(errors[0], Exception):  # cancelled
                 raise errors[0]
             raise engine_error(errors[0], renames) from None
+        prompts = [p.token_ids if isinstance(p, ProcessedPrompt) else p for p in prompts]
         if self.log_requests:
             for rid, prompt in zip(ids, prompts):
                 logger.info("request %s: %d prompt tokens, %s, params=%s", rid, len(prompt),

@@ -11,12 +11,14 @@ Public interface:
 from __future__ import annotations
 
 from quire.multimodal.images import as_images, image_from_url
+from quire.multimodal.limits import DEFAULT_MAX_IMAGE_PIXELS
 from quire.validation import QuireValidationError
 
 FIELD = "messages"
 
 
-def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+def chat_images(messages: list[dict], max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+                ) -> tuple[list[dict], list]:
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -30,9 +32,9 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
             if kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                images.append(image_from_url(url, f"{where}.image_url.url"))
+                images.append(image_from_url(url, f"{where}.image_url.url", max_pixels))
             elif kind == "image_pil":
-                images += as_images(part.get("image_pil"), f"{where}.image_pil")
+                images += as_images(part.get("image_pil"), f"{where}.image_pil", max_pixels)
             elif kind == "text":
                 parts.append(part)
                 continue
@@ -43,3 +45,21 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images
+
+
+def render_image_chat(mm_processor, tokenizer, messages: list[dict],
+                      add_generation_prompt: bool, chat_template: str | None = None,
+                      **template_kwargs) -> str:
+    """The conversation's text (image parts as {"type": "image"}) through the processor's own
+    chat template, which places the family's image placeholder per image part (the
+    tokenizer's, when the processor has none); `chat_template` overrides it."""
+    processor = mm_processor.processor
+    template = chat_template or getattr(processor, "chat_template", None) \
+        or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise QuireValidationError(FIELD, "this model has no chat template to place the "
+                                   "images with; give chat_template, or a prompt with the "
+                                   f"image placeholder {mm_processor.image_token!r}")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, chat_template=template,
+                                         **template_kwargs)

@@ -8,6 +8,7 @@ Public interface:
     release(owner)          the request is done: its images' pixels may go
     gather(chunks) -> (rows [K] int64 numpy, embeddings [K, hidden]) or None
     cache                   the EncoderCache (hits and misses for metrics)
+    images_encoded, encoder_seconds   lifetime totals of the encoder's work (for metrics)
 
 The model family provides `encode_images(list of per-image tensor dicts) -> list of
 [tokens, hidden] tensors`. A chunk that cuts through an image's placeholder run takes only
@@ -16,6 +17,8 @@ image, the cache serves the rest).
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -33,6 +36,8 @@ class MultiModalRunner:
         self._pixels: dict[str, dict] = {}         # hash -> processor tensors
         self._owners: dict[str, set[str]] = {}     # hash -> the requests holding it
         self._owned: dict[str, list[str]] = {}     # request -> its hashes
+        self.images_encoded = 0
+        self.encoder_seconds = 0.0
 
     def add(self, owner: str, pixels: dict[str, dict]) -> None:
         for h, tensors in pixels.items():
@@ -89,7 +94,13 @@ class MultiModalRunner:
                 if tensors is None:
                     raise RuntimeError(f"image {h[:12]} is needed but its pixels are gone")
                 inputs.append({k: v.to(self.device) for k, v in tensors.items()})
-            for h, value in zip(missing, self.model.encode_images(inputs)):
+            start = time.perf_counter()
+            encoded = self.model.encode_images(inputs)
+            if self.device.type == "cuda":  # the time is the encoder's, not the launch's
+                torch.cuda.synchronize(self.device)
+            self.encoder_seconds += time.perf_counter() - start
+            self.images_encoded += len(missing)
+            for h, value in zip(missing, encoded):
                 self.cache.put(h, value)
                 found[h] = value
         return found
