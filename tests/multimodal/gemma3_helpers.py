@@ -73,8 +73,11 @@ def gemma3_config(tok, **text_overrides):
 
 
 def save_tiny_gemma3(path: str, seed: int = 0) -> str:
-    from transformers import (Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
-                              Gemma3Processor)
+    from transformers import (
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+    )
     os.makedirs(path, exist_ok=True)
     tok = gemma3_tokenizer(path)
     torch.manual_seed(seed)

@@ -46,8 +46,8 @@ from quire.lora.adapters import EngineAdapters
 from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
-from quire.multimodal.images import as_images
 from quire.multimodal.image_attention import longest_run
+from quire.multimodal.images import as_images
 from quire.multimodal.inputs import ProcessedPrompt
 from quire.multimodal.processor import FIELD as MM_FIELD
 from quire.multimodal.processor import MultiModalProcessor
