@@ -64,7 +64,8 @@ def paged_reference(q, k_cache, v_cache, meta, scale, softcap=None, sinks=None, 
     _, bs, hkv, d = k_cache.shape
     out = torch.empty(q.shape, dtype=torch.float32)
     qsl = meta.query_start_loc_cpu
-    limits = None if meta.key_limits is None else meta.key_limits.cpu()
+    limits = getattr(meta, "key_limits", None)  # (some tests pass a namespace)
+    limits = None if limits is None else limits.cpu()
     for i, ctx in enumerate(meta.seq_lens_cpu):
         q0, q1 = qsl[i], qsl[i + 1]
         pos = torch.arange(ctx)
