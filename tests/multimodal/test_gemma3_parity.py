@@ -118,14 +118,17 @@ def test_one_prompt_at_a_time(gemma3_path, reference):
     assert_clean(llm)
 
 
-def test_preemption_recomputes_the_images(gemma3_path, reference):
-    """A KV cache of 8 blocks for prompts of 2 to 4 blocks each: sequences are preempted
-    (recompute) and their prompts, images and all, computed again."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_brings_the_images_back(gemma3_path, reference, mode):
+    """A KV cache of 8 blocks for prompts of 1 to 4 blocks each: sequences are preempted and
+    come back, by recompute (their prompts, images and all, computed again) or by swap
+    (their blocks back from the host)."""
     block_bytes = 2 * 4 * BLOCK * 2 * 16 * 4  # K and V, 4 layers, 2 heads of 16, fp32
     llm = LLM(gemma3_path, dtype="float32", max_num_batched_tokens=24,
-              kv_cache_memory=8 * block_bytes, enable_prefix_caching=False)
+              kv_cache_memory=8 * block_bytes, enable_prefix_caching=False,
+              preemption_mode=mode, swap_space=32 * block_bytes if mode == "swap" else 0)
     assert run(llm, prompts() * 2) == reference * 2
-    assert llm.engine.snapshot().preemptions.get("recompute", 0) > 0
+    assert llm.engine.snapshot().preemptions.get(mode, 0) > 0
     assert_clean(llm)
 
 
@@ -211,3 +214,24 @@ def test_a_step_budget_smaller_than_an_image_is_refused_at_start_up(gemma3_path)
             as err:
         LLM(gemma3_path, dtype="float32", max_num_batched_tokens=12)
     assert err.value.field == "max_num_batched_tokens"
+
+
+def test_chat_with_an_image_part(gemma3_path, gemma3_oracle):
+    """A chat message's image part: the processor's template writes the begin-of-image
+    token, the processor expands it; the reply is transformers' on the same text."""
+    model, processor = gemma3_oracle
+    image = random_image(13, (50, 60))
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_pil", "image_pil": image}]}]
+    llm = LLM(gemma3_path, dtype="float32")
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                      {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False)
+    assert text.count(BOI) == 1
+    inputs = processor(text=text, images=[image], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        gen = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0)
+    assert out == gen[0, inputs["input_ids"].shape[1]:].tolist()
+    assert_clean(llm)
