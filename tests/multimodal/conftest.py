@@ -1,10 +1,12 @@
-"""Multimodal fixtures: one tiny random LLaVA folder (config, weights, processor) per session,
-and transformers' model and processor on it (the oracle). Helpers live in mm_helpers.py."""
+"""Multimodal fixtures: one tiny random LLaVA folder and one tiny random Gemma 3 folder
+(config, weights, processor) per session, and transformers' model and processor on each (the
+oracle). Helpers live in mm_helpers.py and gemma3_helpers.py."""
 
 from __future__ import annotations
 
 import pytest
 
+from gemma3_helpers import hf_gemma3, save_tiny_gemma3
 from mm_helpers import hf_llava, save_tiny_llava
 
 
@@ -17,3 +19,14 @@ def llava_path(tmp_path_factory):
 def hf_oracle(llava_path):
     from transformers import AutoProcessor
     return hf_llava(llava_path), AutoProcessor.from_pretrained(llava_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path(tmp_path_factory):
+    return save_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_oracle(gemma3_path):
+    from transformers import AutoProcessor
+    return hf_gemma3(gemma3_path), AutoProcessor.from_pretrained(gemma3_path)

@@ -1,8 +1,10 @@
 """Plain float32 attention in transformers' eager order, the reference the attention tests
-compare every backend path with when soft-capping (Gemma 2) or sinks (gpt-oss) are on:
-scores = (q . k) * scale; scores = cap * tanh(scores / cap); the causal and sliding-window mask
-(added as float32's lowest value); with sinks, the sink's logit is one more column, the row's
-max is subtracted, softmax, and the column dropped; then P @ V.
+compare every backend path with when soft-capping (Gemma 2), sinks (gpt-oss) or key limits
+(Gemma 3's image runs) are on: scores = (q . k) * scale; scores = cap * tanh(scores / cap);
+the causal and sliding-window mask (added as float32's lowest value; a step's key limits
+stand for each query's own position as the last key it sees, the window still counting back
+from the position); with sinks, the sink's logit is one more column, the row's max is
+subtracted, softmax, and the column dropped; then P @ V.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ def options(name: str, num_heads: int, device=None) -> dict:
     return dict(softcap=opts.get("softcap"), sinks=sinks, window=opts.get("window"))
 
 
-def eager_attention(q, k, v, scale, q_pos, softcap=None, sinks=None, window=None):
+def eager_attention(q, k, v, scale, q_pos, softcap=None, sinks=None, window=None,
+                    key_limits=None):
     """One sequence: q [Lq, H, D] at positions q_pos [Lq], k/v [Lk, Hkv, D] at positions
-    0..Lk-1. Returns [Lq, H, D] float32."""
+    0..Lk-1; key_limits None or [Lq]: each query's last visible key. Returns [Lq, H, D]
+    float32."""
     q, k, v = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)   # [H, Lk, D]
@@ -38,7 +42,7 @@ def eager_attention(q, k, v, scale, q_pos, softcap=None, sinks=None, window=None
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     kpos = torch.arange(k.shape[1], device=q.device)[None, :]
-    visible = kpos <= q_pos[:, None]
+    visible = kpos <= (q_pos if key_limits is None else key_limits.long())[:, None]
     if window is not None:
         visible &= kpos > q_pos[:, None] - window
     scores = scores + torch.where(visible, 0.0, torch.finfo(torch.float32).min)
@@ -60,13 +64,16 @@ def paged_reference(q, k_cache, v_cache, meta, scale, softcap=None, sinks=None, 
     _, bs, hkv, d = k_cache.shape
     out = torch.empty(q.shape, dtype=torch.float32)
     qsl = meta.query_start_loc_cpu
+    limits = getattr(meta, "key_limits", None)  # (some tests pass a namespace)
+    limits = None if limits is None else limits.cpu()
     for i, ctx in enumerate(meta.seq_lens_cpu):
         q0, q1 = qsl[i], qsl[i + 1]
         pos = torch.arange(ctx)
         slots = tables[i][pos // bs].long() * bs + pos % bs
         k, v = k_cache.view(-1, hkv, d)[slots], v_cache.view(-1, hkv, d)[slots]
         out[q0:q1] = eager_attention(q[q0:q1], k, v, scale, pos[ctx - (q1 - q0):], softcap,
-                                     sinks, window)
+                                     sinks, window,
+                                     None if limits is None else limits[q0:q1])
     return out
 
 

@@ -270,6 +270,42 @@ def test_soft_capping_and_sinks_match_eager_attention(option, splits):
     check(out, q, *caches, meta, d ** -0.5, 1e-5, **opts)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_image_runs_looking_ahead_match_eager_attention(window):
+    """Key limits (Gemma 3's image runs attend both ways, base.py): a fresh prompt with two
+    runs, one across a query tile's edge; a chunk starting inside a run (after a prefix hit);
+    a decode and a chunk with none ahead. Against the dense reference; the limits move every
+    row that looks ahead, and only those."""
+    import numpy as np
+
+    from quire.multimodal.image_attention import key_limits
+    from quire.multimodal.inputs import ImageSpan
+
+    from attention_reference import paged_reference
+    h, hkv, d, bs = 6, 2, 32, 8
+    seqs = [(17, 1), (40, 40), (45, 20), (30, 12)]
+    runs = [[], [ImageSpan("a" * 64, 3, 9), ImageSpan("b" * 64, 20, 16)],
+            [ImageSpan("b" * 64, 20, 16)], []]
+    q, k, v, caches, meta = paged_batch(seqs, h, hkv, d, torch.float32, bs, torch.float32,
+                                        1.0, 1.0)
+    own = [key_limits(r, ctx - ql, ql) for (ctx, ql), r in zip(seqs, runs)]
+    limits = np.concatenate([np.arange(ctx - ql, ctx) if lim is None else lim
+                             for (ctx, ql), lim in zip(seqs, own)])
+    meta.key_limits = torch.from_numpy(limits.astype(np.int32)).to(DEVICE)
+    attn = triton_backend.TritonAttentionBackend(h, hkv, d, d ** -0.5, window)
+    assert attn.block_q < 36  # the run [20, 36) crosses a query tile's edge
+    attn.prepare(meta)
+    out = attn.forward(q, k, v, *caches, meta)
+    check(out, q, *caches, meta, d ** -0.5, 1e-5, window=window)
+    want = paged_reference(q, *caches, meta, d ** -0.5, window=window)
+    causal = paged_reference(q, *caches, AttentionMetadata(**{**meta.__dict__,
+                                                               "key_limits": None}),
+                             d ** -0.5, window=window)
+    moved = (want - causal).abs().amax(dim=(1, 2))
+    ahead = torch.from_numpy(limits) > torch.cat([torch.arange(c - n, c) for c, n in seqs])
+    assert (moved[ahead] > 1e-3).all() and (moved[~ahead] == 0).all()
+
+
 # ------------------------------------------------------------------------------- the engine
 
 VOCAB = 512
@@ -313,4 +349,32 @@ def test_engine_greedy_tokens_equal_torch_backend(family, tmp_path):
                   for batch in (first, second) for o in llm.generate(batch, params, use_tqdm=False)]
         results[backend] = tokens, llm.engine.kv_manager.prefix_hits
     assert results["triton"][1] >= 64 + 96   # the second batch hit the prefix cache
+    assert results["triton"] == results["torch"]
+
+
+def test_gemma3_image_prompts_give_the_torch_backend_tokens(tmp_path):
+    """Gemma 3 with images (runs that attend both ways, sliding and global layers): chunks
+    cut before runs (an 18-token budget) and a prefix hit ending inside a run, through the
+    prefill kernel's key limits."""
+    from quire import LLM, SamplingParams
+
+    from gemma3_helpers import BOI, save_tiny_gemma3  # tests/multimodal, on the pythonpath
+    from mm_helpers import random_image
+    path = save_tiny_gemma3(str(tmp_path / "gemma3"))
+    image, other = random_image(0), random_image(1, (64, 64))
+    batches = [
+        [{"prompt": f"Compare {BOI} with {BOI} please.", "multi_modal_data":
+          {"image": [image, other]}},
+         {"prompt": f"Some words here: {BOI} end.", "multi_modal_data": {"image": image}}],
+        [{"prompt": f"Some words here: {BOI} and a different ending.",
+          "multi_modal_data": {"image": image}}],   # hits the blocks up to 16: inside the run
+    ]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, dtype="float32", attention_backend=backend, max_num_batched_tokens=18,
+                  device=DEVICE.type)
+        results[backend] = [o.outputs[0].token_ids for batch in batches
+                            for o in llm.generate(batch, params, use_tqdm=False)]
+        assert llm.engine.kv_manager.prefix_hits >= 16
     assert results["triton"] == results["torch"]

@@ -8,6 +8,11 @@ Attention options, in transformers' eager order: scores s = (q . k) * scale; sof
 (Gemma 2, the backend's logit_softcap) s = cap * tanh(s / cap); the causal and sliding-window
 mask; softmax, where sinks (gpt-oss, per layer, so forward's `sinks`) add one learned logit
 per query head to the denominator and no value.
+
+Bidirectional image runs (Gemma 3): `key_limits`, when set, gives each query token the last
+key position it may see (its own, or the last of its image's run, which the step holds);
+the window still counts back from the token's own position. None (every text-only step and
+family) is the plain causal mask, on the unchanged paths.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class AttentionMetadata:
     # per-step tensors a backend derives once in prepare() and reuses in every layer; keyed
     # by the backend instance (a model may have one per sliding window)
     backend_state: dict = field(default_factory=dict)
+    # [T] int32 on the device: the last key position each query token may attend to, where
+    # some look ahead (multimodal/image_attention.py); None: causal
+    key_limits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -7,7 +7,9 @@ Otherwise, and for prefill chunks, K/V are gathered a whole block at a time (one
 views (no layout copies). Decodes are batched, grouped by length so short contexts don't pay
 for long ones. Prefill chunks that extend a cached prefix run together in one native call
 (paged_extend.py); fresh prefill chunks loop per sequence (few per step). Index and mask
-tensors are built once per step and reused by every layer.
+tensors are built once per step and reused by every layer. A chunk whose rows look ahead
+(base.py's key_limits: an image's run, Gemma 3) takes the per-sequence path with its mask
+built from the limits; the native kernels know only the causal mask.
 
 SDPA has neither soft-capping nor sinks: with either, the native kernels take every decode and
 prefill chunk they serve (q's dtype and the cache's), and the rest runs an explicit float32
@@ -83,6 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
             (extends if meta.seq_lens_cpu[i] > q1 - q0 else fresh).append(i)  # cached prefix?
         meta.backend_state[self, "fresh"] = fresh
         meta.backend_state[self, "extends"] = extends
+        meta.backend_state[self, "ahead"] = _chunks_looking_ahead(meta)
 
     def _prefill(self, q, k_cache, v_cache, out, meta, sinks, eager: bool) -> list:
         """Prefill chunks. Where the native kernel tiles this layout, all of them (fresh prompts
@@ -94,13 +97,16 @@ class TorchAttentionBackend(AttentionBackend):
         split = meta.backend_state.get((self, "prefill_split", eager))
         if split is None:
             fresh, extends = meta.backend_state[self, "fresh"], meta.backend_state[self, "extends"]
+            ahead = meta.backend_state[self, "ahead"]
             rows = meta.query_start_loc_cpu
             kernel = bool(fresh or extends) and paged_extend.supported(q, k_cache)
             if kernel and (eager or paged_extend.tiled(q, k_cache)):
-                native, fresh, extends = sorted(fresh + extends), [], []
+                native = sorted(i for i in fresh + extends if i not in ahead)
+                fresh = [i for i in fresh if i in ahead]
+                extends = [i for i in extends if i in ahead]
             else:
-                native = [i for i in extends
-                          if kernel and rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS]
+                native = [i for i in extends if kernel and i not in ahead
+                          and rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS]
                 extends = [i for i in extends if i not in native]
             split = meta.backend_state[self, "prefill_split", eager] = (
                 paged_extend.extend_rows(meta, native) if native else None,
@@ -114,14 +120,17 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _fresh_plan(self, meta: AttentionMetadata, i: int) -> tuple:
         q0, q1 = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        limits = meta.backend_state[self, "ahead"].get(i)
         return q0, q1, q1 - q0, None, self._prefill_mask(q1 - q0, q1 - q0,
-                                                         meta.block_tables.device)
+                                                         meta.block_tables.device, limits)
 
     def _extend_plan(self, meta: AttentionMetadata, i: int) -> tuple:
         q0, q1, ctx = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1], \
             meta.seq_lens_cpu[i]
         blocks = meta.block_tables[i, : -(-ctx // meta.block_size)].long()
-        return q0, q1, ctx, blocks, self._prefill_mask(ctx, q1 - q0, meta.block_tables.device)
+        limits = meta.backend_state[self, "ahead"].get(i)
+        return q0, q1, ctx, blocks, self._prefill_mask(ctx, q1 - q0, meta.block_tables.device,
+                                                       limits)
 
     def _decode_groups(self, meta: AttentionMetadata) -> list:
         """The pure-torch decode plan: built on first use in a step, shared by the layers."""
@@ -155,13 +164,15 @@ class TorchAttentionBackend(AttentionBackend):
         where = slice(seqs[0], seqs[0] + len(seqs)) if contiguous else rows
         return where, blocks, mask[:, None, None, :]
 
-    def _prefill_mask(self, ctx: int, q_len: int, device) -> torch.Tensor | None:
-        if ctx == q_len and self.sliding_window is None:
+    def _prefill_mask(self, ctx: int, q_len: int, device, limits: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
+        """True = attended. `limits`: the chunk's key limits where some row looks ahead."""
+        if ctx == q_len and self.sliding_window is None and limits is None:
             return None  # plain causal
         qpos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
         kpos = torch.arange(ctx, device=device)[None, :]
-        mask = kpos <= qpos
-        if self.sliding_window is not None:
+        mask = kpos <= (qpos if limits is None else limits.to(device).long()[:, None])
+        if self.sliding_window is not None:  # counted back from the row's own position
             mask &= kpos > qpos - self.sliding_window
         return mask
 
@@ -235,6 +246,21 @@ class TorchAttentionBackend(AttentionBackend):
                 probs = torch.softmax(scores, dim=-1)[..., :-1]
             out[:, :, r0:r0 + step] = torch.matmul(probs, v)
         return out
+
+
+def _chunks_looking_ahead(meta: AttentionMetadata) -> dict[int, torch.Tensor]:
+    """Prefill sequence -> its chunk's key limits, for the chunks where some row may see a key
+    past its own position (an image's run); empty without key_limits."""
+    if meta.key_limits is None:
+        return {}
+    limits = meta.key_limits.cpu()
+    ahead = {}
+    for i in range(meta.num_decodes, meta.num_seqs):
+        q0, q1 = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        pos = torch.arange(meta.seq_lens_cpu[i] - (q1 - q0), meta.seq_lens_cpu[i])
+        if bool((limits[q0:q1] > pos).any()):
+            ahead[i] = limits[q0:q1]
+    return ahead
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -4,7 +4,9 @@ Per layer: the cache-write kernel stores the new K/V into their slots; decodes (
 token, first in the batch) run the split-context decode kernel; the other sequences run the
 prefill / extend kernel over the same cache. prepare() plans the step once for every layer:
 the prefill query tiles and the number of decode splits. Both kernels take soft-capping and
-sinks (base.py) as compile-time switches, so a model without them runs the kernels it did.
+sinks (base.py) as compile-time switches, so a model without them runs the kernels it did;
+so does the prefill kernel take key limits (an image's run that attends both ways: a decode
+never looks ahead).
 """
 
 from __future__ import annotations
@@ -101,5 +103,5 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, plan.tile_seq, plan.tile_first, block_m=self.block_m,
                 block_q=self.block_q, block_n=common.prefill_block_n(self.block_d, dot_dtype),
-                **shared)
+                key_limits=meta.key_limits, **shared)
         return out

@@ -46,6 +46,7 @@ from quire.lora.adapters import EngineAdapters
 from quire.lora.request import LoRARequest
 from quire.models.config import ModelConfig
 from quire.models.loader import load_hf_config, load_tokenizer, materialize, resolve_model
+from quire.multimodal.image_attention import longest_run
 from quire.multimodal.images import as_images
 from quire.multimodal.inputs import ProcessedPrompt
 from quire.multimodal.limits import check_image_count
@@ -116,10 +117,14 @@ class LLMEngine:
             features.append(self.speculator)
         self.beams = BeamSearch(self.structured)
         features.append(self.beams)
+        # Gemma 3: each image's run attends both ways, so it is computed in one chunk
+        self.whole_image_runs = bool(getattr(self.executor.model, "mm_bidirectional", False))
+        if self.whole_image_runs:
+            self._check_image_budget(cfg, args)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs,
                                    args.max_num_batched_tokens, self.swap_manager,
                                    self._rope_switch_length(), features,
-                                   args.scheduling_policy)
+                                   args.scheduling_policy, self.whole_image_runs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.events = StepEvents()
         self.num_prompt_tokens_computed = 0  # lifetime, for tests and benchmarks
@@ -166,6 +171,18 @@ class LLMEngine:
                     name, f"{name} must be 1 for a multimodal model (the image encoder runs "
                     f"in the engine's process, not yet sharded), got {getattr(args, name)}",
                     getattr(args, name))
+
+    @staticmethod
+    def _check_image_budget(cfg: ModelConfig, args: EngineArgs) -> None:
+        """An image's run must fit one step (it attends both ways): refused at start-up
+        when the config says every image's size (Gemma 3's mm_tokens_per_image)."""
+        size = getattr(cfg.multimodal_hf, "mm_tokens_per_image", None)
+        if size and size > args.max_num_batched_tokens:
+            raise QuireValidationError(
+                "max_num_batched_tokens", f"max_num_batched_tokens must be >= {size} for "
+                f"{cfg.architecture}: each image's {size} tokens attend to one another both "
+                "ways and are computed in one step, got "
+                f"{args.max_num_batched_tokens}", args.max_num_batched_tokens)
 
     def _speculation(self) -> Speculation | None:
         config = self.args.speculative  # parsed once, with the other args
@@ -218,6 +235,8 @@ class LLMEngine:
                 f"--max-num-seqs): the n samples run side by side; got {params.n}", params.n)
         text, token_ids, mm = self._process(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
+        if mm is not None and self.whole_image_runs:
+            self._check_image_runs(mm)
         # the adapter salts its prefix-cache hashes (KVCacheManager.extra_keys), so no two
         # adapters (nor base and adapter) share KV blocks
         adapter = None if lora_request is None else self._adapters().resolve(lora_request)
@@ -237,6 +256,15 @@ class LLMEngine:
         self.output_processor.add(request_id, text, token_ids, params, seqs)
         self.scheduler.add_request(seqs[0], seqs[1:])
         return request_id
+
+    def _check_image_runs(self, mm: ProcessedPrompt) -> None:
+        """Each image's run is computed in one step: it must fit the step's token budget."""
+        longest, budget = longest_run(mm.images), self.args.max_num_batched_tokens
+        if longest > budget:
+            raise QuireValidationError(
+                MM_FIELD, f"an image of the prompt takes {longest} tokens, which attend to one "
+                f"another both ways and are computed in one step, but max_num_batched_tokens "
+                f"is {budget}; raise max_num_batched_tokens to at least {longest}")
 
     def _process(self, prompt: PromptType
                  ) -> tuple[str | None, list[int], ProcessedPrompt | None]:

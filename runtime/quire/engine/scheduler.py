@@ -10,6 +10,11 @@ has room, else by recompute) so the older ones always make progress.
 The scheduler owns the per-request features (engine/features/: structured output,
 speculation, LoRA slots, beam search) and calls each hook at its one place in the step.
 
+A family whose image runs attend both ways (Gemma 3, `whole_image_runs`) never has a prefill
+chunk end inside an image's placeholder run: the chunk ends before the run instead, and waits
+for a step with room for all of it (vLLM's disable_chunked_mm_input). The engine refuses a
+request with a run longer than the step's token budget, so a run always fits an empty step.
+
 Public interface (the only way to add, fork or finish sequences):
     add_request(seq, siblings)       queue a new sequence (its n>1 siblings ride along)
     schedule() -> SchedulerOutput    one step as plain data: batch, preemptions, swaps,
@@ -37,6 +42,7 @@ from quire.engine.request import Request, RequestStatus
 from quire.engine.sched_policy import make_queue_policy
 from quire.engine.scheduler_output import SchedulerOutput
 from quire.engine.step_plan import StepPlan
+from quire.multimodal.image_attention import fit_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +52,9 @@ class Scheduler:
                  max_num_batched_tokens: int, swapper=None,
                  rope_switch_length: int | None = None,
                  features: list[Feature] = (),
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", whole_image_runs: bool = False) -> None:
         self.kv_manager = kv_manager
+        self.whole_image_runs = whole_image_runs  # chunks never end inside an image's run
         # fcfs or priority: queue order, service order, priority preemption (sched_policy.py)
         self.policy = make_queue_policy(scheduling_policy)
         # LongRoPE (Phi-3): a sequence of this many tokens or more rotates with the long table,
@@ -239,13 +246,17 @@ class Scheduler:
                     out.spec_token_ids[seq.request_id] = proposals[seq.request_id]
             return
         for seq in todo:  # prefills: a chunk each, as budget and blocks allow
-            n = min(seq.num_tokens_to_compute, self._budget)
+            n = self._fit(seq, seq.num_computed_tokens,
+                          min(seq.num_tokens_to_compute, self._budget))
+            if not n:  # the next image's run needs more budget than is left: next step
+                continue
             copies = self.kv_manager.allocate_slots(seq, n)
             while copies is None and (victim := self._pick_victim(unit, units)) is not None:
                 self._preempt(victim, out)
                 copies = self.kv_manager.allocate_slots(seq, n)
             if copies is None:  # take what fits; the older ones go on
-                n = self.kv_manager.max_fitting_tokens(seq, n)
+                n = self._fit(seq, seq.num_computed_tokens,
+                              self.kv_manager.max_fitting_tokens(seq, n))
                 copies = self.kv_manager.allocate_slots(seq, n) if n else None
             if copies is not None:
                 self._add(seq, n, copies, out)
@@ -269,8 +280,9 @@ class Scheduler:
         # swapped sequences come back before waiting ones
         while self.swapped and self._budget > 0:
             seq = self.swapped[0]
-            n = min(seq.num_tokens_to_compute, self._budget)
-            if (self.num_running_seqs + seq.num_seqs > self.max_num_seqs
+            n = self._fit(seq, seq.num_computed_tokens,
+                          min(seq.num_tokens_to_compute, self._budget))
+            if (not n or self.num_running_seqs + seq.num_seqs > self.max_num_seqs
                     or not self._features_admit(seq)
                     or not self.swapper.try_swap_in(seq, n, out)):
                 break
@@ -290,7 +302,9 @@ class Scheduler:
             if self.num_running_seqs + seq.num_seqs > self.max_num_seqs:
                 break
             computed, num_computed = self.kv_manager.get_computed_blocks(seq)
-            n = min(seq.num_tokens - num_computed, self._budget)
+            n = self._fit(seq, num_computed, min(seq.num_tokens - num_computed, self._budget))
+            if not n:  # its first image's run doesn't fit what is left of the budget
+                break
             copies = self.kv_manager.allocate_slots(seq, n, computed)
             if copies is None:
                 break
@@ -302,6 +316,13 @@ class Scheduler:
         if held:  # back in their places (fcfs: in front, by arrival)
             for seq in reversed(self.policy.arrival_order(held)):
                 self.policy.requeue(self.waiting, seq)
+
+    def _fit(self, seq: Request, start: int, n: int) -> int:
+        """The chunk of n tokens from `start`, cut to end before an image's run it would end
+        inside (whole_image_runs); 0 when it would start inside one that it can't finish."""
+        if not self.whole_image_runs or not seq.images:
+            return n
+        return fit_chunk(seq.images, start, n)
 
     def _features_admit(self, seq: Request) -> bool:
         return all(f.may_admit(seq) for f in self.features)

@@ -9,6 +9,9 @@ and after its 4.52 rename); both map here:
     language_model.lm_head.X | lm_head.X                               -> lm_head.X
     vision_tower.X | model.vision_tower.X                              -> the tower
     multi_modal_projector.X | model.multi_modal_projector.X            -> the projector
+
+Shared with the other vision-language families: strip_prefix(name, prefixes) and
+load_module(module, tensors, what) (a transformers module's weights under its own names).
 """
 
 from __future__ import annotations
@@ -57,24 +60,24 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         def text_weights():
             for name, tensor in weights:
                 if name.startswith(_VISION):
-                    vision[_strip(name, _VISION)] = tensor
+                    vision[strip_prefix(name, _VISION)] = tensor
                 elif name.startswith(_PROJECTOR):
-                    projector[_strip(name, _PROJECTOR)] = tensor
+                    projector[strip_prefix(name, _PROJECTOR)] = tensor
                 elif name.startswith(_HEAD):
-                    yield "lm_head." + _strip(name, _HEAD), tensor
+                    yield "lm_head." + strip_prefix(name, _HEAD), tensor
                 elif name.startswith(_TEXT):
-                    yield "model." + _strip(name, _TEXT), tensor
+                    yield "model." + strip_prefix(name, _TEXT), tensor
 
         super().load_weights(text_weights())
-        _load_module(self.vision_tower, vision, "vision tower")
-        _load_module(self.multi_modal_projector, projector, "multi-modal projector")
+        load_module(self.vision_tower, vision, "vision tower")
+        load_module(self.multi_modal_projector, projector, "multi-modal projector")
 
 
-def _strip(name: str, prefixes: tuple[str, ...]) -> str:
+def strip_prefix(name: str, prefixes: tuple[str, ...]) -> str:
     return name[len(next(p for p in prefixes if name.startswith(p))):]
 
 
-def _load_module(module: torch.nn.Module, tensors: dict, what: str) -> None:
+def load_module(module: torch.nn.Module, tensors: dict, what: str) -> None:
     """A transformers module's weights, under its own names (CLIP's with or without its
     `vision_model.` level)."""
     own = module.state_dict()

@@ -38,6 +38,8 @@ ARCHITECTURES: dict[str, Family] = {
     # vision-language: a vision encoder and projector before a family's decoder
     "LlavaForConditionalGeneration": Family("llava", "LlavaConfig", "llava",
                                             "LlavaForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": Family("gemma3", "Gemma3Config", "gemma3_mm",
+                                             "Gemma3ForConditionalGeneration"),
     # base models without an LM head (sentence-transformers' embedding checkpoints, such as
     # Qwen3-Embedding): the same families, served by the pooling runner
     "LlamaModel": Family("llama", "LlamaConfig", "llama", "LlamaForCausalLM"),

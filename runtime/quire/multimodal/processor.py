@@ -20,6 +20,7 @@ from quire.multimodal.inputs import ImageSpan, ProcessedPrompt
 from quire.validation import QuireValidationError
 
 FIELD = "multi_modal_data"
+_PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
 class MultiModalProcessor:
@@ -87,7 +88,9 @@ def _one_image(out, i: int, num_images: int) -> dict:
     """The processor's tensors for image i alone (those with a row per image)."""
     keep = {}
     for key, value in out.items():
-        if key in ("input_ids", "attention_mask") or not hasattr(value, "shape"):
+        # per-token rows (Gemma 3's token_type_ids) are the prompt's, not the image's, even
+        # where a prompt of one image gives them one row
+        if key in _PER_TOKEN or not hasattr(value, "shape"):
             continue
         if value.ndim and value.shape[0] == num_images:
             keep[key] = value[i:i + 1].clone()

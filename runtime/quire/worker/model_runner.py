@@ -15,6 +15,7 @@ import torch
 
 from quire.attention.base import AttentionMetadata
 from quire.distributed.pipeline import split_micro_batches, wait_all
+from quire.multimodal.image_attention import key_limits
 from quire.step_batch import PromptLogprobsResult, SequenceChunk, StepBatch
 from quire.worker.kv_cache import KVCache
 from quire.worker.multimodal_runner import MultiModalRunner
@@ -57,6 +58,9 @@ class HostBatch:
     # image placeholders: their rows [K] and the embeddings that replace theirs [K, hidden]
     mm_rows: np.ndarray | None = None
     mm_embeds: torch.Tensor | None = None
+    # [T] int64: each token's last visible key position, where an image's run looks ahead
+    # (a family with bidirectional image attention); None: causal (AttentionMetadata's)
+    key_limits: np.ndarray | None = None
 
 
 @dataclass
@@ -108,6 +112,9 @@ class ModelRunner:
         # a family that takes images: their pixels, the encoder runs and its cache
         self.mm = (MultiModalRunner(model, device)
                    if getattr(model, "encode_images", None) is not None else None)
+        # Gemma 3: each image's run attends both ways (the scheduler keeps a run in one chunk)
+        self.mm_bidirectional = self.mm is not None and getattr(model, "mm_bidirectional",
+                                                                 False)
         self.cuda_graphs = None  # decode steps replay CUDA graphs: one GPU, no LoRA
         graph_safe = all(b.supports_cuda_graphs for b in model.backends.values())
         if (cuda_graphs and device.type == "cuda" and workers is None and lora is None
@@ -280,6 +287,7 @@ class ModelRunner:
         mm = self.mm.gather(chunks) if self.mm is not None else None
         return HostBatch(
             mm_rows=None if mm is None else mm[0], mm_embeds=None if mm is None else mm[1],
+            key_limits=_image_key_limits(chunks) if self.mm_bidirectional else None,
             input_ids=np.asarray(tokens, dtype=np.int64), positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
             num_decodes=_num_decodes(chunks), rope_seq_lens=rope_seq_lens,
@@ -301,6 +309,8 @@ class ModelRunner:
             block_size=self.block_size,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            key_limits=(None if b.key_limits is None
+                        else torch.from_numpy(b.key_limits.astype(np.int32)).to(dev)),
         )
         rope_seq_lens = None if b.rope_seq_lens is None else torch.from_numpy(b.rope_seq_lens)
         return _Batch(
@@ -349,6 +359,20 @@ def _verification_as_decodes(chunks: list[SequenceChunk]) -> list[SequenceChunk]
         out += [SequenceChunk([token], c.start + j, c.num_prompt_tokens, c.num_tokens,
                               c.block_table, 1, c.lora) for j, token in enumerate(c.token_ids)]
     return out
+
+
+def _image_key_limits(chunks: list[SequenceChunk]) -> np.ndarray | None:
+    """The flat batch's key limits (multimodal/image_attention.py), or None when no chunk
+    holds a token of an image's run that looks ahead."""
+    if not any(c.images for c in chunks):
+        return None
+    parts, ahead = [], False
+    for c in chunks:
+        own = key_limits(c.images, c.start, len(c.token_ids)) if c.images else None
+        ahead |= own is not None
+        parts.append(own if own is not None else
+                     np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64))
+    return np.concatenate(parts) if ahead else None
 
 
 def _num_decodes(chunks: list[SequenceChunk]) -> int:

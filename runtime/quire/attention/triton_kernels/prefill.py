@@ -9,7 +9,9 @@ head r % GROUP), so each K/V tile is loaded once for the whole group. The host l
 (sequence, first query token) of every tile, so the grid has no idle programs.
 
 Soft-capping caps each tile's scores before the mask; a row's sink starts its running max and
-sum (max = the sink, sum = 1, no value).
+sum (max = the sink, sum = 1, no value). Key limits (base.py: an image's run that attends both
+ways) replace each row's own position as the last key it sees, and stretch the tile's key
+range to its rows' furthest limit; the window still counts back from the row's position.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from quire.attention.triton_kernels.common import LOG2E, kv_tile_offsets, load_k
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, tile_seq_ptr, tile_first_ptr, sinks_ptr,
+    query_start_loc_ptr, tile_seq_ptr, tile_first_ptr, sinks_ptr, key_limits_ptr,
     qk_scale, v_scale, window, cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LIMITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -56,6 +58,10 @@ def _prefill_kernel(
 
     # keys the tile's rows can see: up to its last query, from its first query's window
     hi = cached + tl.minimum(first + BLOCK_Q, q_len)
+    last = q_pos
+    if HAS_LIMITS:  # rows of an image's run see up to its end, inside this chunk
+        last = tl.load(key_limits_ptr + token, mask=row_valid, other=0)
+        hi = tl.maximum(hi, tl.max(last, 0) + 1)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(cached + first - window + 1, 0)
@@ -74,7 +80,7 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_SOFTCAP:
             s = softcap(s, cap)
-        visible = pos[None, :] <= q_pos[:, None]
+        visible = pos[None, :] <= last[:, None]
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -107,14 +113,16 @@ def paged_prefill_attention(q, k_cache, v_cache, out, block_tables, seq_lens, qu
                             tile_seq, tile_first, *, scale: float, k_scale: float,
                             v_scale: float, sliding_window: int | None, dot_dtype,
                             dot_precision: str | None, block_m: int, block_q: int, block_n: int,
-                            block_d: int, softcap: float | None = None, sinks=None) -> None:
+                            block_d: int, softcap: float | None = None, sinks=None,
+                            key_limits=None) -> None:
     """q/out [T, H, D]; caches [num_blocks, block_size, Hkv, D]; tile_seq/tile_first from
-    prefill_tiles() for the same block_q; sinks None or [H] float32 on q's device."""
+    prefill_tiles() for the same block_q; sinks None or [H] float32 on q's device;
+    key_limits None or [T] int32 (base.py)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     _prefill_kernel[(tile_seq.numel(), num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_first,
-        q if sinks is None else sinks,
+        q if sinks is None else sinks, seq_lens if key_limits is None else key_limits,
         scale * k_scale * LOG2E, float(v_scale), sliding_window or 0, (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -122,4 +130,5 @@ def paged_prefill_attention(q, k_cache, v_cache, out, block_tables, seq_lens, qu
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        HAS_LIMITS=key_limits is not None,
     )
