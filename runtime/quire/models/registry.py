@@ -38,6 +38,8 @@ ARCHITECTURES: dict[str, Family] = {
     # vision-language: a vision encoder and projector before a family's decoder
     "LlavaForConditionalGeneration": Family("llava", "LlavaConfig", "llava",
                                             "LlavaForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": Family("qwen2_5_vl", "Qwen2_5_VLConfig", "qwen2_5_vl",
+                                                 "Qwen2_5_VLForConditionalGeneration"),
     # base models without an LM head (sentence-transformers' embedding checkpoints, such as
     # Qwen3-Embedding): the same families, served by the pooling runner
     "LlamaModel": Family("llama", "LlamaConfig", "llama", "LlamaForCausalLM"),
