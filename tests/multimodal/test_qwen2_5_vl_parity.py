@@ -142,6 +142,25 @@ def test_ngram_speculation_keeps_the_tokens(qwen_vl_path, qwen_vl_oracle):
     assert_clean(llm)
 
 
+def test_chat_image_parts_match_transformers(qwen_vl_path, qwen_vl_oracle):
+    """Chat image parts: the template writes Qwen's <|vision_start|><|image_pad|>
+    <|vision_end|> per part, the processor expands each pad to the image's run."""
+    model, processor = qwen_vl_oracle
+    a, b = random_image(20, (140, 112)), random_image(21, (84, 196))
+    llm = LLM(qwen_vl_path, dtype="float32")
+    out = llm.chat([{"role": "user", "content": [
+        {"type": "text", "text": "Look: "}, {"type": "image_pil", "image_pil": a},
+        {"type": "text", "text": " and "}, {"type": "image_pil", "image_pil": b},
+        {"type": "text", "text": " what differs?"}]}], GREEDY, use_tqdm=False)[0]
+    template = [{"role": "user", "content": [
+        {"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " and "},
+        {"type": "image"}, {"type": "text", "text": " what differs?"}]}]
+    text = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    assert text.count(IMAGE) == 2
+    assert out.outputs[0].token_ids == hf_greedy_mm(model, processor, text, [a, b], MAX_NEW)
+    assert_clean(llm)
+
+
 def test_both_checkpoint_spellings_load(qwen_vl_path, reference, tmp_path):
     """transformers 5 writes `model.layers.*` / `visual.*` (the hub's spelling); its own
     module names are `model.language_model.*` / `model.visual.*`: the same weights."""

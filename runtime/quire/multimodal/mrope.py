@@ -6,7 +6,8 @@ Public interface:
     MRopePositions.rows(start, end)   the triples of sequence positions [start, end): [3, k]
     MRopePositions.shifted(start, end) or None: the same as one row [k] when the range lies
                                       past the prompt (all three equal there)
-    prompt_positions(hf_config, processed) -> MRopePositions or None (None: not M-RoPE)
+    prompt_positions(hf_config, processed) -> MRopePositions, or None for a family whose
+                                      positions are 0..n-1
 
 The prompt's triples are transformers' own (`get_rope_index` of the family's model class, on
 the processor's input ids, token types and image grids), so they are its to the bit. A
@@ -51,21 +52,17 @@ class MRopePositions:
         return np.arange(start, end, dtype=np.int64) + self.delta
 
 
-def uses_mrope(text_config) -> bool:
-    rope = getattr(text_config, "rope_parameters", None) or {}
-    return bool(rope.get("mrope_section"))
-
-
 def prompt_positions(hf_config, processed) -> MRopePositions | None:
     """The triples of a processed prompt (the processor's BatchFeature for one prompt), by
     transformers' get_rope_index for the config's family; None when the family is not
     M-RoPE."""
-    if not uses_mrope(hf_config.get_text_config()):
-        return None
     where = _ROPE_INDEX.get(hf_config.model_type)
     if where is None:
-        raise ValueError(f"M-RoPE positions for model type {hf_config.model_type!r} are not "
-                         f"supported; supported: {', '.join(_ROPE_INDEX)}")
+        rope = getattr(hf_config.get_text_config(), "rope_parameters", None) or {}
+        if rope.get("mrope_section"):
+            raise ValueError(f"M-RoPE positions for model type {hf_config.model_type!r} are "
+                             f"not supported; supported: {', '.join(_ROPE_INDEX)}")
+        return None
     model_class = getattr(importlib.import_module(where[0]), where[1])
     ids = processed["input_ids"]
     types = processed.get("mm_token_type_ids")
