@@ -90,7 +90,6 @@ class MultiModalProcessor:
         return [total // num_images] * num_images
 
 
-
 # per-token outputs, not per image
 _PROMPT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
