@@ -59,6 +59,9 @@ class SequenceChunk:
     # placeholders lie in this chunk: their embeddings replace those tokens' (plain data; the
     # executor has the pixels and the encoder cache, by hash)
     images: list = field(default_factory=list)
+    # M-RoPE (Qwen2.5-VL): its sequence's position triples (quire.multimodal.mrope.
+    # MRopePositions, plain data shared with its Request); None: positions are 0..n-1
+    mrope: object = None
 
 
 @dataclass

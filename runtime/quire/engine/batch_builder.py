@@ -44,7 +44,7 @@ def build_step_batch(out: StepPlan, masks: Callable, has_grammar: Callable[[str]
                 token_ids=seq.token_ids[start:start + 1] + list(proposals), start=start,
                 num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
                 block_table=out.block_tables[i], num_samples=0, lora=seq.lora,
-                num_verified=len(proposals)))
+                num_verified=len(proposals), mrope=seq.mrope))
             continue
         samples = []
         if start + n == seq.num_tokens:  # reaches the last known token: sample the next
@@ -56,7 +56,8 @@ def build_step_batch(out: StepPlan, masks: Callable, has_grammar: Callable[[str]
             num_prompt_tokens=seq.num_prompt_tokens, num_tokens=seq.num_tokens,
             block_table=out.block_tables[i], num_samples=len(samples), lora=seq.lora,
             prompt_logprobs=prompt_logprobs_ask(seq, start, n),
-            images=[im for im in seq.images if im.overlap(start, start + n)]))
+            images=[im for im in seq.images if im.overlap(start, start + n)],
+            mrope=seq.mrope))
     sampling = build_sampling_batch(rows, masks, has_grammar, ahead, groups)
     return (StepBatch(out.swap_out, out.swap_in, out.block_copies, chunks, sampling,
                       out.lora_keys_in_use), rows,

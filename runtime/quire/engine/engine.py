@@ -248,7 +248,7 @@ class LLMEngine:
                 request_id if params.n == 1 else f"{request_id}#{i}", token_ids, seq_params,
                 self.eos_token_ids, max_tokens, arrival_time, client_request_id=request_id,
                 sample_index=i, lora=adapter, cache_salt=cache_salt, priority=priority,
-                images=mm.images if mm else ()))
+                images=mm.images if mm else (), mrope=mm.positions if mm else None))
         if params.guided_decoding is not None:  # compiles off this thread; waits till then
             self.structured.attach(seqs, params.guided_decoding)
         if mm is not None:  # the pixels wait with the executor until the request ends

@@ -28,6 +28,7 @@ from quire.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from quire.lora.request import AdapterHandle
     from quire.multimodal.inputs import ImageSpan
+    from quire.multimodal.mrope import MRopePositions
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,6 +69,7 @@ class Request:
         lockstep_group: str | None = None,
         priority: int = 0,
         images: tuple[ImageSpan, ...] = (),
+        mrope: MRopePositions | None = None,
     ) -> None:
         self.request_id = request_id  # this sequence's id
         self.client_request_id = client_request_id or request_id  # the id the client gave
@@ -99,6 +101,9 @@ class Request:
         # its prompt's images: placeholder runs and content hashes, plain data (the pixels
         # and embeddings are the executor's); they join the block hashes of their blocks
         self.images = tuple(images)
+        # M-RoPE (Qwen2.5-VL): its prompt's position triples and the delta of every later
+        # position (plain data, read by the batch builder); None: positions are 0..n-1
+        self.mrope = mrope
 
     # --- token bookkeeping ---------------------------------------------------------------
     @property

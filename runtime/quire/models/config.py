@@ -66,9 +66,12 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            # a vision-language config says it on the outer config (transformers 5 moves the
+            # text config's there)
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)
+                                     or getattr(outer, "tie_word_embeddings", False)),
+            qkv_bias=model_type in _QWEN2_BIASES or attention_bias,
+            o_bias=model_type not in _QWEN2_BIASES and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_windows=_sliding_windows(hf, model_type),
             eos_token_ids=eos_ids,
@@ -77,6 +80,10 @@ class ModelConfig:
             hf=hf,
             multimodal_hf=outer,
         )
+
+
+# decoders with Qwen2's q/k/v biases (and none on o_proj)
+_QWEN2_BIASES = ("qwen2", "qwen2_5_vl_text")
 
 
 def rope_of(hf, layer_type: str | None = None) -> tuple[float, dict | None]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from quire.models.gemma import Gemma3ForCausalLM
-from quire.models.llava import load_module, strip_prefix
+from quire.models.mm_weights import load_module, strip_prefix
 
 _VISION = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")

@@ -40,6 +40,8 @@ ARCHITECTURES: dict[str, Family] = {
                                             "LlavaForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": Family("gemma3", "Gemma3Config", "gemma3_mm",
                                              "Gemma3ForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": Family("qwen2_5_vl", "Qwen2_5_VLConfig", "qwen2_5_vl",
+                                                 "Qwen2_5_VLForConditionalGeneration"),
     # base models without an LM head (sentence-transformers' embedding checkpoints, such as
     # Qwen3-Embedding): the same families, served by the pooling runner
     "LlamaModel": Family("llama", "LlamaConfig", "llama", "LlamaForCausalLM"),

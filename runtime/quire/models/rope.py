@@ -124,3 +124,29 @@ class RotaryEmbedding:
             base = self.base * ((factor * s / max_pos) - (factor - 1)) ** (dim / (dim - 2))
             inv_freq[seq_lens == seq_len] = 1.0 / (base ** exponents)
         return self._cos_sin(positions, inv_freq)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2.5-VL): positions [3, T] of (temporal, height, width); the rotary's
+    frequencies come in `mrope_section` runs (summing to rotary_dim / 2), run i reading
+    position row i % 3, as transformers' recomposition_frequencies lays them out. Positions
+    [T] (every row equal: text, generated tokens) read the plain table, which is the same."""
+
+    def __init__(self, *args, mrope_section: list[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        half = self.rotary_dim // 2
+        if sum(mrope_section) != half:
+            raise ValueError(f"mrope_section {list(mrope_section)} must sum to {half} (half "
+                             "the rotary dimension)")
+        self.mrope_section = list(mrope_section)
+        row = torch.cat([torch.full((n,), i % 3, dtype=torch.int64)
+                         for i, n in enumerate(mrope_section)])
+        self._dim_rows = torch.cat([row, row]).to(self.device)  # each rotary dim's row
+
+    def cos_sin(self, positions: torch.Tensor, rope_seq_lens: torch.Tensor | None = None):
+        if positions.ndim == 1:
+            return super().cos_sin(positions, rope_seq_lens)
+        pick = self._dim_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.cos_table[positions].gather(0, pick)[0]  # [3, T, D] -> [T, D]
+        sin = self.sin_table[positions].gather(0, pick)[0]
+        return cos, sin

@@ -38,8 +38,9 @@ class ProcessedPrompt:
     token_ids: list[int]                 # with each image's placeholders expanded
     images: list[ImageSpan]              # in prompt order
     # image hash -> the processor's tensors for that image alone (the family's encoder reads
-    # them: LLaVA's pixel_values [1, 3, H, W]; Qwen2.5-VL will add its grid_thw)
+    # them: LLaVA's pixel_values [1, 3, H, W]; Qwen2.5-VL's patches [t*h*w, dim] and
+    # image_grid_thw [1, 3])
     pixels: dict[str, dict] = field(default_factory=dict)
-    # per-token positions when the family's are not 0..n-1 (Qwen2.5-VL's M-RoPE triples,
-    # [3, n]); None for LLaVA and Gemma 3
+    # positions when the family's are not 0..n-1: Qwen2.5-VL's M-RoPE triples and delta
+    # (quire.multimodal.mrope.MRopePositions); None for LLaVA and Gemma 3
     positions: object = None

@@ -10,23 +10,26 @@ Public interface:
 Family-independent: the image token comes from the config (`image_token_index`, or
 `image_token_id` as Qwen2.5-VL and Gemma 3 spell it), the placeholder runs from the expanded
 ids, and each image's count of embeddings from the processor's output (equal shares, or a
-grid per image where the processor gives one).
+grid per image where the processor gives one). Where the processor gives grids (Qwen2.5-VL)
+its pixel_values are every image's patches stacked, [sum of t*h*w, dim]: image i's are its
+grid's rows. A family with M-RoPE gets its prompt's (t, h, w) positions (mrope.py).
 """
 
 from __future__ import annotations
 
 from quire.multimodal.images import image_hash
 from quire.multimodal.inputs import ImageSpan, ProcessedPrompt
+from quire.multimodal.mrope import prompt_positions
 from quire.validation import QuireValidationError
 
 FIELD = "multi_modal_data"
-_PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
 class MultiModalProcessor:
-    def __init__(self, processor, image_token_id: int) -> None:
+    def __init__(self, processor, image_token_id: int, hf_config=None) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
+        self.hf_config = hf_config  # the model's whole config (M-RoPE positions read it)
         # what a text prompt writes per image: Gemma 3's processor expands its begin-of-image
         # token (boi_token) into the run of image tokens; LLaVA and Qwen2.5-VL expand theirs
         self.image_token = (getattr(processor, "boi_token", None)
@@ -44,7 +47,7 @@ class MultiModalProcessor:
             processor = AutoProcessor.from_pretrained(path)
         except Exception as e:
             raise ValueError(f"cannot load the image processor of {path!r}: {e}") from None
-        return cls(processor, int(token_id))
+        return cls(processor, int(token_id), hf_config)
 
     def process(self, text: str, images: list, add_special_tokens: bool = True
                 ) -> ProcessedPrompt:
@@ -63,15 +66,18 @@ class MultiModalProcessor:
         ids = out["input_ids"][0].tolist()
         counts = self._counts(out, len(images), ids.count(self.image_token_id))
         spans, pixels, at = [], {}, 0
+        per_image = _per_image(out, len(images))
         for i, (image, n) in enumerate(zip(images, counts)):
             offset = ids.index(self.image_token_id, at)
             if ids[offset:offset + n] != [self.image_token_id] * n:
                 raise ValueError(f"image {i}'s {n} placeholder tokens are not one run")
             h = image_hash(image)
             spans.append(ImageSpan(h, offset, n))
-            pixels.setdefault(h, _one_image(out, i, len(images)))
+            pixels.setdefault(h, per_image[i])
             at = offset + n
-        return ProcessedPrompt(ids, spans, pixels)
+        positions = (prompt_positions(self.hf_config, out) if self.hf_config is not None
+                     else None)
+        return ProcessedPrompt(ids, spans, pixels, positions)
 
     def _counts(self, out, num_images: int, total: int) -> list[int]:
         """Each image's placeholder (and embedding) count."""
@@ -84,14 +90,24 @@ class MultiModalProcessor:
         return [total // num_images] * num_images
 
 
-def _one_image(out, i: int, num_images: int) -> dict:
-    """The processor's tensors for image i alone (those with a row per image)."""
-    keep = {}
+# per-token outputs, not per image
+_PROMPT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+
+def _per_image(out, num_images: int) -> list[dict]:
+    """Each image's own processor tensors: rows of those with a row per image; with grids
+    (Qwen2.5-VL), pixel_values' rows cut by each grid's t*h*w."""
+    grid = out.get("image_grid_thw")
+    keep: list[dict] = [{} for _ in range(num_images)]
     for key, value in out.items():
-        # per-token rows (Gemma 3's token_type_ids) are the prompt's, not the image's, even
-        # where a prompt of one image gives them one row
-        if key in _PER_TOKEN or not hasattr(value, "shape"):
+        if key in _PROMPT_KEYS or not hasattr(value, "shape"):
             continue
-        if value.ndim and value.shape[0] == num_images:
-            keep[key] = value[i:i + 1].clone()
+        if grid is not None and key == "pixel_values":
+            parts = value.split(grid.prod(-1).tolist())
+        elif value.ndim and value.shape[0] == num_images:
+            parts = value.split(1)
+        else:
+            continue
+        for i, part in enumerate(parts):
+            keep[i][key] = part.clone()
     return keep

@@ -149,7 +149,9 @@ class CUDAGraphRunner:
         bucket = pick_bucket(n, self.buckets)
         if bucket is None:
             return None
-        self.inputs.load(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+        rope = getattr(batch, "rope_positions", None)  # M-RoPE: [T] shifted past the prompts
+        positions = batch.positions if rope is None else rope
+        self.inputs.load(batch.input_ids, positions, batch.slot_mapping, batch.seq_lens,
                          batch.block_tables, bucket)
         if bucket not in self.graphs and not self._try_capture(bucket):
             return None

@@ -61,6 +61,9 @@ class HostBatch:
     # [T] int64: each token's last visible key position, where an image's run looks ahead
     # (a family with bidirectional image attention); None: causal (AttentionMetadata's)
     key_limits: np.ndarray | None = None
+    # the rotary's positions where they are not `positions` (which place the KV slots):
+    # M-RoPE's [3, T] triples, or [T] shifted by each sequence's delta (past its prompt)
+    rope_positions: np.ndarray | None = None
 
 
 @dataclass
@@ -107,6 +110,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dynamic_rope = model.rope.needs_seq_lens  # dynamic NTK, LongRoPE
+        self.mrope = getattr(model.rope, "mrope_section", None) is not None  # Qwen2.5-VL
         self.long_rope = model.rope.long_threshold is not None
         self.workers = workers  # quire.distributed.workers.Workers, at tensor-parallel size > 1
         # a family that takes images: their pixels, the encoder runs and its cache
@@ -186,7 +190,8 @@ class ModelRunner:
             embeds = self.model.embed(batch.input_ids)
             rows = torch.from_numpy(host.mm_rows).to(self.device)
             embeds[rows] = host.mm_embeds.to(embeds.dtype)
-        elif self.cuda_graphs is not None and host.num_decodes == len(host.input_ids):
+        elif (self.cuda_graphs is not None and host.num_decodes == len(host.input_ids)
+              and (host.rope_positions is None or host.rope_positions.ndim == 1)):
             hidden = self.cuda_graphs.run(host)  # None: no bucket this large
         if hidden is None and embeds is None:
             batch = self._to_device(host)
@@ -288,6 +293,7 @@ class ModelRunner:
         return HostBatch(
             mm_rows=None if mm is None else mm[0], mm_embeds=None if mm is None else mm[1],
             key_limits=_image_key_limits(chunks) if self.mm_bidirectional else None,
+            rope_positions=mrope_positions(chunks, positions, qsl) if self.mrope else None,
             input_ids=np.asarray(tokens, dtype=np.int64), positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
             num_decodes=_num_decodes(chunks), rope_seq_lens=rope_seq_lens,
@@ -313,14 +319,32 @@ class ModelRunner:
                         else torch.from_numpy(b.key_limits.astype(np.int32)).to(dev)),
         )
         rope_seq_lens = None if b.rope_seq_lens is None else torch.from_numpy(b.rope_seq_lens)
+        positions = b.positions if b.rope_positions is None else b.rope_positions
         return _Batch(
             input_ids=torch.from_numpy(b.input_ids).to(dev),
-            positions=torch.from_numpy(b.positions).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
             meta=meta,
             rope_seq_lens=rope_seq_lens,
             logits_indices=torch.from_numpy(b.logits_indices).to(dev),
             num_prompt_tokens=b.num_prompt_tokens,
         )
+
+
+def mrope_positions(chunks: list[SequenceChunk], positions: np.ndarray, qsl: np.ndarray
+                    ) -> np.ndarray | None:
+    """An M-RoPE model's rotary positions for the batch, from each chunk's sequence's stored
+    triples (never from the chunk: one that starts mid-prompt slices them): None when no
+    chunk has triples (text prompts: `positions` are theirs); [T] when every chunk lies past
+    its prompt (decodes, verification: the three are equal, p + delta); else [3, T]."""
+    if all(c.mrope is None for c in chunks):
+        return None
+    spans = [(c, c.start, c.start + len(c.token_ids), positions[qsl[j]:qsl[j + 1]])
+             for j, c in enumerate(chunks)]
+    flat = [own if c.mrope is None else c.mrope.shifted(lo, hi) for c, lo, hi, own in spans]
+    if all(f is not None for f in flat):
+        return np.concatenate(flat)
+    return np.concatenate([np.broadcast_to(own, (3, len(own))) if c.mrope is None
+                           else c.mrope.rows(lo, hi) for c, lo, hi, own in spans], axis=1)
 
 
 def _join_rows(per_micro_batch: list, micro: list[HostBatch]):
@@ -357,7 +381,8 @@ def _verification_as_decodes(chunks: list[SequenceChunk]) -> list[SequenceChunk]
             out.append(c)
             continue
         out += [SequenceChunk([token], c.start + j, c.num_prompt_tokens, c.num_tokens,
-                              c.block_table, 1, c.lora) for j, token in enumerate(c.token_ids)]
+                              c.block_table, 1, c.lora, mrope=c.mrope)
+                for j, token in enumerate(c.token_ids)]
     return out
 
 
