@@ -8,7 +8,7 @@ import pytest
 
 from gemma3_helpers import hf_gemma3, save_tiny_gemma3
 from mm_helpers import hf_llava, save_tiny_llava
-from qwen_vl_helpers import hf_qwen_vl, save_tiny_qwen_vl
+from qwen_vl_helpers import hf_qwen_vl, qwen_vl_processor, save_tiny_qwen_vl
 
 
 @pytest.fixture(scope="session")
@@ -40,5 +40,4 @@ def qwen_vl_path(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen_vl_oracle(qwen_vl_path):
-    from transformers import AutoProcessor
-    return hf_qwen_vl(qwen_vl_path), AutoProcessor.from_pretrained(qwen_vl_path)
+    return hf_qwen_vl(qwen_vl_path), qwen_vl_processor(qwen_vl_path)

@@ -26,19 +26,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def images_only_processor() -> None:
-    """transformers 5.24's Qwen2.5-VL processor takes a video processor too, and video
-    processors need torchvision, which this environment lacks: without it the processor is
-    made (and loaded by AutoProcessor, in the engine as in the oracle) from its image
-    processor and tokenizer alone. Prompts here carry images, never videos."""
+def qwen_vl_processor_class():
+    """transformers 5.24's Qwen2.5-VL processor holds a video processor too, which needs
+    torchvision; without torchvision the class is the engine's images-only one
+    (quire.multimodal.processor.images_only), in the checkpoint as in the oracle."""
     from transformers import Qwen2_5_VLProcessor
     from transformers.utils import is_torchvision_available
-    if not is_torchvision_available():
-        Qwen2_5_VLProcessor.get_attributes = classmethod(
-            lambda cls: ["image_processor", "tokenizer"])
+
+    from quire.multimodal.processor import images_only
+    return Qwen2_5_VLProcessor if is_torchvision_available() else images_only(
+        Qwen2_5_VLProcessor)
 
 
-images_only_processor()
+def qwen_vl_processor(path: str):
+    """The oracle's processor, loaded as the engine loads it."""
+    from quire.multimodal.processor import load_processor
+    return load_processor(path)
 
 
 def qwen_vl_tokenizer():
@@ -71,7 +74,7 @@ def qwen_vl_config(tok):
 
 
 def save_tiny_qwen_vl(path: str, seed: int = 0) -> str:
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers import Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,  # the PIL one: no torchvision here
     )
@@ -88,8 +91,8 @@ def save_tiny_qwen_vl(path: str, seed: int = 0) -> str:
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
                                                patch_size=14, temporal_patch_size=2,
                                                merge_size=2)
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok,
-                                    chat_template=CHAT_TEMPLATE)
+    processor = qwen_vl_processor_class()(image_processor=image_processor, tokenizer=tok,
+                                                  chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(path)
     return path
 

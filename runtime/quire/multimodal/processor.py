@@ -6,6 +6,8 @@ Public interface:
     MultiModalProcessor.of(path, hf_config)    None unless the model takes images
     MultiModalProcessor.process(text, images, add_special_tokens)  -> ProcessedPrompt
     MultiModalProcessor.image_token            the placeholder a text prompt writes per image
+    load_processor(path)                       the checkpoint's transformers processor
+    images_only(processor_class)               the same class without its video processor
 
 Family-independent: the image token comes from the config (`image_token_index`, or
 `image_token_id` as Qwen2.5-VL and Gemma 3 spell it), the placeholder runs from the expanded
@@ -25,6 +27,49 @@ from quire.validation import QuireValidationError
 FIELD = "multi_modal_data"
 
 
+def load_processor(path: str):
+    """AutoProcessor's, or, where the processor also holds a video processor and torchvision
+    (which video processors need) is not installed, the same processor class without it:
+    images are all we take, and its image processor and tokenizer are the checkpoint's."""
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except Exception:
+        if is_torchvision_available():
+            raise
+        from transformers.models.auto.processing_auto import processor_class_from_name
+        name = _processor_class_name(path)
+        processor_class = processor_class_from_name(name) if name else None
+        if processor_class is None or "video_processor" not in _attributes(processor_class):
+            raise
+        return images_only(processor_class).from_pretrained(path)
+
+
+def images_only(processor_class: type) -> type:
+    """processor_class without its video processor (its own code otherwise)."""
+    kept = [a for a in _attributes(processor_class) if a != "video_processor"]
+    return type(processor_class.__name__, (processor_class,),
+                {"get_attributes": classmethod(lambda cls: list(kept))})
+
+
+def _attributes(processor_class: type) -> list[str]:
+    return list(processor_class.get_attributes())
+
+
+def _processor_class_name(path: str) -> str | None:
+    import json
+    import os
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                found = json.load(f).get("processor_class")
+            if found:
+                return found
+    return None
+
+
 class MultiModalProcessor:
     def __init__(self, processor, image_token_id: int, hf_config=None) -> None:
         self.processor = processor
@@ -42,9 +87,8 @@ class MultiModalProcessor:
             token_id = getattr(hf_config, "image_token_id", None)
         if token_id is None or getattr(hf_config, "vision_config", None) is None:
             return None
-        from transformers import AutoProcessor
         try:
-            processor = AutoProcessor.from_pretrained(path)
+            processor = load_processor(path)
         except Exception as e:
             raise ValueError(f"cannot load the image processor of {path!r}: {e}") from None
         return cls(processor, int(token_id), hf_config)
