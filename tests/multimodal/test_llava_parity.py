@@ -117,3 +117,12 @@ def test_both_checkpoint_spellings_load(llava_path, reference, tmp_path):
     save_file(new, str(renamed / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(renamed), dtype="float32")
     assert run(llm, prompts()[:3]) == reference[:3]
+
+
+def test_tower_stops_at_the_feature_layer(llava_path):
+    """vision_feature_layer -2 of a 3-layer CLIP tower: the last layer is neither built nor
+    run (its output is never read), and the features are still transformers' (above)."""
+    llm = LLM(llava_path, dtype="float32")
+    tower = llm.engine.executor.runner.model.vision_tower
+    assert len(tower.encoder.layers) == 2
+    assert llm.engine.executor.runner.model.feature_layers == [2]

@@ -16,6 +16,8 @@ load_module(module, tensors, what) (a transformers module's weights under its ow
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from quire.models.llama import LlamaForCausalLM
@@ -34,7 +36,16 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
         mm = self.mm_config = cfg.multimodal_hf
-        self.vision_tower = AutoModel.from_config(mm.vision_config, dtype=dtype).to(device)
+        # hidden-state indices (0: the embeddings) of the layers the features come from, and
+        # a tower of only the layers up to the last of them (LLaVA reads the penultimate
+        # layer: the last one is never run, nor loaded, as vLLM does)
+        vision = copy.deepcopy(mm.vision_config)
+        total = vision.num_hidden_layers
+        layers = mm.vision_feature_layer
+        self.feature_layers = [i % (total + 1) for i in
+                               ([layers] if isinstance(layers, int) else layers)]
+        vision.num_hidden_layers = max(max(self.feature_layers), 1)
+        self.vision_tower = AutoModel.from_config(vision, dtype=dtype).to(device)
         self.multi_modal_projector = LlavaMultiModalProjector(mm).to(device=device,
                                                                      dtype=dtype)
         for p in (*self.vision_tower.parameters(), *self.multi_modal_projector.parameters()):
@@ -46,10 +57,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         mm = self.mm_config
         dtype = next(self.vision_tower.parameters()).dtype
         pixels = torch.cat([x["pixel_values"] for x in inputs]).to(dtype)
-        layer = mm.vision_feature_layer
         states = self.vision_tower(pixels, output_hidden_states=True,
                                    return_dict=True).hidden_states
-        picked = [states[layer]] if isinstance(layer, int) else [states[i] for i in layer]
+        picked = [states[i] for i in self.feature_layers]
         if mm.vision_feature_select_strategy == "default":  # drop the CLS token
             picked = [s[:, 1:] for s in picked]
         return list(self.multi_modal_projector(torch.cat(picked, dim=-1)))
