@@ -28,7 +28,8 @@ DEFAULT_STEPS="throughput_f32 throughput_bf16 llamacpp prefix_cache memory"
 ALL_STEPS="$DEFAULT_STEPS single_stream decode_profile prefix_cache_bound block_hashing
     capacity fp8_kv quant_parity int8_activations quant_kernels quant_matmul quantized_memory
     soak serve spec_decode router structured grammar_backends tensor_parallel lora moe
-    step_cost kv_tiering embeddings embeddings_512 priority pipeline_parallel vision"
+    step_cost kv_tiering embeddings embeddings_512 priority pipeline_parallel vision
+    prefill_roofline"
 
 args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     local q=$quick
@@ -73,6 +74,7 @@ args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     priority)         if [ "$q" = 1 ]; then echo priority.py --batch 4 --interactive 2 --batch-tokens 8
                       else echo priority.py --plot; fi ;;
     pipeline_parallel) echo pipeline_parallel.py $([ "$q" = 1 ] && echo --num-requests 2 --input-len 32 --output-len 4 || echo --plot) ;;
+    prefill_roofline) echo prefill_roofline.py $([ "$q" = 1 ] && echo --prompt-len 32 --formats gguf || echo --plot) ;;
     vision)           echo vision.py $([ "$q" = 1 ] && echo --quick --num-requests 4 --output-len 4 || echo --plot) ;;
     *)                return 1 ;;
     esac

@@ -3,7 +3,8 @@ C++ compiler (about a second), cached under ~/.cache/quire/kernels (quire/writab
 through ctypes.
 
 `load_library("name.cpp")` builds and loads a C++ source of this folder, or of another
-folder given by its path, the same way: one cache
+folder given by its path, the same way ($QUIRE_CPU_ISA=avx2, say, builds every kernel for one
+of ISA_BUILDS instead of -march=native: benchmarks compare the builds): one cache
 entry per source, compiler and CPU. Every source may include the shared headers of this folder
 (bf16.h). It returns None where there is no compiler, the build failed, or
 QUIRE_CPU_KERNELS=0, and each caller keeps a torch path for that case: where there is no
@@ -106,6 +107,16 @@ def _build(compiler: str, source_path: str, flags: list[str], rebuild: bool = Fa
     return target
 
 
+def _forced_isa(name: str) -> str:
+    """$QUIRE_CPU_ISA: every kernel built for one ISA of ISA_BUILDS this CPU runs instead of
+    -march=native (benchmarks compare the builds), else a ValueError saying which it runs."""
+    runnable = isa_builds()
+    if name not in runnable:
+        raise ValueError(f"QUIRE_CPU_ISA={name!r}: this CPU runs the builds "
+                         f"{', '.join(runnable) or 'none'}")
+    return name
+
+
 @functools.cache
 def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
     """The compiled library of `source` (a .cpp file in this folder, or a path to one
@@ -115,6 +126,8 @@ def load_library(source: str, march: str = "native") -> ctypes.CDLL | None:
     has newer ones."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
+    if march == "native" and os.environ.get("QUIRE_CPU_ISA"):
+        march = _forced_isa(os.environ["QUIRE_CPU_ISA"])
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         logger.warning("no C++ compiler found; %s is not built and its torch path is used", source)

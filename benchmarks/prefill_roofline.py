@@ -1,0 +1,151 @@
+"""Prefill against the machine's own GEMM peak: a long prompt's tokens/s and achieved GFLOP/s
+for each weight format (float32, bfloat16, int8, int4, the GGUF as shipped), each native ISA
+build this CPU runs, beside torch's float32 and bfloat16 GEMM rates measured in the same run.
+
+The peak is torch's matmul at 2048^3 and at the model's own widest shape ([prompt, hidden] x
+[hidden, intermediate]) with the same threads; the achieved rate counts the linear layers'
+2 x weights FLOPs per token and attention's 4 x layers x heads x head_dim x (position + 1).
+Each ISA build runs in a child process with $QUIRE_CPU_ISA set (quire/native/loader.py), so
+every kernel is that build's; the float formats use torch's GEMM whatever the build.
+
+    python benchmarks/prefill_roofline.py
+    python benchmarks/prefill_roofline.py --prompt-len 512 --formats gguf int4 --plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from machine import StealMeter, describe_machine, machine_caption
+from plotting import add_plot_flag, grouped_bars
+
+FORMATS = {  # name -> LLM keyword arguments
+    "float32": {"dtype": "float32", "quantization": "none"},
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
+    "int8": {"dtype": "auto", "quantization": "int8"},
+    "int4": {"dtype": "auto", "quantization": "int4"},
+    "gguf": {"dtype": "auto", "quantization": "auto"},
+}
+
+
+def gemm_rates(threads: int, shape: tuple[int, int, int]) -> dict[str, float]:
+    """GFLOP/s of torch.matmul by dtype: the best of a square 2048^3 and the model's shape."""
+    import torch
+    torch.set_num_threads(threads)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        best = 0.0
+        for m, k, n in ((2048, 2048, 2048), shape):
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            a @ b[:, :64]  # warm-up (the library's first call)
+            reps, start = 0, time.perf_counter()
+            while reps == 0 or time.perf_counter() - start < 1.0:
+                a @ b
+                reps += 1
+            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9)
+            if best < 20:  # no native GEMM for this dtype here (bf16 on AVX2): one is enough
+                break
+        out[str(dtype).removeprefix("torch.")] = best
+    return out
+
+
+def flops_per_token(cfg, prompt_len: int) -> float:
+    """Linear layers (2 x weights) plus attention (QK and PV) averaged over the prompt."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    linear = layers * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
+    attention = layers * 4 * q * (prompt_len + 1) / 2
+    return 2 * linear + attention
+
+
+def child(args) -> None:
+    """One ISA build: every format's prefill, as JSON lines."""
+    import random
+
+    from quire import LLM, SamplingParams
+    rng = random.Random(0)
+    for name in args.formats:
+        llm = LLM(args.model, num_threads=args.threads, enable_prefix_caching=False,
+                  kv_cache_memory=256 << 20, max_num_batched_tokens=args.prompt_len,
+                  **FORMATS[name])
+        try:
+            vocab = llm.engine.model_config.vocab_size
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+                       for _ in range(4)]
+            one = SamplingParams(temperature=0, max_tokens=1)
+            llm.generate([prompts[0]], one, use_tqdm=False)  # warm-up
+            times = []
+            with StealMeter() as steal:
+                for p in prompts[1:]:
+                    start = time.perf_counter()
+                    llm.generate([p], one, use_tqdm=False)
+                    times.append(time.perf_counter() - start)
+            cfg = llm.engine.model_config
+            seconds = statistics.median(times)
+            print(json.dumps({
+                "format": name, "dtype": str(llm.engine.dtype).removeprefix("torch."),
+                "tok_s": args.prompt_len / seconds,
+                "gflops": flops_per_token(cfg, args.prompt_len) * args.prompt_len / seconds
+                / 1e9, "steal": str(steal)}), flush=True)
+        finally:
+            llm.engine.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--isa", nargs="+", default=None,
+                   help="native builds to run (default: every one this CPU runs but scalar)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_plot_flag(p, "prefill_roofline")
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    from quire.native import loader
+    builds = args.isa or [b for b in loader.isa_builds() if b != "scalar"] or ["native"]
+    print(describe_machine(args.threads))
+    rates = gemm_rates(args.threads, (args.prompt_len, 576, 1536))
+    print(f"torch GEMM, same run, {args.threads} threads: float32 {rates['float32']:.0f} "
+          f"GFLOP/s, bfloat16 {rates['bfloat16']:.0f} GFLOP/s (best of 2048^3 and "
+          f"{args.prompt_len}x576x1536)")
+    print(f"prefill of one {args.prompt_len}-token prompt (median of 3, prefix caching off):")
+    rows = {}
+    for build in builds:
+        env = {**os.environ, "QUIRE_CPU_ISA": build} if build != "native" else dict(os.environ)
+        cmd = [sys.executable, __file__, "--child", "--prompt-len", str(args.prompt_len),
+               "--threads", str(args.threads), "--formats", *args.formats]
+        if args.model:
+            cmd += ["--model", args.model]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            print(f"  {build}: failed\n{done.stderr[-2000:]}")
+            continue
+        for line in done.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            peak = rates.get(r["dtype"], rates["float32"])
+            r["share"] = r["gflops"] / peak
+            rows[f"{r['format']} ({build})"] = r
+            print(f"  {r['format']:<9} {build:<12} {r['dtype']:<9} {r['tok_s']:8.0f} tok/s "
+                  f"{r['gflops']:6.0f} GFLOP/s = {r['share']:4.0%} of the {r['dtype']} GEMM "
+                  f"peak | {r['steal']}", flush=True)
+    if args.plot and rows:
+        grouped_bars(args.plot, f"Prefill ({args.prompt_len} tokens) against the GEMM peak",
+                     "% of the same-run GEMM peak", ["share"],
+                     {k: [100 * r["share"]] for k, r in rows.items()},
+                     caption=machine_caption(args.threads))
+
+
+if __name__ == "__main__":
+    main()
