@@ -102,7 +102,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--formats", nargs="+", default=None, choices=list(FORMATS),
+                   help="default: all (bfloat16 only where torch multiplies it natively)")
     p.add_argument("--isa", nargs="+", default=None,
                    help="native builds to run (default: every one this CPU runs but scalar)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -118,6 +119,11 @@ def main() -> None:
     print(f"torch GEMM, same run, {args.threads} threads: float32 {rates['float32']:.0f} "
           f"GFLOP/s, bfloat16 {rates['bfloat16']:.0f} GFLOP/s (best of 2048^3 and "
           f"{args.prompt_len}x576x1536)")
+    if args.formats is None:
+        args.formats = [f for f in FORMATS if f != "bfloat16" or rates["bfloat16"] >= 20]
+        if "bfloat16" not in args.formats:
+            print("bfloat16 left out: torch has no native bfloat16 GEMM on this CPU (the "
+                  "engine's dtype auto is float32 here)")
     print(f"prefill of one {args.prompt_len}-token prompt (median of 3, prefix caching off):")
     rows = {}
     for build in builds:
