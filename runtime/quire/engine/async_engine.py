@@ -422,8 +422,8 @@ class AsyncLLMEngine:
             architecture=getattr(e.model_config, "architecture", ""),
             runner=getattr(e, "runner_type", "generate"), pooler=getattr(e, "pooler", None),
             mm_processor=getattr(e, "mm_processor", None),
-            max_images_per_prompt=e.args.mm_limits["image"],
-            max_image_pixels=e.args.max_image_pixels)
+            max_images_per_prompt=(getattr(e.args, "mm_limits", None) or {}).get("image", 0),
+            max_image_pixels=getattr(e.args, "max_image_pixels", 0))
         loras = e.list_loras() if getattr(e, "lora", None) is not None else []
         self.lora_adapters = {r.name: r for r in loras}
         self._next_lora_id = max((r.id for r in loras), default=0) + 1
