@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from netns import TwoNodes, unavailable_reason
+from netns import LoopbackNodes, TwoNodes, unavailable_reason
 
 from tp_helpers import ROOT, _load, spawned_children, wait_gone
 
@@ -46,8 +46,8 @@ def _tail(f) -> str:
 def two_nodes():
     reason = unavailable_reason()
     if reason is not None:
-        pytest.skip(f"two nodes need network namespaces: {reason}")
-    nodes = TwoNodes()
+        print(f"no network namespaces ({reason}): the two nodes share this host's loopback")
+    nodes = TwoNodes() if reason is None else LoopbackNodes()
     try:
         yield nodes
     finally:
@@ -61,7 +61,7 @@ def test_two_nodes_serve_exactly_and_fail_fast_when_one_dies(two_nodes):
     expected = reference.generate(["a b c d"], SamplingParams(temperature=0, max_tokens=12),
                                   use_tqdm=False)[0].outputs[0].text
     del reference
-    master, port = two_nodes.addr[0], 29500
+    master, port = two_nodes.addr[0], two_nodes.port
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "QUIRE_DISTRIBUTED_KEY": "test-key"}
     worker_log, leader_log = _log("node1.log"), _log("node0.log")
     worker = two_nodes.popen(1, [*CLI, model, *_flags(master, port, 1), "--headless"],
