@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from quire.models.gemma import Gemma3ForCausalLM
-from quire.models.mm_weights import load_module, strip_prefix
+from quire.models.mm_weights import load_module, split_checkpoint
 
 _VISION = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
@@ -72,19 +72,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return list(self.multi_modal_projector(states))
 
     def load_weights(self, weights) -> None:
-        vision, projector = {}, {}
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith(_VISION):
-                    vision[strip_prefix(name, _VISION)] = tensor
-                elif name.startswith(_PROJECTOR):
-                    projector[strip_prefix(name, _PROJECTOR)] = tensor
-                elif name.startswith(_HEAD):
-                    yield "lm_head." + strip_prefix(name, _HEAD), tensor
-                elif name.startswith(_TEXT):
-                    yield "model." + strip_prefix(name, _TEXT), tensor
-
-        super().load_weights(text_weights())
-        load_module(self.vision_tower, vision, "vision tower")
-        load_module(self.multi_modal_projector, projector, "multi-modal projector")
+        decoder, parts = split_checkpoint(weights, {"vision": _VISION, "projector": _PROJECTOR},
+                                          _HEAD, _TEXT)
+        super().load_weights(decoder)
+        load_module(self.vision_tower, parts["vision"], "vision tower")
+        load_module(self.multi_modal_projector, parts["projector"], "multi-modal projector")

@@ -10,8 +10,8 @@ and after its 4.52 rename); both map here:
     vision_tower.X | model.vision_tower.X                              -> the tower
     multi_modal_projector.X | model.multi_modal_projector.X            -> the projector
 
-Shared with the other vision-language families: strip_prefix(name, prefixes) and
-load_module(module, tensors, what) (a transformers module's weights under its own names).
+The checkpoint is split and the tower and projector filled by mm_weights.py, which the other
+vision-language families share.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import copy
 import torch
 
 from quire.models.llama import LlamaForCausalLM
-from quire.models.mm_weights import load_module, strip_prefix
+from quire.models.mm_weights import load_module, split_checkpoint
 
 _VISION = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
@@ -65,20 +65,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return list(self.multi_modal_projector(torch.cat(picked, dim=-1)))
 
     def load_weights(self, weights) -> None:
-        vision, projector = {}, {}
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith(_VISION):
-                    vision[strip_prefix(name, _VISION)] = tensor
-                elif name.startswith(_PROJECTOR):
-                    projector[strip_prefix(name, _PROJECTOR)] = tensor
-                elif name.startswith(_HEAD):
-                    yield "lm_head." + strip_prefix(name, _HEAD), tensor
-                elif name.startswith(_TEXT):
-                    yield "model." + strip_prefix(name, _TEXT), tensor
-
-        super().load_weights(text_weights())
-        load_module(self.vision_tower, vision, "vision tower")
-        load_module(self.multi_modal_projector, projector, "multi-modal projector")
+        decoder, parts = split_checkpoint(weights, {"vision": _VISION, "projector": _PROJECTOR},
+                                          _HEAD, _TEXT)
+        super().load_weights(decoder)
+        load_module(self.vision_tower, parts["vision"], "vision tower")
+        load_module(self.multi_modal_projector, parts["projector"], "multi-modal projector")
 

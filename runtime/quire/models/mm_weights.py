@@ -5,6 +5,9 @@ Public interface:
     strip_prefix(name, prefixes)              the name after the first prefix it starts with
     load_module(module, tensors, what)        fill a module's parameters from {name: tensor}
                                               or say which it lacks
+    split_checkpoint(weights, parts, head, text)
+        -> (the decoder's weights under our names, as an iterator; {part: {name: tensor}})
+        each of `parts` (name -> its prefixes) collects its tensors as the iterator runs
 """
 
 from __future__ import annotations
@@ -12,6 +15,23 @@ from __future__ import annotations
 import torch
 
 from quire.layers.weights import materialize
+
+
+def split_checkpoint(weights, parts: dict[str, tuple[str, ...]], head: tuple[str, ...],
+                     text: tuple[str, ...]):
+    found: dict[str, dict] = {part: {} for part in parts}
+
+    def decoder():
+        for name, tensor in weights:
+            part = next((p for p, prefixes in parts.items() if name.startswith(prefixes)), None)
+            if part is not None:
+                found[part][strip_prefix(name, parts[part])] = tensor
+            elif name.startswith(head):
+                yield "lm_head." + strip_prefix(name, head), tensor
+            elif name.startswith(text):
+                yield "model." + strip_prefix(name, text), tensor
+
+    return decoder(), found
 
 
 def strip_prefix(name: str, prefixes: tuple[str, ...]) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from quire.models.decoder import GLOBAL_ROPE
 from quire.models.llama import LlamaForCausalLM
-from quire.models.mm_weights import load_module, strip_prefix
+from quire.models.mm_weights import load_module, split_checkpoint
 from quire.models.rope import MRotaryEmbedding
 
 _VISION = ("model.visual.", "visual.")
@@ -60,16 +60,6 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return list(torch.split(merged, (grid.prod(-1) // self.merge_size**2).tolist()))
 
     def load_weights(self, weights) -> None:
-        vision = {}
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith(_VISION):
-                    vision[strip_prefix(name, _VISION)] = tensor
-                elif name.startswith(_HEAD):
-                    yield name, tensor
-                elif name.startswith(_TEXT):
-                    yield "model." + strip_prefix(name, _TEXT), tensor
-
-        super().load_weights(text_weights())
-        load_module(self.visual, vision, "vision tower")
+        decoder, parts = split_checkpoint(weights, {"vision": _VISION}, _HEAD, _TEXT)
+        super().load_weights(decoder)
+        load_module(self.visual, parts["vision"], "vision tower")
