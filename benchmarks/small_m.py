@@ -1,0 +1,101 @@
+"""Small-M rows at one weight read: what M rows of x cost against one (decode), through every
+quantized matmul of one SmolLM2-135M step, by the kernel's own timing.
+
+A decode step multiplies one row of x per sequence; speculative verification multiplies k + 1
+rows (the last token and k proposals) of one sequence, batched decode one row per sequence. A
+step's weights (~75 MB as Q4_1) come from memory, so one row is bound by the read; the goal
+is that k + 1 rows cost close to that one read (issue 48: <= 1.5x at the verification's rows).
+Each M runs the whole step (30 layers x qkv, o, gate_up, down, then the Q8_0 lm_head) on
+random weights in the kernel's layout, best of --trials steps, M values alternated round by
+round in one process.
+
+    python benchmarks/small_m.py                       # M = 1..9, 16, 32; the native build
+    python benchmarks/small_m.py --m 1 5 9 --plot
+    python benchmarks/small_m.py --march avx2          # one ISA build (tests/runtime builds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from machine import StealMeter
+from plotting import add_plot_flag, line_panels
+from quant_matmul import LAYERS, SHAPES, cpu_flags
+
+STEP_MATMULS = [(name, n, k) for name, n, k in SHAPES if name != "lm_head"] * LAYERS + [
+    ("lm_head", 49152, 576)]
+
+
+def make_step(qm, march: str):
+    """One step's packed weights: Q4_1 (float16 d, m; group 32) for the layers, Q8_0 for the
+    lm_head, as the default GGUF holds them."""
+    g = torch.Generator().manual_seed(0)
+    step = []
+    for name, n, k in STEP_MATMULS:
+        if name == "lm_head":
+            q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+            s = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+            step.append((qm.pack_int8(q, s, 32, _march=march), qm.int8_linear))
+            continue
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+        m = -(torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+        step.append((qm.pack_int4(q, d, m + 8 * d, 32, _march=march), qm.int4_linear))
+    return step
+
+
+def run_step(step, xs) -> None:
+    for packed, fn in step:
+        fn(xs[packed.k], packed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="default: torch's")
+    ap.add_argument("--march", default="native", help="the kernel build (loader.ISA_BUILDS)")
+    add_plot_flag(ap, "small_m")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from quire.native import quant_matmul as qm
+    if qm._library(args.march) is None:
+        raise SystemExit("quant_matmul.cpp did not build here (no compiler?)")
+    dtype = getattr(torch, args.dtype)
+    step = make_step(qm, args.march)
+    weight_mb = sum(p.nbytes() for p, _ in step) / 1e6
+    flops_per_row = 2 * sum(n * k for _, n, k in STEP_MATMULS)
+    print(f"CPU: {cpu_flags()}")
+    print(f"kernel path: {qm.isa(args.march)}, {torch.get_num_threads()} threads, x "
+          f"{args.dtype}; one step: {len(step)} matmuls, {weight_mb:.1f} MB of weights")
+    inputs = {m: {k: torch.randn(m, k).to(dtype) for k in (576, 1536)} for m in args.m}
+    best = {m: float("inf") for m in args.m}
+    with StealMeter() as steal:
+        for m in args.m:
+            run_step(step, inputs[m])  # warm-up: scratch, threads
+        for _ in range(args.trials):
+            for m in args.m:
+                start = time.perf_counter()
+                run_step(step, inputs[m])
+                best[m] = min(best[m], time.perf_counter() - start)
+    base = best[args.m[0]]
+    print(f"\n{'M':>4} {'ms/step':>8} {'x M=' + str(args.m[0]):>7} {'GB/s':>6} {'GFLOP/s':>8}")
+    for m in args.m:
+        print(f"{m:>4} {best[m] * 1e3:8.2f} {best[m] / base:7.2f} {weight_mb / 1e3 / best[m]:6.1f} "
+              f"{m * flops_per_row / best[m] / 1e9:8.1f}")
+    print(f"steal: {steal.steal_percent}% of CPU time during the runs")
+    if args.plot:
+        print("plot:", line_panels(
+            args.plot, f"one SmolLM2-135M step's quantized matmuls ({qm.isa(args.march)})",
+            "M (rows of x)",
+            [("ms per step", {"Quire": (args.m, [best[m] * 1e3 for m in args.m])}),
+             (f"x M={args.m[0]}", {"Quire": (args.m, [best[m] / base for m in args.m])})],
+            caption=cpu_flags()))
+
+
+if __name__ == "__main__":
+    main()
