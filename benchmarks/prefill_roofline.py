@@ -10,6 +10,7 @@ every kernel is that build's; the float formats use torch's GEMM whatever the bu
 
     python benchmarks/prefill_roofline.py
     python benchmarks/prefill_roofline.py --prompt-len 512 --formats gguf int4 --plot
+    python benchmarks/prefill_roofline.py --formats gguf gguf-matrix --isa native   # AMX
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ FORMATS = {  # name -> LLM keyword arguments
     "int8": {"dtype": "auto", "quantization": "int8"},
     "int4": {"dtype": "auto", "quantization": "int4"},
     "gguf": {"dtype": "auto", "quantization": "auto"},
+    # the GGUF in bfloat16 with prefill on the matrix engine (native/matrix_engine.py:
+    # AMX through oneDNN); every other format keeps the native kernels (QUIRE_MATRIX_ENGINE=0)
+    "gguf-matrix": {"dtype": "bfloat16", "quantization": "auto"},
 }
+MATRIX_FORMATS = {"gguf-matrix"}
 
 
 def gemm_rates(threads: int, shape: tuple[int, int, int]) -> dict[str, float]:
@@ -71,6 +76,7 @@ def child(args) -> None:
     from quire import LLM, SamplingParams
     rng = random.Random(0)
     for name in args.formats:
+        os.environ["QUIRE_MATRIX_ENGINE"] = "1" if name in MATRIX_FORMATS else "0"
         llm = LLM(args.model, num_threads=args.threads, enable_prefix_caching=False,
                   kv_cache_memory=256 << 20, max_num_batched_tokens=args.prompt_len,
                   **FORMATS[name])
@@ -120,10 +126,11 @@ def main() -> None:
           f"GFLOP/s, bfloat16 {rates['bfloat16']:.0f} GFLOP/s (best of 2048^3 and "
           f"{args.prompt_len}x576x1536)")
     if args.formats is None:
-        args.formats = [f for f in FORMATS if f != "bfloat16" or rates["bfloat16"] >= 20]
+        bf16 = ("bfloat16", *MATRIX_FORMATS)
+        args.formats = [f for f in FORMATS if f not in bf16 or rates["bfloat16"] >= 20]
         if "bfloat16" not in args.formats:
-            print("bfloat16 left out: torch has no native bfloat16 GEMM on this CPU (the "
-                  "engine's dtype auto is float32 here)")
+            print("bfloat16 and gguf-matrix left out: torch has no native bfloat16 GEMM on this "
+                  "CPU (the engine's dtype auto is float32 here)")
     print(f"prefill of one {args.prompt_len}-token prompt (median of 3, prefix caching off):")
     rows = {}
     for build in builds:
@@ -143,7 +150,7 @@ def main() -> None:
             peak = rates.get(r["dtype"], rates["float32"])
             r["share"] = r["gflops"] / peak
             rows[f"{r['format']} ({build})"] = r
-            print(f"  {r['format']:<9} {build:<12} {r['dtype']:<9} {r['tok_s']:8.0f} tok/s "
+            print(f"  {r['format']:<11} {build:<12} {r['dtype']:<9} {r['tok_s']:8.0f} tok/s "
                   f"{r['gflops']:6.0f} GFLOP/s = {r['share']:4.0%} of the {r['dtype']} GEMM "
                   f"peak | {r['steal']}", flush=True)
     if args.plot and rows:

@@ -5,7 +5,9 @@
 
 In order of preference (benchmarks/quant_kernels.py prints each one's us/call and GB/s):
 1. the native CPU kernels (native/quant_matmul.py: AVX-512 VNNI / AVX2), on
-   the canonical fp32 scales, so exact wherever the format promises it;
+   the canonical fp32 scales, so exact wherever the format promises it; a prefill's rows of
+   bfloat16 x go to the CPU's matrix engine where it has one (native/matrix_engine.py:
+   AMX through oneDNN, the weight rounded to bfloat16);
 2. torch's own weight-only ops (_weight_int8pack_mm per output channel,
    _weight_int4pack_mm_for_cpu group-wise). They take their scales (and zeros) in the
    activation dtype, i.e. rounded to bf16 in a bf16 model: allowed only where no exactness
@@ -24,6 +26,7 @@ import torch
 from quire.layers import quant_formats as qf
 from quire.layers.quant_formats import dequantize_int4, dequantize_int8, unpack_nibbles
 from quire.layers.quant_kernel_base import Kernel
+from quire.native import matrix_engine
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ class NativeKernel(Kernel):
         self.name, self.module, self.fn, self.packed = name, module, fn, packed
 
     def __call__(self, x):
+        # a prefill's many bfloat16 rows: the CPU's matrix engine, where it has one
+        if x.dtype is torch.bfloat16 and matrix_engine.wants(x, self.packed, self.fn):
+            return matrix_engine.linear(x, self.packed)
         if x.dtype in (torch.float32, torch.bfloat16):
             return self.fn(x, self.packed)
         return self.fn(x.float(), self.packed).to(x.dtype)  # it takes fp32 or bf16 only

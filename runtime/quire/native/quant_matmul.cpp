@@ -691,6 +691,46 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
                             w->offsets, w->N, w->K, w->G);
 }
 
+// out [N, K] bfloat16 (round to nearest even) = the packed weight's values, as dequantize()
+// computes them in float32: q * s, (q - 8) * s, (q - 8) * s + z or q * s + m. For a matrix
+// engine's GEMM (matrix_engine.py: prefill through AMX), never for the kernel's own sums.
+int quire_dequantize_bf16(const PackedArgs* w, uint16_t* out, int threads) {
+  if (w->form < kInt8 || w->form > kInt4Min) return 1;
+  const int64_t N = w->N, K = w->K, G = w->G, groups = K / G;
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t block_bytes = (w->form == kInt8 ? K : K / 2) * kRows;
+  const uint8_t* q = static_cast<const uint8_t*>(w->q);
+  auto value = [&](const void* t, int64_t i) {
+    return w->half ? half_to_float(static_cast<const uint16_t*>(t)[i])
+                   : static_cast<const float*>(t)[i];
+  };
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* qb = q + b * block_bytes;
+    for (int r = 0; r < kRows && b * kRows + r < N; ++r) {
+      uint16_t* row = out + (b * kRows + r) * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = (b * groups + g) * kRows + r;
+        const float s = value(w->scales, at);
+        const float z = w->form >= kInt4Zero ? value(w->offsets, at) : 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+          float v;
+          if (w->form == kInt8) {
+            v = static_cast<float>(static_cast<int8_t>(qb[k * kRows + r])) * s;
+          } else {
+            const int nibble = (qb[(k / 2) * kRows + r] >> (4 * (k & 1))) & 15;
+            const float qv = static_cast<float>(w->form == kInt4Min ? nibble : (nibble ^ 8) - 8);
+            const float prod = qv * s;
+            v = w->form == kInt4Symmetric ? prod : prod + z;
+          }
+          row[k] = float_to_bf16(v);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 // Reads `bytes` (a multiple of 64) once with `threads` threads and returns a checksum: the
 // benchmark's measure of the machine's read bandwidth, the bound of a memory-bound matmul.
 uint64_t quire_stream_read(const void* data, int64_t bytes, int threads) {

@@ -60,6 +60,8 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
     lib.quire_quant_linear_packed.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p]
+    lib.quire_dequantize_bf16.restype = ctypes.c_int
+    lib.quire_dequantize_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
     lib.quire_stream_read.restype = ctypes.c_uint64
     lib.quire_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -219,6 +221,19 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
     if packed.form == INT4_ZERO:
         return torch.addcmul(offsets, nibbles - 8, scales)
     return torch.addcmul(offsets, nibbles, scales)
+
+
+def dequantize_bf16(packed: PackedWeight, out: torch.Tensor | None = None,
+                    march: str = "native") -> torch.Tensor:
+    """dequantize(packed) rounded to bfloat16 [N, K] (into `out` when given), by the native
+    library where it runs: what a matrix engine's GEMM takes (matrix_engine.py)."""
+    if out is None:
+        out = torch.empty(packed.n, packed.k, dtype=torch.bfloat16)
+    lib = _library(march)
+    if lib is None or packed._fn is None:
+        return out.copy_(dequantize(packed))
+    lib.quire_dequantize_bf16(packed._address, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:

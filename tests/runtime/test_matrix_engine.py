@@ -1,0 +1,111 @@
+"""Quantized prefill on the CPU's matrix engine (native/matrix_engine.py): the weight
+dequantized to bfloat16 by the native library, then torch's (oneDNN's) bfloat16 GEMM, which
+runs on AMX where the CPU has it. QUIRE_MATRIX_ENGINE=1 takes that road on any CPU (slowly
+without AMX), so every CPU tests what an AMX host runs.
+
+Bound, against the native kernel's exact-weight product y64 (float64): the GEMM multiplies
+bfloat16 x by the weight rounded to bfloat16 (relative error <= 2^-9 each) and sums in
+float32, then rounds y to bfloat16:
+    |y - y64| <= (2^-9 + K 2^-24) sum_k |x_k| |w_k| (1 + 2^-8) + 2^-8 |y64|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quire.layers import quant_kernels
+from quire.native import loader, matrix_engine
+from quire.native import quant_matmul as qm
+
+BUILDS = ["native", *loader.isa_builds()]
+
+
+def _packed(form: str, n: int, k: int, seed: int = 0, march: str = "native"):
+    g = torch.Generator().manual_seed(seed)
+    if form == "int8":
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        return qm.pack_int8(q, (torch.rand(n, k // 32, generator=g) * 0.02).half().float(), 32,
+                            _march=march)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4
+    z = {"q4_0": torch.zeros(n, k // 32),
+         "q4_1": -(torch.rand(n, k // 32, generator=g) * 0.1).half().float() + 8 * s.half().float(),
+         "zero32": torch.randn(n, k // 32, generator=g) * 0.05}[form]
+    if form != "zero32":
+        s = s.half().float()
+    return qm.pack_int4(q, s, z, 32, _march=march)
+
+
+FORMS = ["int8", "q4_0", "q4_1", "zero32"]
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_dequantize_bf16_is_the_canonical_weight_rounded_once(form, march):
+    packed = _packed(form, 37, 128, march=march)  # 37 rows: a padded last block
+    got = qm.dequantize_bf16(packed, march=march)
+    assert torch.equal(got, qm.dequantize(packed).bfloat16())
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_forced_on_a_prefill_takes_the_gemm_within_the_bound(form, monkeypatch):
+    monkeypatch.setenv("QUIRE_MATRIX_ENGINE", "1")
+    n, k, m = 96, 256, matrix_engine.MIN_ROWS + 3
+    packed = _packed(form, n, k)
+    kernel = quant_kernels.NativeKernel("native", qm, qm.int4_linear if form != "int8"
+                                        else qm.int8_linear, packed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    before = matrix_engine.calls
+    y = kernel(x)
+    assert matrix_engine.calls == before + 1 and y.dtype == torch.bfloat16
+    w64 = qm.dequantize(packed).double()
+    want = x.double() @ w64.T
+    terms = x.double().abs() @ w64.abs().T
+    bound = (2.0 ** -9 + k * 2.0 ** -24) * terms * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
+    assert ((y.double() - want).abs() <= bound).all()
+    # the same bfloat16 weight through F.linear: what an AMX host computes, op for op
+    assert torch.equal(y, torch.nn.functional.linear(x, qm.dequantize(packed).bfloat16()))
+    # a wrong weight is far outside it
+    broken = qm.dequantize(packed)
+    broken[5, 7] += 100 * w64.abs().max().item()
+    far = (x.double() @ broken.double().T - want).abs()
+    assert (far > 10 * bound).any()
+
+
+@pytest.mark.parametrize("setting", ["0", "1", "auto"])
+def test_decode_rows_and_float32_x_never_leave_the_native_kernel(setting, monkeypatch):
+    monkeypatch.setenv("QUIRE_MATRIX_ENGINE", setting)
+    packed = _packed("q4_1", 64, 128)
+    kernel = quant_kernels.NativeKernel("native", qm, qm.int4_linear, packed)
+    before = matrix_engine.calls
+    for x in (torch.randn(matrix_engine.MIN_ROWS - 1, 128).bfloat16(),  # verification, beams
+              torch.randn(1, 128).bfloat16(),                           # decode
+              torch.randn(2 * matrix_engine.MIN_ROWS, 128)):            # a float32 model
+        assert torch.equal(kernel(x), qm.int4_linear(x, packed))
+    assert matrix_engine.calls == before
+
+
+def test_off_keeps_prefill_native_and_auto_needs_amx(monkeypatch):
+    packed = _packed("q4_1", 64, 128)
+    x = torch.randn(2 * matrix_engine.MIN_ROWS, 128).bfloat16()
+    monkeypatch.setenv("QUIRE_MATRIX_ENGINE", "0")
+    assert not matrix_engine.wants(x, packed, qm.int4_linear)
+    monkeypatch.setenv("QUIRE_MATRIX_ENGINE", "auto")
+    monkeypatch.setattr(matrix_engine, "_decision", None)
+    with open("/proc/cpuinfo") as f:
+        amx = "amx_bf16" in f.read()
+    if not amx:  # no matrix engine: never taken, never measured
+        assert not matrix_engine.available()
+        assert not matrix_engine.wants(x, packed, qm.int4_linear)
+        assert matrix_engine._decision is False
+    else:  # an AMX host measures both on this input and keeps the faster
+        decided = matrix_engine.wants(x, packed, qm.int4_linear)
+        assert decided is matrix_engine._decision
+
+
+def test_bad_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv("QUIRE_MATRIX_ENGINE", "yes")
+    with pytest.raises(ValueError, match="QUIRE_MATRIX_ENGINE must be one of auto, 0, 1"):
+        matrix_engine.wants(torch.randn(128, 64).bfloat16(), _packed("int8", 16, 64),
+                            qm.int8_linear)
