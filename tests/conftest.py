@@ -25,6 +25,11 @@ SURVIVOR_GRACE_S = float(os.environ.get("QUIRE_TEST_SURVIVOR_GRACE", "30"))
 
 def pytest_configure(config):
     from child_processes import SESSION_MARK  # tests/server, on pytest's pythonpath
+    # Quantized prefill on an AMX host's matrix engine rounds weights to bfloat16 when it
+    # measures faster (native/matrix_engine.py): which it does would then depend on the host's
+    # load, and a bfloat16 GGUF test comparing two chunkings would compare two paths. The
+    # suite keeps every quantized matmul native; the tests of that path set it themselves.
+    os.environ.setdefault("QUIRE_MATRIX_ENGINE", "0")
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # a fresh run
     if os.environ.get("PYTEST_XDIST_WORKER"):
