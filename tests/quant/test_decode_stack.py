@@ -1,8 +1,8 @@
 """The native decode stack (quire/native/decode_stack.py): a decode-only step of a quantized
-model runs its decoder layers in one native call, and gives bit for bit what the layer-by-
-layer Python path gives (same kernels, same order), whatever the batch, window or dtype.
-Where a condition fails (float weights, biases, fp8 KV, LoRA, turned off) the Python path
-runs. Engines free every KV block."""
+model, or of a bfloat16 float one (its native bf16 kernels), runs its decoder layers in one
+native call, and gives bit for bit what the layer-by-layer Python path gives (same kernels,
+same order), whatever the batch, window or dtype. Where a condition fails (float32 weights,
+biases, fp8 KV, LoRA, turned off) the Python path runs. Engines free every KV block."""
 
 from __future__ import annotations
 
@@ -66,6 +66,14 @@ def test_a_quantized_model_decodes_bit_for_bit_as_the_python_path(
     assert with_stack == plain  # token ids and every logprob, exactly
 
 
+def test_a_bfloat16_float_model_decodes_bit_for_bit_as_the_python_path(tiny_llama, monkeypatch):
+    prompts = random_prompts(lengths=[1, 5, 17, 100, 150])  # 100, 150: oneDNN prefill chunks
+    with_stack, served, plain = _both(tiny_llama, monkeypatch, prompts, dtype="bfloat16",
+                                      quantization="none")
+    assert served >= PARAMS.max_tokens - 1
+    assert with_stack == plain
+
+
 def test_a_sliding_window_model_decodes_bit_for_bit(tmp_path, smollm_tokenizer, monkeypatch):
     path = save_tiny_model(str(tmp_path / "mistral"), tiny_config("mistral"), smollm_tokenizer)
     prompts = random_prompts(lengths=[3, 47, 49, 120])  # around and past the 48-token window
@@ -93,12 +101,12 @@ def test_chunked_prefill_and_preemption_leave_the_stack_exact(tiny_llama, monkey
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(quantization="none"),                       # float weights: oneDNN-packed path
+    dict(quantization="none", dtype="float32"),      # float32 weights: F.linear
     dict(quantization="int4", kv_cache_dtype="fp8_e4m3"),  # a KV cache not in the model dtype
     dict(quantization="int4", enable_lora=True),      # adapters add to every linear
 ])
 def test_where_a_condition_fails_the_python_path_runs(tiny_llama, kwargs):
-    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=32 << 20, **kwargs)
+    llm = LLM(tiny_llama, kv_cache_memory=32 << 20, **{"dtype": "bfloat16", **kwargs})
     assert llm.engine.executor.runner.decode_stack is None
     tokens = _run(llm, random_prompts(lengths=[5, 20]))
     assert all(len(t) == PARAMS.max_tokens for t, _ in tokens)

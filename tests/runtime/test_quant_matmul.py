@@ -384,3 +384,31 @@ def test_a_row_has_the_same_bits_whatever_rows_come_with_it(flavour, dtype, marc
         assert torch.equal(linear(x[:m], packed), y[:m]), f"the first {m} rows"
         assert torch.equal(linear(x[-m:], packed), y[-m:]), f"the last {m} rows"
     assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), y), "rows alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (5, 37, 128), (9, 100, 256), (70, 50, 192),
+                                   (3, 20, 63)])  # odd K: bfloat16 weights take any K
+def test_bf16_weights_within_the_bound_and_batch_invariant(m, n, k, dtype, march):
+    """pack_bf16 (a bfloat16 float model's weights, quant_kernels.DenseBf16Kernel): w exact in
+    float32, one chain of FMAs over k per row, so the float32 bound above with mag = |w|; and
+    a row's bits whatever rows come with it, as for the quantized forms."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    packed = qm.pack_bf16(weight, _march=march)
+    assert packed.form == qm.BF16 and torch.equal(qm.dequantize(packed), weight.float())
+    assert torch.equal(qm.dequantize_bf16(packed, march=march), weight)
+    x = _x(m, k, dtype, seed=5)
+    y = qm.bf16_linear(x, packed)
+    _assert_within_bound(y, x, weight.double(), weight.double().abs())
+    for rows in (1, 2, m):
+        assert torch.equal(qm.bf16_linear(x[:rows], packed), y[:rows])
+        assert torch.equal(qm.bf16_linear(x[-rows:], packed), y[-rows:])
+    with pytest.raises(ValueError, match="must come from pack_int4"):
+        qm.int4_linear(x, packed)
+
+
+def test_pack_bf16_names_the_field():
+    with pytest.raises(ValueError, match="weight must be torch.bfloat16"):
+        qm.pack_bf16(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="weight must be a 2-D bfloat16 tensor"):
+        qm.pack_bf16(torch.randn(32).bfloat16())

@@ -47,23 +47,32 @@ class LinearMethod:
 
 class FloatLinearMethod(LinearMethod):
     """The weight as a float [out, in] matrix. fp32 (and everything off the CPU) multiplies
-    with F.linear, whose exact sums the transformers parity tests rely on; bf16 on CPU uses
-    the oneDNN-packed copy (native/packed_linear.py, bit-identical, packed once, the plain
-    copy freed unless something else still reads it)."""
+    with F.linear, whose exact sums the transformers parity tests rely on. bf16 on CPU: a
+    layer without bias takes the native kernel's own copy (quant_kernels.DenseBf16Kernel:
+    decode rows at one weight read, prefill through oneDNN where it has bf16 kernels), one
+    with a bias the oneDNN-packed copy (native/packed_linear.py, bit-identical to F.linear);
+    either way the plain copy is freed unless something else still reads it."""
 
     def create_weights(self, layer, in_features, out_features, dtype):
         weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
                               requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
-        layer.packed_weight = None
+        layer.packed_weight = layer.native_kernel = None
 
     def process_weights_after_loading(self, layer):
-        layer.packed_weight = packed_linear.pack(layer.weight)
-        if layer.packed_weight is not None and not getattr(layer, "keep_plain_weight", False):
+        layer.native_kernel = layer.packed_weight = None
+        if getattr(layer, "bias", None) is None:
+            layer.native_kernel = quant_kernels.dense_bf16_kernel(layer.weight.data)
+        if layer.native_kernel is None:
+            layer.packed_weight = packed_linear.pack(layer.weight)
+        held = layer.native_kernel is not None or layer.packed_weight is not None
+        if held and not getattr(layer, "keep_plain_weight", False):
             layer.weight.data = layer.weight.data.new_empty(0)
 
     def apply(self, layer, x, bias):
+        if layer.native_kernel is not None:
+            return layer.native_kernel(x)  # (bias-free layers only)
         if layer.packed_weight is not None:
             return packed_linear.linear(x, layer.packed_weight, bias)
         return F.linear(x, layer.weight, bias)

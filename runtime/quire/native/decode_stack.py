@@ -2,10 +2,10 @@
 
 At batch 1 the Python path issues ~10 kernel calls per layer through ctypes, plus the views,
 splits and allocations around them: more time than reading the weights. Where every linear
-runs the native quantized kernel (GGUF `auto`, int8, int4), the KV cache holds the model's
-dtype and the fused element-wise kernels are built, `DecodeStack.run` calls the same kernels
+runs a native kernel (quantized: GGUF `auto`, int8, int4; or a bfloat16 float weight's), the
+KV cache holds the model's dtype and the fused element-wise kernels are built, `DecodeStack.run` calls the same kernels
 in the same order from C++: the output is bit-identical to the Python path (the test checks
-it), only the orchestration moved. Anything else (float weights, LoRA, tensor parallelism,
+it), only the orchestration moved. Anything else (float32 weights, LoRA, tensor parallelism,
 biases, fp8 KV, attention soft-capping or sinks, a step with prefill tokens, dynamic RoPE on a
 long sequence) keeps the Python path. QUIRE_DECODE_STACK=0 turns it off.
 """
@@ -62,7 +62,8 @@ def _address(fn) -> int:
 
 def _packed(linear) -> quant_matmul.PackedWeight | None:
     """The layer's native packed weight, or None where it runs anything else."""
-    kernel = getattr(linear, "quant_kernel", None)
+    # a quantized layer's kernel, or a bfloat16 float layer's (quant_kernels.DenseBf16Kernel)
+    kernel = getattr(linear, "quant_kernel", None) or getattr(linear, "native_kernel", None)
     packed = getattr(kernel, "packed", None)
     if (not isinstance(packed, quant_matmul.PackedWeight) or packed._fn is None
             or linear.bias is not None or linear.lora is not None or linear.tp_size != 1

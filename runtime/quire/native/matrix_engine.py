@@ -29,6 +29,7 @@ greedy decode of a float32 model, and of any model on a CPU without AMX, is what
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -63,8 +64,13 @@ def available() -> bool:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return False
-    return ("amx_bf16" in flags and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return "amx_bf16" in flags and onednn_bf16()
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """torch's oneDNN has bfloat16 GEMM kernels on this CPU (AMX or AVX512-BF16)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def wants(x: torch.Tensor, packed, native_fn) -> bool:

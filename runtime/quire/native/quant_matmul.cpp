@@ -6,6 +6,8 @@
 //   1 int4 symmetric  w = (q - 8) * s            q stored XOR 0x88: each nibble read as a
 //   2 int4 zero       w = (q - 8) * s + z        signed 4-bit number is q - 8
 //   3 int4 min        w = q * s + m              q as is (GGUF Q4_1: s = d, m = m)
+//   4 bfloat16        w = q * 1                  q a bfloat16 weight (one group of K, scale 1:
+//                                                a float model's weights, for decode rows)
 // Scales and offsets are float32, or float16 where every one of them is exactly a float16
 // (GGUF's own d and m always are): half the bytes of the scale traffic.
 //
@@ -48,7 +50,11 @@
 
 namespace {
 
-enum Form { kInt8 = 0, kInt4Symmetric = 1, kInt4Zero = 2, kInt4Min = 3 };
+enum Form { kInt8 = 0, kInt4Symmetric = 1, kInt4Zero = 2, kInt4Min = 3, kBf16 = 4 };
+// a row block's bytes: int8 one a weight, int4 half, bfloat16 two
+constexpr int64_t weight_bytes(int form, int64_t K) {
+  return form == kInt8 ? K : form == kBf16 ? 2 * K : K / 2;
+}
 
 using quire_bf16::bf16_to_float;
 using quire_bf16::float_to_bf16;
@@ -102,6 +108,10 @@ inline __m512i bytes16(const uint8_t* p, bool sign) {
   return sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
 }
 inline V load_int8(const uint8_t* p) { return {_mm512_cvtepi32_ps(bytes16(p, true))}; }
+inline V load_bf16(const uint8_t* p) {  // 16 bfloat16: exact as float32 (the high halves)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
 inline void load_int4(const uint8_t* p, V& even, V& odd) {  // unsigned nibbles
   const __m512i b = bytes16(p, false);
   even.v = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
@@ -153,6 +163,11 @@ inline __m256i bytes8(const uint8_t* p, bool sign) {
 inline V load_int8(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(bytes8(p, true)), _mm256_cvtepi32_ps(bytes8(p + 8, true))};
 }
+inline __m256 bf16x8(const uint8_t* p) {  // 8 bfloat16: exact as float32 (the high halves)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V load_bf16(const uint8_t* p) { return {bf16x8(p), bf16x8(p + 16)}; }
 inline void nibbles8(const uint8_t* p, bool sign, __m256& even, __m256& odd) {
   const __m256i b = bytes8(p, sign);
   if (sign) {
@@ -212,6 +227,15 @@ inline V vfma(V a, V b, V c) {
 inline V load_int8(const uint8_t* p) {
   V r;
   for (int i = 0; i < kRows; ++i) r.f[i] = static_cast<int8_t>(p[i]);
+  return r;
+}
+inline V load_bf16(const uint8_t* p) {
+  V r;
+  for (int i = 0; i < kRows; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, sizeof h);
+    r.f[i] = bf16_to_float(h);
+  }
   return r;
 }
 inline void load_int4(const uint8_t* p, V& even, V& odd) {
@@ -282,8 +306,12 @@ inline __m512i int8_pairs(const uint8_t* p) {
 template <int Form, typename X>
 void expand_block(const Weight& w, int64_t block, float* scratch) {
   const int64_t K = w.K;  // (a local: the vector stores may alias w)
-  const uint8_t* q = w.q + block * (Form == kInt8 ? K : K / 2) * kRows;
+  const uint8_t* q = w.q + block * weight_bytes(Form, K) * kRows;
   if constexpr (std::is_same_v<X, float>) {
+    if (Form == kBf16) {
+      for (int64_t k = 0; k < K; ++k) vstore(scratch + k * kRows, load_bf16(q + 2 * k * kRows));
+      return;
+    }
     if (Form == kInt8) {
       for (int64_t k = 0; k < K; ++k) vstore(scratch + k * kRows, load_int8(q + k * kRows));
       return;
@@ -387,7 +415,7 @@ template <int Form, typename S, int MT, int B, typename X>
 __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const Weight& w,
                                            int64_t block0, float* out) {
   const int64_t K = w.K, G = w.G, groups = K / G;
-  const int64_t block_bytes = (Form == kInt8 ? K : K / 2) * kRows;
+  const int64_t block_bytes = weight_bytes(Form, K) * kRows;
   [[maybe_unused]] const int64_t group_bytes = block_bytes / groups;
   const uint8_t* q = w.q + block0 * block_bytes;
   const S* scales = static_cast<const S*>(w.scales) + block0 * groups * kRows;
@@ -414,7 +442,14 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
     if constexpr (std::is_same_v<X, float>) {
       for (int b = 0; b < B; ++b)
         for (int m = 0; m < MT; ++m) part[b][m] = vzero();
-      if (Form == kInt8) {
+      if (Form == kBf16) {
+        for (int64_t k = k0; k < k1; ++k)
+          for (int b = 0; b < B; ++b) {
+            const V wk = load_bf16(q + b * block_bytes + 2 * k * kRows);
+            for (int m = 0; m < MT; ++m)
+              part[b][m] = vfma(vset(x[m * K + k]), wk, part[b][m]);
+          }
+      } else if (Form == kInt8) {
         for (int64_t k = k0; k < k1; ++k)
           for (int b = 0; b < B; ++b) {
             const V wk = load_int8(q + b * block_bytes + k * kRows);
@@ -601,7 +636,7 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
 // on M: a row's path, and so its bits, must not depend on the rows beside it.
 inline bool bf16_direct(int form, int64_t G) {
 #if defined(__AVX512BF16__)
-  return form != kInt8 || G % 2 == 0;
+  return form != kBf16 && (form != kInt8 || G % 2 == 0);
 #else
   (void)form, (void)G;
   return false;
@@ -613,7 +648,7 @@ template <int Form>
 void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
                  int dtype, int threads, bool half, const Weight& w) {
 #if defined(__AVX512BF16__)
-  if (dtype == 1 && bf16_direct(Form, w.G)) {
+  if (Form != kBf16 && dtype == 1 && bf16_direct(Form, w.G)) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
     if (half) linear<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
     else linear<Form, float>(xb, xsum, y, M, dtype, threads, w);
@@ -638,7 +673,7 @@ const char* quire_quant_matmul_isa() { return kIsa; }
 int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads, int form,
                        int half, const void* q, const void* scales, const void* offsets,
                        int64_t N, int64_t K, int64_t G) {
-  if ((dtype != 0 && dtype != 1) || form < kInt8 || form > kInt4Min) return 1;
+  if ((dtype != 0 && dtype != 1) || form < kInt8 || form > kBf16) return 1;
   if (M <= 0 || N <= 0) return 0;
   threads = std::max(1, threads);
   // x as float32 rows (the caller's memory when it is float32; the AVX512-BF16 path reads
@@ -670,7 +705,10 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
     case kInt4Zero:
       linear_form<kInt4Zero>(x, xf, xsum.data(), y, M, dtype, threads, half, w);
       break;
-    default: linear_form<kInt4Min>(x, xf, xsum.data(), y, M, dtype, threads, half, w); break;
+    case kInt4Min:
+      linear_form<kInt4Min>(x, xf, xsum.data(), y, M, dtype, threads, half, w);
+      break;
+    default: linear_form<kBf16>(x, xf, xsum.data(), y, M, dtype, threads, half, w); break;
   }
   return 0;
 }
@@ -695,10 +733,10 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
 // computes them in float32: q * s, (q - 8) * s, (q - 8) * s + z or q * s + m. For a matrix
 // engine's GEMM (matrix_engine.py: prefill through AMX), never for the kernel's own sums.
 int quire_dequantize_bf16(const PackedArgs* w, uint16_t* out, int threads) {
-  if (w->form < kInt8 || w->form > kInt4Min) return 1;
+  if (w->form < kInt8 || w->form > kBf16) return 1;
   const int64_t N = w->N, K = w->K, G = w->G, groups = K / G;
   const int64_t blocks = (N + kRows - 1) / kRows;
-  const int64_t block_bytes = (w->form == kInt8 ? K : K / 2) * kRows;
+  const int64_t block_bytes = weight_bytes(w->form, K) * kRows;
   const uint8_t* q = static_cast<const uint8_t*>(w->q);
   auto value = [&](const void* t, int64_t i) {
     return w->half ? half_to_float(static_cast<const uint16_t*>(t)[i])
@@ -712,9 +750,16 @@ int quire_dequantize_bf16(const PackedArgs* w, uint16_t* out, int threads) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = (b * groups + g) * kRows + r;
         const float s = value(w->scales, at);
-        const float z = w->form >= kInt4Zero ? value(w->offsets, at) : 0.f;
+        const float z =
+            w->form == kInt4Zero || w->form == kInt4Min ? value(w->offsets, at) : 0.f;
         for (int64_t k = g * G; k < (g + 1) * G; ++k) {
           float v;
+          if (w->form == kBf16) {
+            uint16_t h;
+            std::memcpy(&h, qb + 2 * (k * kRows + r), sizeof h);
+            row[k] = h;  // (scale 1: the weight as it is)
+            continue;
+          }
           if (w->form == kInt8) {
             v = static_cast<float>(static_cast<int8_t>(qb[k * kRows + r])) * s;
           } else {

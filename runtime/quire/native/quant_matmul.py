@@ -83,7 +83,7 @@ def isa(march: str = "native") -> str | None:
 
 # The weight forms of quant_matmul.cpp; pack_int4 picks the one that gives the canonical
 # values exactly with the least work and the fewest bytes.
-INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN = 0, 1, 2, 3
+INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN, BF16 = 0, 1, 2, 3, 4
 
 
 class _PackedArgs(ctypes.Structure):  # quant_matmul.cpp's PackedArgs
@@ -106,7 +106,7 @@ class PackedWeight:
 
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
-        self.bits = 8 if form == INT8 else 4
+        self.bits = {INT8: 8, BF16: 16}.get(form, 4)
         self.qweight, self.scales, self.offsets = qweight, scales, offsets
         self._struct = _PackedArgs(form, scales.dtype == torch.float16, qweight.data_ptr(),
                                    scales.data_ptr(),
@@ -202,6 +202,19 @@ def pack_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
                         *_compact(scales, mins.float()), _march)
 
 
+def pack_bf16(weight: torch.Tensor, _march: str = "native") -> PackedWeight:
+    """A bfloat16 float weight [N, K] -> the kernel's layout (form BF16: one group of K, scale
+    1, so each row is one float32 chain over k, as for the quantized forms): a float model's
+    decode rows at one weight read (layers/quantization.py's FloatLinearMethod)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D bfloat16 tensor [N, K]")
+    n, k = weight.shape
+    _check("weight", weight, torch.bfloat16, (n, k))
+    ones = _row_blocks(torch.ones(n, 1, dtype=torch.float16))
+    return PackedWeight(BF16, n, k, k, _row_blocks(weight.contiguous().view(torch.int16)), ones,
+                        None, _march)
+
+
 def _unblock(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
@@ -209,6 +222,8 @@ def _unblock(t: torch.Tensor, n: int) -> torch.Tensor:
 def dequantize(packed: PackedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the kernel multiplies by (the torch path and tests use it)."""
     q = _unblock(packed.qweight, packed.n)
+    if packed.form == BF16:
+        return q.view(torch.bfloat16).float()
     scales = _unblock(packed.scales, packed.n).float().repeat_interleave(packed.group, dim=1)
     if packed.form == INT8:
         return q.float() * scales
@@ -265,6 +280,11 @@ def _linear(x: torch.Tensor, packed: PackedWeight, bits: int) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) @ W^T for a pack_int8 weight -> [M, N], x's dtype."""
     return _linear(x, packed, 8)
+
+
+def bf16_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) @ W^T for a pack_bf16 weight -> [M, N], x's dtype."""
+    return _linear(x, packed, 16)
 
 
 def int4_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

@@ -56,9 +56,10 @@ def parameter_bytes(model: torch.nn.Module) -> int:
         packed = getattr(module, "packed_weight", None)
         if packed is not None:
             total += packed.numel() * packed.element_size()
-        kernel = getattr(module, "quant_kernel", None)  # a quantized layer's packed copy
-        if kernel is not None:
-            total += kernel.extra_bytes()
+        for name in ("quant_kernel", "native_kernel"):  # a layer's packed copy (quantized,
+            kernel = getattr(module, name, None)        # or a bf16 float weight's)
+            if kernel is not None:
+                total += kernel.extra_bytes()
         extra = getattr(module, "extra_weight_bytes", None)  # e.g. MoE experts' packed copies
         if extra is not None:
             total += extra()
