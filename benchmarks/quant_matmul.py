@@ -164,6 +164,17 @@ def call_overhead(qm, trials: int) -> tuple[float, float]:
     return whole * 1e6, ctypes_only * 1e6
 
 
+def native_kernels(args):
+    """torch's threads as --threads says, then the quant_matmul module with its --march build
+    loaded (or exit saying why not)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from quire.native import quant_matmul as qm
+    if qm._library(args.march) is None:
+        raise SystemExit("quant_matmul.cpp did not build here (no compiler?)")
+    return qm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -175,11 +186,7 @@ def main() -> None:
                     help="cycle through this many MB of weight copies (0: one copy, in cache)")
     ap.add_argument("--march", default="native", help="build the kernels for this -march")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from quire.native import quant_matmul as qm
-    if qm._library(args.march) is None:
-        raise SystemExit("quant_matmul.cpp did not build here (no compiler?)")
+    qm = native_kernels(args)
     dtype = getattr(torch, args.dtype)
     threads = torch.get_num_threads()
     print(f"CPU: {cpu_flags()}")

@@ -22,7 +22,7 @@ import time
 import torch
 from machine import StealMeter
 from plotting import add_plot_flag, line_panels
-from quant_matmul import LAYERS, SHAPES, cpu_flags
+from quant_matmul import LAYERS, SHAPES, cpu_flags, native_kernels
 
 STEP_MATMULS = [(name, n, k) for name, n, k in SHAPES if name != "lm_head"] * LAYERS + [
     ("lm_head", 49152, 576)]
@@ -60,11 +60,7 @@ def main() -> None:
     ap.add_argument("--march", default="native", help="the kernel build (loader.ISA_BUILDS)")
     add_plot_flag(ap, "small_m")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from quire.native import quant_matmul as qm
-    if qm._library(args.march) is None:
-        raise SystemExit("quant_matmul.cpp did not build here (no compiler?)")
+    qm = native_kernels(args)
     dtype = getattr(torch, args.dtype)
     step = make_step(qm, args.march)
     weight_mb = sum(p.nbytes() for p, _ in step) / 1e6
