@@ -100,19 +100,17 @@ class DenseBf16Kernel(Kernel):
     name = "native-bf16"
     owns_weights = True
 
-    def __init__(self, packed) -> None:
-        self.packed = packed
+    def __init__(self, module, packed) -> None:
+        self.module, self.packed = module, packed  # module: native/quant_matmul
 
     def __call__(self, x):
-        from quire.native import quant_matmul
         if (x.dtype is torch.bfloat16 and x.dim() == 2
                 and x.shape[0] >= matrix_engine.MIN_ROWS and matrix_engine.onednn_bf16()):
             return matrix_engine.linear(x, self.packed)
-        return quant_matmul.bf16_linear(x, self.packed)
+        return self.module.bf16_linear(x, self.packed)
 
     def dequantize(self):
-        from quire.native import quant_matmul
-        return quant_matmul.dequantize(self.packed)
+        return self.module.dequantize(self.packed)
 
 
 def dense_bf16_kernel(weight: torch.Tensor) -> DenseBf16Kernel | None:
@@ -121,7 +119,7 @@ def dense_bf16_kernel(weight: torch.Tensor) -> DenseBf16Kernel | None:
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     mod = native()
-    return DenseBf16Kernel(mod.pack_bf16(weight.contiguous())) if mod is not None else None
+    return DenseBf16Kernel(mod, mod.pack_bf16(weight.contiguous())) if mod is not None else None
 
 
 class TorchInt8(Kernel):
