@@ -38,6 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from quire import platform
 from quire.native import quant_matmul
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,7 @@ def mode() -> str:
 
 def available() -> bool:
     """The CPU has an AMX bfloat16 unit and torch's oneDNN multiplies bfloat16 here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags and onednn_bf16()
+    return "amx_bf16" in platform.cpu_flags() and onednn_bf16()
 
 
 @functools.cache
