@@ -18,7 +18,10 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+# the numpy helpers, not llguidance.torch: that module wraps its mask kernel in
+# torch.compile at import, which loads dynamo and inductor (~3.5 s in every process that
+# imports the engine); the mask filling itself is the same native call on the same memory
+import llguidance.numpy
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -135,10 +138,10 @@ class Backend:
         many rows are filled in parallel on llguidance's own threads (the GIL released)."""
         if len(matchers) == 1:
             m, i = matchers[0]
-            llguidance.torch.fill_next_token_bitmask(m._m, bitmask, i)
+            llguidance.numpy.fill_next_token_bitmask(m._m, bitmask.numpy(), i)
         else:
-            llguidance.torch.fill_next_token_bitmask_par(
-                self.executor, [(m._m, i) for m, i in matchers], bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self.executor, [(m._m, i) for m, i in matchers], bitmask.numpy())
 
 
 def bitmask_words(vocab_size: int) -> int:
