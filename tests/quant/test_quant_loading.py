@@ -21,7 +21,7 @@ def fake_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 
-    def convert(source, folder, blocks=False):
+    def convert(source, folder, blocks=False, sibling=None):
         import torch
         from safetensors.torch import save_file
         calls.append(blocks)

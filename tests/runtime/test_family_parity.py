@@ -130,13 +130,22 @@ def test_unknown_architecture_is_refused_naming_it_and_the_supported(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp_path,
-                                                                     smollm_tokenizer):
+                                                                     smollm_tokenizer,
+                                                                     monkeypatch):
     """llama.cpp's converter writes the tiny model as a float32 GGUF (the same values; Gemma's
     norms as 1 + w): Quire reads it (q/k norms, head_dim from the file's key length, Gemma 3's
     query scale by llama.cpp's rule and its rope scaling from the file, no Q/K permutation)
     and gives the folder's transformers output, both dequantized and `auto`. (Gemma 2's
-    converter needs a SentencePiece tokenizer.model, which no tiny model here has.)"""
+    converter needs a SentencePiece tokenizer.model, which no tiny model here has.) The
+    second form's conversion takes the first's config and tokenizer files: transformers
+    parses the file for them once."""
     from llamacpp_converter import convert
+
+    from quire.models import loader
+    parsed = []
+    load_tokenizer = loader.load_tokenizer
+    monkeypatch.setattr(loader, "load_tokenizer", lambda source, *a: (
+        parsed.append(source.kind), load_tokenizer(source, *a))[1])
     folder = save_tiny_model(str(tmp_path / family), tiny_config(family), smollm_tokenizer)
     gguf = convert(folder, str(tmp_path / f"{family}.gguf"))
     prompts = random_prompts()
@@ -145,6 +154,7 @@ def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp
         llm = LLM(gguf, dtype="float32", quantization=quantization, kv_cache_memory=8 << 20)
         got = [o.token_ids for o in _greedy(llm, prompts)]
         assert _diverging(got, expected, prompts) == [], quantization
+    assert parsed.count("gguf") == 1
 
 
 def test_yarn_rope_scaling_matches_transformers(tmp_path, smollm_tokenizer):

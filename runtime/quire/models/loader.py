@@ -143,11 +143,7 @@ def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
         return source
     blocks = keeps_gguf_blocks(quantization)
     st = os.stat(source.path)
-    fmt = f"{_CACHE_FORMAT}:{_REPACK_FORMAT}" if blocks else _CACHE_FORMAT
-    key = hashlib.sha256(f"{os.path.abspath(source.path)}:{st.st_size}:{st.st_mtime_ns}:"
-                         f"{fmt}".encode()).hexdigest()[:16]
-    stem = os.path.basename(source.path).removesuffix(".gguf")
-    folder = os.path.join(root, "gguf", f"{stem}{'-q' if blocks else ''}-{key}")
+    folder = _cache_folder(root, source.path, st, blocks)
     converted = False
     complete = os.path.exists(os.path.join(folder, ".complete"))
     if complete and not conversion_cache.intact(folder):
@@ -157,7 +153,8 @@ def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
         complete = False
     if not complete:
         try:
-            _convert_gguf(source, folder, blocks)
+            _convert_gguf(source, folder, blocks,
+                          sibling=_cache_folder(root, source.path, st, not blocks))
         except OSError as e:
             logger.warning("cannot write the GGUF conversion cache at %s (%s); loading the "
                            "GGUF directly", folder, e)
@@ -172,28 +169,48 @@ def materialize(source: ModelSource, quantization: str = "none") -> ModelSource:
     return ModelSource("hf", folder, source.name, origin=source.path)
 
 
-def _convert_gguf(source: ModelSource, folder: str, blocks: bool = False) -> None:
+def _cache_folder(root: str, path: str, st: os.stat_result, blocks: bool) -> str:
+    """The cache folder of this file as it is now (path, size, mtime), in either form."""
+    fmt = f"{_CACHE_FORMAT}:{_REPACK_FORMAT}" if blocks else _CACHE_FORMAT
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:"
+                         f"{fmt}".encode()).hexdigest()[:16]
+    stem = os.path.basename(path).removesuffix(".gguf")
+    return os.path.join(root, "gguf", f"{stem}{'-q' if blocks else ''}-{key}")
+
+
+# what a folder holds besides its config and tokenizer files
+_FOLDER_OWN_FILES = (".complete", QUANT_MANIFEST, conversion_cache.SOURCE_RECORD)
+
+
+def _convert_gguf(source: ModelSource, folder: str, blocks: bool = False,
+                  sibling: str | None = None) -> None:
+    """`sibling`: the same file's folder in the other form; when it is complete its config
+    and tokenizer files are this folder's too (transformers' GGUF config and tokenizer each
+    parse the whole file again: ~6 s apiece for SmolLM2's 49k-token vocabulary)."""
     from safetensors.torch import save_file
     logger.info("converting %s once into %s", source.path, folder)
     tmp = conversion_cache.temp_path(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        hf_config = load_hf_config(source)
-        cfg = ModelConfig.from_hf(hf_config)
-        if not getattr(hf_config, "architectures", None):
-            hf_config.architectures = [cfg.architecture]
-        hf_config.save_pretrained(tmp)
-        load_tokenizer(source).save_pretrained(tmp)
+        reader = read_gguf(source.path)  # one parse of the file for all that follows
+        if sibling is not None and _copy_config_and_tokenizer(sibling, tmp):
+            cfg = ModelConfig.from_hf(load_hf_config(ModelSource("hf", tmp, source.name)))
+        else:
+            hf_config = load_hf_config(source, reader=reader)
+            cfg = ModelConfig.from_hf(hf_config)
+            if not getattr(hf_config, "architectures", None):
+                hf_config.architectures = [cfg.architecture]
+            hf_config.save_pretrained(tmp)
+            load_tokenizer(source).save_pretrained(tmp)
         if blocks:
-            reader = read_gguf(source.path)
             layers = gguf_plan(reader)
             tensors = dict(_iter_gguf_blocks(reader, cfg, layers))
             with open(os.path.join(tmp, QUANT_MANIFEST), "w") as f:
                 json.dump({"format": _REPACK_FORMAT, "from": os.path.abspath(source.path),
                            "layers": layers}, f, indent=1)
         else:
-            tensors = dict(_iter_gguf(source.path, cfg))
+            tensors = dict(_iter_gguf(source.path, cfg, reader))
         save_file(tensors, os.path.join(tmp, "model.safetensors"))
         open(os.path.join(tmp, ".complete"), "w").close()
     except BaseException:  # a broken file leaves no half-written folder behind
@@ -206,11 +223,30 @@ def _convert_gguf(source: ModelSource, folder: str, blocks: bool = False) -> Non
     os.replace(tmp, folder)
 
 
+def _copy_config_and_tokenizer(folder: str, to: str) -> bool:
+    """Copy a complete cache folder's config and tokenizer files; False (nothing copied)
+    where there is none, or it changes under us (another process's housekeeping)."""
+    if not os.path.exists(os.path.join(folder, ".complete")) or not conversion_cache.intact(folder):
+        return False
+    names = []
+    try:
+        for name in os.listdir(folder):
+            if not name.endswith(".safetensors") and name not in _FOLDER_OWN_FILES:
+                shutil.copyfile(os.path.join(folder, name), os.path.join(to, name))
+                names.append(name)
+    except OSError:
+        for name in names:
+            os.remove(os.path.join(to, name))
+        return False
+    return True
+
+
 # --- config and tokenizer ----------------------------------------------------------------
-def load_hf_config(source: ModelSource, revision: str | None = None):
+def load_hf_config(source: ModelSource, revision: str | None = None, reader=None):
+    """`reader`: the GGUF already parsed (read_gguf), where the caller has one."""
     if source.kind == "gguf":
         from transformers import AutoConfig
-        reader = read_gguf(source.path)
+        reader = reader or read_gguf(source.path)
         arch = gguf_architecture(reader)  # our error, clearer than transformers'
         folder, name = os.path.split(source.path)
         config = AutoConfig.from_pretrained(folder or ".", gguf_file=name)
@@ -385,9 +421,9 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _iter_gguf(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: str, cfg: ModelConfig, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
-    reader = read_gguf(path)
+    reader = reader or read_gguf(path)
     arch = gguf_architecture(reader)
     hf_name, fix = _gguf_names(arch), _gguf_value_fix(arch, cfg)
     for tensor in reader.tensors:
