@@ -133,3 +133,31 @@ def test_heap_is_trimmed_once_loaded_and_after_each_burst_when_idle(monkeypatch)
         with pytest.raises(asyncio.CancelledError):
             await task
     asyncio.run(main_())
+
+
+def test_the_servers_connections_send_without_waiting_for_acks():
+    """`quire serve` binds its own socket; asyncio sets TCP_NODELAY only on connections whose
+    listening socket names IPPROTO_TCP. Without it a kept-alive connection's response
+    (headers and body written apart) waited on the client's delayed ACK, 40 ms a request."""
+    import asyncio
+    import socket
+
+    from quire.entrypoints.serve import listening_socket
+    sock = listening_socket("127.0.0.1", 0)
+    seen = []
+
+    async def main():
+        async def accepted(reader, writer):
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                                   socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        await reader.read()
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
