@@ -145,9 +145,43 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
 @functools.cache
 def smollm2_hf_model():
     """SmolLM2 as transformers itself loads it from the GGUF file (its own dequantization and
-    Q/K un-permutation), float32: once per process (15 s), for every test that needs it."""
-    folder, name = os.path.split(default_model_path())
-    return hf_model(folder, gguf_file=name)
+    Q/K un-permutation), float32, for every test that needs it. transformers' load of the GGUF
+    (~15 s quiet, a minute beside the suite's other worker) is kept, its config as transformers
+    writes it and its tensors as safetensors does, in the user's test cache keyed by the file and transformers' version: later processes
+    and runs read that folder back (~1 s), the same tensors. A lock makes the second of two
+    workers wait for the first's copy."""
+    import copy
+    import fcntl
+    import hashlib
+    import shutil
+
+    import safetensors.torch
+    import transformers
+    path = default_model_path()
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:"
+                         f"{transformers.__version__}".encode()).hexdigest()[:16]
+    root = os.path.join(os.path.expanduser("~"), ".cache", "quire", "test-tools")
+    saved = os.path.join(root, f"smollm2-hf-{key}")
+    os.makedirs(root, exist_ok=True)
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(saved, ".complete")):
+            folder, name = os.path.split(path)
+            model = hf_model(folder, gguf_file=name)
+            tmp = f"{saved}.tmp-{os.getpid()}"
+            # (save_pretrained refuses a model loaded from a GGUF: its config carries the
+            # GGUF quantizer's settings; the tensors themselves are plain float32)
+            config = copy.deepcopy(model.config)
+            with contextlib.suppress(AttributeError):
+                del config.quantization_config
+            config.save_pretrained(tmp)
+            safetensors.torch.save_model(model, os.path.join(tmp, "model.safetensors"))
+            open(os.path.join(tmp, ".complete"), "w").close()
+            shutil.rmtree(saved, ignore_errors=True)  # one cut short by a killed run
+            os.replace(tmp, saved)
+            return model
+    return hf_model(saved)
 
 
 def hf_model(path: str, **kwargs):
