@@ -139,9 +139,9 @@ def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp
     converter needs a SentencePiece tokenizer.model, which no tiny model here has.) The
     second form's conversion takes the first's config and tokenizer files: transformers
     parses the file for them once."""
-    from llamacpp_converter import convert
-
     from quire.models import loader
+
+    from llamacpp_converter import convert
     parsed = []
     load_tokenizer = loader.load_tokenizer
     monkeypatch.setattr(loader, "load_tokenizer", lambda source, *a: (
