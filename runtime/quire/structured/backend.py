@@ -16,12 +16,11 @@ import logging
 import threading
 from collections import OrderedDict
 
-import llguidance
-import llguidance.hf
-
-# the numpy helpers, not llguidance.torch: that module wraps its mask kernel in
+# llguidance's numpy helpers, not llguidance.torch: that module wraps its mask kernel in
 # torch.compile at import, which loads dynamo and inductor (~3.5 s in every process that
 # imports the engine); the mask filling itself is the same native call on the same memory
+import llguidance
+import llguidance.hf
 import llguidance.numpy
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
