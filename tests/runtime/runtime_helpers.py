@@ -146,10 +146,10 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
 def smollm2_hf_model():
     """SmolLM2 as transformers itself loads it from the GGUF file (its own dequantization and
     Q/K un-permutation), float32, for every test that needs it. transformers' load of the GGUF
-    (~15 s quiet, a minute beside the suite's other worker) is kept, its config as transformers
-    writes it and its tensors as safetensors does, in the user's test cache keyed by the file and transformers' version: later processes
-    and runs read that folder back (~1 s), the same tensors. A lock makes the second of two
-    workers wait for the first's copy."""
+    (~33 s quiet, a minute beside the suite's other worker) is kept in the user's test cache,
+    keyed by the file and transformers' version (its config as transformers writes it, its
+    tensors as safetensors does); later processes and runs read it back (~0.5 s), the same
+    tensors. A lock makes the second of two workers wait for the first's copy."""
     import copy
     import fcntl
     import hashlib
