@@ -89,6 +89,7 @@ constexpr const char* kIsa = "avx512";
 constexpr int kTile = 8;    // rows of x per pass over a row block
 constexpr int kExpandedTile = 8;  // the same over an expanded block (prefill)
 constexpr int kStreamRows = kTile;  // calls of up to this many x rows are not expanded
+constexpr int kHalfTile = 0;  // (AVX2's stream_halves only)
 constexpr int kChains = 4;  // streamed: chains = rows of x times blocks side by side
 struct V {
   __m512 v;
@@ -124,18 +125,29 @@ inline void load_sint4(const uint8_t* p, V& even, V& odd) {  // signed nibbles
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
-constexpr int kTile = 2;    // 16 registers: accumulators of two 8-lane halves each
+// Streamed tiles (x rows read beside the packed weights): up to 5 rows at once, both 8-lane
+// halves of a block, 2 * 5 accumulators + the unpacked even / odd k + a broadcast x = 15 of the
+// 16 registers. M = 1-2 take 2-4 blocks side by side (their FMA chains: see kChains).
+constexpr int kTile = 5;
 // an expanded block needs no registers for unpacking: 6 rows of x are 12 accumulators, plus
 // the two halves of w and a broadcast x: 15 of the 16 registers (BLIS's 6 x 16 AVX2 shape).
 // On the 2-core AVX2 EPYC (builds of each tile size called in turn on the same weights,
 // bit-identical outputs) 6 rows ran 1.5-1.8x faster than 4 at M = 8-512; 5 was no better
 // than 4, and 7 and 8 (spilling) in between.
 constexpr int kExpandedTile = 6;
-// Calls of up to 5 rows of x stream too, in tiles of 2 (the block's bytes stay in L1 for the
-// next tile): expanding every block costs ~10 ms over SmolLM2's 120 int4 matmuls, more than
-// these few rows multiply. On the AVX2 EPYC (builds alternated, medians of 9) M = 3 / 4 / 5
-// ran 18.8 / 21.5 / 14.7 ms expanded and 11.9 / 11.1 / 12.6 streamed; at 6 they tie.
-constexpr int kStreamRows = 5;
+// Calls of up to 16 rows of x stream: 3-5 rows in one kTile pass, 6-16 through stream_halves
+// (one 8-lane half of a block at a time, unpacked once for up to kHalfTile rows). Expanding
+// every block costs more than these rows multiply. One SmolLM2 step's 121 matmuls on the
+// AVX2 EPYC (Zen 3, 2 threads; builds alternated in one process, best of 9; small_m.py's
+// step), ms:
+//   M                         1     3     5     6     9    12    16
+//   before (tiles of 2 rows  7.1  11.2  16.5  21.6  33.5  36.3  47.2
+//     up to 5, then expanded)
+//   streamed as now          7.3   9.1  11.7  15.7  22.1  35.1  43.9
+// and beyond 16 rows the 6-row expanded tiles win (M = 24 / 32: 60 / 94 ms streamed against
+// 59 / 80 expanded).
+constexpr int kStreamRows = 16;
+constexpr int kHalfTile = 12;  // stream_halves' rows per pass: 12 accumulators + 3 registers
 constexpr int kChains = 4;  // at M = 1: 4 blocks x (lo, hi) = 8 chains, FMA latency x 2
 struct V {
   __m256 lo, hi;
@@ -191,6 +203,7 @@ constexpr const char* kIsa = "scalar";
 constexpr int kTile = 2;
 constexpr int kExpandedTile = 2;
 constexpr int kStreamRows = kTile;
+constexpr int kHalfTile = 0;
 constexpr int kChains = 2;
 struct V {
   float f[kRows];
@@ -295,8 +308,8 @@ inline __m512i int8_pairs(const uint8_t* p) {
 // FMA per k; bfloat16 x on the AVX512-BF16 path: one dot-product step per pair of k), then
 // acc = s * part + acc and, for forms with an offset, acc = z * xsum + acc (xsum: the group's
 // sum of x, summed in order). Calls beyond kStreamRows rows expand each row block once
-// (expanded_rows); smaller ones read the packed weights as they go (stream_rows): the same
-// operations in the same order. The independent chains that hide FMA latency at M = 1 come
+// (expanded_rows); smaller ones read the packed weights as they go (stream_rows, and AVX2's
+// stream_halves): the same operations in the same order. The independent chains that hide FMA latency at M = 1 come
 // from B row blocks side by side, never from splitting a row's sum into partial sums (that
 // made a row's bits depend on the rows beside it).
 
@@ -495,6 +508,87 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2, 6 to kHalfTile rows of x against one row block, read from the packed weights as they
+// go: each 8-row half of the block is unpacked once per k and used by every row of x, whose
+// accumulators are one 8-lane register each (MT + 3 of the 16 registers). kTile's passes of
+// both halves hold at most 5 rows; more rows in several such passes unpack every k once per
+// pass, which cost more than the FMAs. Each lane is summed in exactly stream_rows' order (a
+// half is 8 of its 16 lanes, folded the same way).
+template <int Form, typename S, int MT>
+__attribute__((noinline)) void stream_halves(const float* x, const float* xsum, const Weight& w,
+                                             int64_t block, float* out) {
+  const int64_t K = w.K, G = w.G, groups = K / G;
+  const int64_t block_bytes = weight_bytes(Form, K) * kRows;
+  const uint8_t* q = w.q + block * block_bytes;
+  const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
+  const S* offsets =  // (read only by the forms that have them)
+      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block * groups * kRows;
+  constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
+  for (int i = 0; i < MT * kRows; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k0 = g * G, k1 = k0 + G;
+    for (int h = 0; h < kRows; h += 8) {
+      __m256 part[MT];
+      for (int m = 0; m < MT; ++m) part[m] = _mm256_setzero_ps();
+      if (Form == kBf16) {
+        for (int64_t k = k0; k < k1; ++k) {
+          const __m256 wk = bf16x8(q + 2 * (k * kRows + h));
+          for (int m = 0; m < MT; ++m)
+            part[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k]), wk, part[m]);
+        }
+      } else if (Form == kInt8) {
+        for (int64_t k = k0; k < k1; ++k) {
+          const __m256 wk = _mm256_cvtepi32_ps(bytes8(q + k * kRows + h, true));
+          for (int m = 0; m < MT; ++m)
+            part[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k]), wk, part[m]);
+        }
+      } else {  // k0, k1 even (groups of 32, 64, 128)
+        for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp) {
+          __m256 even, odd;
+          nibbles8(q + kp * kRows + h, Form != kInt4Min, even, odd);
+          for (int m = 0; m < MT; ++m) {
+            part[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + 2 * kp]), even, part[m]);
+            part[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + 2 * kp + 1]), odd, part[m]);
+          }
+        }
+      }
+      // fold: acc = s * part + acc, then (forms with an offset) acc = z * xsum + acc
+      const int64_t at = g * kRows + h;
+      const __m256 s = std::is_same_v<S, float>
+          ? _mm256_loadu_ps(reinterpret_cast<const float*>(scales + at))
+          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + at)));
+      __m256 z = _mm256_setzero_ps();
+      if (kOffset)
+        z = std::is_same_v<S, float>
+            ? _mm256_loadu_ps(reinterpret_cast<const float*>(offsets + at))
+            : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets + at)));
+      for (int m = 0; m < MT; ++m) {
+        float* acc = out + m * kRows + h;
+        __m256 a = _mm256_fmadd_ps(s, part[m], _mm256_loadu_ps(acc));
+        if (kOffset) a = _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[m * groups + g]), a);
+        _mm256_storeu_ps(acc, a);
+      }
+    }
+  }
+}
+
+template <int Form, typename S>
+void halves_tile(int mt, const float* x, const float* xsum, const Weight& w, int64_t block,
+                 float* out) {
+  switch (mt) {
+    case 6: stream_halves<Form, S, 6>(x, xsum, w, block, out); break;
+    case 7: stream_halves<Form, S, 7>(x, xsum, w, block, out); break;
+    case 8: stream_halves<Form, S, 8>(x, xsum, w, block, out); break;
+    case 9: stream_halves<Form, S, 9>(x, xsum, w, block, out); break;
+    case 10: stream_halves<Form, S, 10>(x, xsum, w, block, out); break;
+    case 11: stream_halves<Form, S, 11>(x, xsum, w, block, out); break;
+    case 12: stream_halves<Form, S, 12>(x, xsum, w, block, out); break;
+    default: break;
+  }
+}
+#endif
+
 template <int Form, typename S, typename X>
 void expanded_tile(int mt, const X* x, const float* xsum, const Weight& w, int64_t block,
                    const float* e, float* out) {
@@ -528,10 +622,12 @@ void stream_tile(int mt, int nb, const X* x, const float* xsum, const Weight& w,
     case 18: stream_rows<Form, S, 2, 2>(x, xsum, w, block, out); break;
 #endif
     case 17: stream_rows<Form, S, 2, 1>(x, xsum, w, block, out); break;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     case 25: stream_rows<Form, S, 3, 1>(x, xsum, w, block, out); break;
     case 33: stream_rows<Form, S, 4, 1>(x, xsum, w, block, out); break;
     case 41: stream_rows<Form, S, 5, 1>(x, xsum, w, block, out); break;
+#endif
+#if defined(__AVX512F__)
     case 49: stream_rows<Form, S, 6, 1>(x, xsum, w, block, out); break;
     case 57: stream_rows<Form, S, 7, 1>(x, xsum, w, block, out); break;
     case 65: stream_rows<Form, S, 8, 1>(x, xsum, w, block, out); break;
@@ -600,7 +696,7 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
     std::vector<float> scratch(expand ? w.K * kRows : 0);
 #pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units; ++u) {
-      alignas(64) float tile[std::max({kTile, kExpandedTile, kChains}) * kRows];
+      alignas(64) float tile[std::max({kTile, kExpandedTile, kChains, kHalfTile}) * kRows];
       const int64_t first = u * span, last = std::min(blocks, first + span);
       if (expand) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - first * kRows));
@@ -613,6 +709,22 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
         }
         continue;
       }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<X, float>)
+        if (M > kTile) {  // tiles of at most kHalfTile rows, as even as they go
+          const int64_t tiles = (M + kHalfTile - 1) / kHalfTile;
+          for (int64_t b = first; b < last; ++b)
+            for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+              const int mt = static_cast<int>((M - m0) / (tiles - t));
+              halves_tile<Form, S>(mt, x + m0 * w.K,
+                                   xsum ? xsum + m0 * groups : nullptr, w, b, tile);
+              store_rows(tile, mt, static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows)),
+                         y, dtype, w.N, m0, b * kRows);
+              m0 += mt;
+            }
+          continue;
+        }
+#endif
       for (int64_t b0 = first; b0 < last; b0 += side)
         for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
           const int mt = static_cast<int>(std::min<int64_t>(tile_rows, M - m0));
