@@ -74,3 +74,20 @@ def machine_caption(threads: int | None = None) -> str:
     model, flags = cpu_model_and_flags()
     t = f", {threads} threads" if threads else ""
     return f"{model} ({' '.join(flags) or 'no AVX'}){t}, {datetime.date.today()}"
+
+
+def fma_peak_gflops(threads: int, march: str = "native") -> float | None:
+    """The CPU's float32 FMA peak on `threads` threads (fma_peak.cpp, best of 3), or None
+    where the native build is unavailable: the ceiling of any compute-bound float32 kernel."""
+    import ctypes
+    import os
+
+    from quire.native.loader import load_library
+
+    lib = load_library(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.cpp"),
+                       march)
+    if lib is None:
+        return None
+    fn = lib.quire_fma_peak_gflops
+    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long]
+    return max(fn(threads, 60_000_000) for _ in range(3))  # ~0.1 s each

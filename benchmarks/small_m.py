@@ -20,7 +20,7 @@ import argparse
 import time
 
 import torch
-from machine import StealMeter
+from machine import StealMeter, fma_peak_gflops
 from plotting import add_plot_flag, line_panels
 from quant_matmul import LAYERS, SHAPES, cpu_flags, native_kernels
 
@@ -79,10 +79,17 @@ def main() -> None:
                 run_step(step, inputs[m])
                 best[m] = min(best[m], time.perf_counter() - start)
     base = best[args.m[0]]
-    print(f"\n{'M':>4} {'ms/step':>8} {'x M=' + str(args.m[0]):>7} {'GB/s':>6} {'GFLOP/s':>8}")
+    peak = fma_peak_gflops(torch.get_num_threads(), args.march)
+    print(f"float32 FMA peak of this build, {torch.get_num_threads()} threads: "
+          + (f"{peak:.0f} GFLOP/s" if peak else "n/a"))
+    print(f"\n{'M':>4} {'ms/step':>8} {'x M=' + str(args.m[0]):>7} {'GB/s':>6} {'GFLOP/s':>8}"
+          f" {'of peak':>8} {'floor x M=1':>12}")
     for m in args.m:
+        gflops = m * flops_per_row / best[m] / 1e9
+        # the least a step of m rows can cost at the FMA peak (or its weight read, if longer)
+        floor = max(m * flops_per_row / (peak * 1e9), best[args.m[0]]) / base if peak else 0
         print(f"{m:>4} {best[m] * 1e3:8.2f} {best[m] / base:7.2f} {weight_mb / 1e3 / best[m]:6.1f} "
-              f"{m * flops_per_row / best[m] / 1e9:8.1f}")
+              f"{gflops:8.1f} {100 * gflops / peak if peak else 0:7.0f}% {floor:12.2f}")
     print(f"steal: {steal.steal_percent}% of CPU time during the runs")
     if args.plot:
         print("plot:", line_panels(
