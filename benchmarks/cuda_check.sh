@@ -60,7 +60,7 @@ for name in ${STEPS:-triton_suites engine engine_1b quant_matmul attention}; do
                 --device cuda --model $model --quiet --skip-hf --quantization $q
         done ;;
     quant_matmul)
-        SHOW=. step quant_matmul "${!limit_var:-130}" $py benchmarks/cuda_quant_matmul.py \
+        SHOW=. step quant_matmul "${!limit_var:-180}" $py benchmarks/cuda_quant_matmul.py \
             ${QUANT_ARGS:-} ;;
     attention)
         SHOW=. step attention "${!limit_var:-60}" $py benchmarks/attention_kernels.py \

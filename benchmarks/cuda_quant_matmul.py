@@ -6,7 +6,11 @@ Paths (triton_quant.py says what each does): gemv (decode rows), dequant (dequan
 cuBLAS), fused and fused-fast (tl.dot on dequantized tiles, fp32 / activation dtype). `auto`
 is what the engine runs. Then a sweep of the gemv's tile sizes at decode M.
 
-    python benchmarks/cuda_quant_matmul.py [--m 1 8 64 512] [--group 64] [--no-sweep]
+    python benchmarks/cuda_quant_matmul.py [--m 1 2 4 9 64 512] [--group 64] [--no-sweep]
+
+Each row also gives its TFLOP/s (beside cuBLAS's bf16 rate on 8192^3, measured first) and, for
+the engine's `auto` path, its time against the first M's: what verifying k + 1 rows costs
+against one decode row.
 """
 
 from __future__ import annotations
@@ -38,15 +42,21 @@ def nbytes(q, s, z) -> int:
 
 def table(args, bench) -> None:
     from quire.layers.triton_quant import quant_matmul
+    peak = bench(partial(torch.matmul, *(torch.randn(8192, 8192, device="cuda",
+                                                     dtype=torch.bfloat16),) * 2))
+    peak_tflops = 2 * 8192 ** 3 / peak / 1e6
+    print(f"bf16 cuBLAS 8192^3: {peak_tflops:.0f} TFLOP/s (the tensor-core rate this run "
+          f"reaches)")
     print(f"{'shape':>8} {'M':>4} {'kernel':>16} {'us':>9} {'weight GB/s':>12} "
-          f"{'max rel err':>12}")
+          f"{'max rel err':>12} {'TFLOP/s':>8} {'x M=' + str(args.m[0]):>7}")
+    auto_us: dict[tuple[str, str, int], float] = {}
     for name, (n, k) in SHAPES.items():
         wb, quant = weights(n, k, args.group)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             us = bench(partial(torch.matmul, x, wb.T))
             print(f"{name:>8} {m:>4} {'bf16 cuBLAS':>16} {us:>9.1f} "
-                  f"{wb.numel() * 2 / us / 1e3:>12.0f}")
+                  f"{wb.numel() * 2 / us / 1e3:>12.0f} {'':>12} {2 * m * n * k / us / 1e6:>8.1f}")
             for kind, (qsz, dense) in quant.items():
                 want = x.float() @ dense.T
                 paths = ["auto", "dequant", "fused", "fused-fast"]
@@ -56,8 +66,14 @@ def table(args, bench) -> None:
                     fn = partial(quant_matmul, x, *qsz, path=path)
                     err = ((fn().float() - want).abs().max() / want.abs().max()).item()
                     us = bench(fn)
+                    if path == "auto":
+                        auto_us[name, kind, m] = us
+                    ratio = (us / auto_us[name, kind, args.m[0]]
+                             if path == "auto" and (name, kind, args.m[0]) in auto_us else None)
                     print(f"{name:>8} {m:>4} {kind + ' ' + path:>16} {us:>9.1f} "
-                          f"{nbytes(*qsz) / us / 1e3:>12.0f} {err:>12.1e}")
+                          f"{nbytes(*qsz) / us / 1e3:>12.0f} {err:>12.1e} "
+                          f"{2 * m * n * k / us / 1e6:>8.1f} "
+                          + (f"{ratio:>7.2f}" if ratio is not None else ""))
 
 
 def sweep(args, bench) -> None:
@@ -105,7 +121,9 @@ def sweep(args, bench) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 512])
+    # 1-9 rows: a decode step and the verification of up to 8 proposals (issue 48: k + 1 rows
+    # within 1.5x of one); 64 and 512: batched decode and prefill against the tensor cores
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 9, 64, 512])
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
