@@ -255,14 +255,16 @@ def server(name: str) -> ServerProcess:
     return wanted
 
 
-def wait_idle(srv: ServerProcess, timeout: float = 30.0) -> dict:
-    """/metrics once nothing runs, waits or holds a KV block (or after `timeout`)."""
+def wait_idle(srv: ServerProcess, timeout: float = 30.0, until=None) -> dict:
+    """/metrics once nothing runs, waits or holds a KV block and `until(samples)` holds, if
+    given (or after `timeout`)."""
     deadline = time.monotonic() + timeout
     while True:
         samples = metrics_of(srv)
         idle = (metric(samples, "quire:num_requests_running") == 0
                 and metric(samples, "quire:num_requests_waiting") == 0
-                and metric(samples, "quire:kv_cache_blocks_used") == 0)
+                and metric(samples, "quire:kv_cache_blocks_used") == 0
+                and (until is None or until(samples)))
         if idle or time.monotonic() > deadline:
             return samples
         time.sleep(0.05)
