@@ -17,7 +17,7 @@ from runtime_helpers import (
     hf_greedy,
     hf_model,
     random_prompts,
-    smollm2_hf_model,
+    smollm2_hf_greedy,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=TINY_MAX_NEW_TOKENS, ignore_eos=True)
@@ -88,7 +88,7 @@ def test_smollm2_gguf_auto_keeps_its_quantization_and_matches_transformers(smoll
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = _quire_greedy(llm, prompts, params)
     assert_no_blocks_in_use(llm)
-    want = hf_greedy(smollm2_hf_model(), prompts, 8)
+    want = smollm2_hf_greedy(prompts, 8)
     identical, first = agreement(want, got)
     print(f"SmolLM2 auto: {identical}/{len(prompts)} identical, mean first divergence {first}")
     assert identical >= len(prompts) - 1 and all(g[:2] == w[:2] for g, w in zip(got, want))

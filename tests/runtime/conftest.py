@@ -14,6 +14,7 @@ from runtime_helpers import (
     hf_model,
     random_prompts,
     save_tiny_model,
+    smollm2_hf_greedy,
     smollm2_hf_model,
     smollm2_tokenizer,
     tiny_config,
@@ -47,11 +48,11 @@ def hf_smollm():
 
 
 @pytest.fixture(scope="session")
-def smollm_reference(smollm_tokenizer, hf_smollm):
+def smollm_reference(smollm_tokenizer):
     """(prompt token ids, transformers' greedy outputs) for SmolLM2."""
     prompts = [smollm_tokenizer(p).input_ids for p in SMOLLM_PROMPTS]
     assert min(map(len, prompts)) == 1 and max(map(len, prompts)) <= 300
-    return prompts, hf_greedy(hf_smollm, prompts, SMOLLM_MAX_NEW_TOKENS)
+    return prompts, smollm2_hf_greedy(prompts, SMOLLM_MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="session")

@@ -152,18 +152,11 @@ def smollm2_hf_model():
     tensors. A lock makes the second of two workers wait for the first's copy."""
     import copy
     import fcntl
-    import hashlib
     import shutil
 
     import safetensors.torch
-    import transformers
     path = default_model_path()
-    st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:"
-                         f"{transformers.__version__}".encode()).hexdigest()[:16]
-    root = os.path.join(os.path.expanduser("~"), ".cache", "quire", "test-tools")
-    saved = os.path.join(root, f"smollm2-hf-{key}")
-    os.makedirs(root, exist_ok=True)
+    saved = os.path.join(_test_tools(), f"smollm2-hf-{_smollm2_key()}")
     with open(saved + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(saved, ".complete")):
@@ -182,6 +175,48 @@ def smollm2_hf_model():
             os.replace(tmp, saved)
             return model
     return hf_model(saved)
+
+
+def _test_tools() -> str:
+    root = os.path.join(os.path.expanduser("~"), ".cache", "quire", "test-tools")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _smollm2_key(*more: str) -> str:
+    """The default GGUF (path, size, mtime) and transformers' version, and `more`, hashed."""
+    import hashlib
+
+    import transformers
+    path = default_model_path()
+    st = os.stat(path)
+    text = ":".join([os.path.abspath(path), str(st.st_size), str(st.st_mtime_ns),
+                     transformers.__version__, *more])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def smollm2_hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """hf_greedy on smollm2_hf_model (~25 s quiet for the 12 SMOLLM_PROMPTS), kept in the test
+    cache as JSON: transformers' own tokens, computed once per model, transformers and torch
+    version, CPU (its model and flags: torch's float32 kernels, so their rounding, follow
+    them) and prompts; the second of two workers waits for the first's."""
+    import fcntl
+    import json
+
+    with open("/proc/cpuinfo") as f:
+        cpu = "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
+    saved = os.path.join(_test_tools(), "smollm2-greedy-" + _smollm2_key(
+        torch.__version__, cpu, json.dumps(prompts), str(max_new_tokens)) + ".json")
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(saved):
+            with open(saved) as f:
+                return json.load(f)
+        outs = hf_greedy(smollm2_hf_model(), prompts, max_new_tokens)
+        with open(saved + ".tmp", "w") as f:
+            json.dump(outs, f)
+        os.replace(saved + ".tmp", saved)
+        return outs
 
 
 def hf_model(path: str, **kwargs):

@@ -82,15 +82,14 @@ def test_mixed_sliding_and_full_layers_match_transformers(tmp_path, smollm_token
     assert len(llm.engine.executor.model.backends) == 2
 
 
-def test_smollm2_requests_sharing_a_system_prompt_match_transformers(smollm_tokenizer,
-                                                                     hf_smollm):
+def test_smollm2_requests_sharing_a_system_prompt_match_transformers(smollm_tokenizer):
     """Ten requests behind two cached system prompts (~180 tokens, 11 blocks each) that open
     with the same sentence (the chat header and it fill the first block): their decode rows
     share those blocks, which the AVX2 build reads once per group of rows sharing a system
     prompt (cascade decode: tiles of rows, merged with each row's tail by log-sum-exp; the
     groups split where the two prompts part). Greedy output still equals transformers',
     request by request."""
-    from runtime_helpers import hf_greedy
+    from runtime_helpers import smollm2_hf_greedy
     opening = ("You are a careful assistant. Answer in one short sentence, name your sources "
                "when you can, and say so when you do not know. ")
     systems = [opening + ("Keep units, numbers and names exactly as the user wrote them, and "
@@ -107,7 +106,7 @@ def test_smollm2_requests_sharing_a_system_prompt_match_transformers(smollm_toke
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     assert min(map(len, prompts)) > 9 * 16
     assert prompts[0][:16] == prompts[-1][:16] and prompts[0][:9 * 16] != prompts[-1][:9 * 16]
-    want = hf_greedy(hf_smollm, prompts, SMOLLM_MAX_NEW_TOKENS)
+    want = smollm2_hf_greedy(prompts, SMOLLM_MAX_NEW_TOKENS)
     llm = LLM(dtype="float32", kv_cache_memory=64 << 20)
     params = SamplingParams(temperature=0, max_tokens=SMOLLM_MAX_NEW_TOKENS)
     # caches the system prompts' blocks
