@@ -148,6 +148,8 @@ constexpr int kExpandedTile = 6;
 // 59 / 80 expanded).
 constexpr int kStreamRows = 16;
 constexpr int kHalfTile = 12;  // stream_halves' rows per pass: 12 accumulators + 3 registers
+// (linear splits 6-16 rows into at most two passes of 6-12: halves_tile's cases)
+static_assert((kHalfTile + 1) / 2 > kTile && kStreamRows <= 2 * kHalfTile);
 constexpr int kChains = 4;  // at M = 1: 4 blocks x (lo, hi) = 8 chains, FMA latency x 2
 struct V {
   __m256 lo, hi;
@@ -309,9 +311,9 @@ inline __m512i int8_pairs(const uint8_t* p) {
 // acc = s * part + acc and, for forms with an offset, acc = z * xsum + acc (xsum: the group's
 // sum of x, summed in order). Calls beyond kStreamRows rows expand each row block once
 // (expanded_rows); smaller ones read the packed weights as they go (stream_rows, and AVX2's
-// stream_halves): the same operations in the same order. The independent chains that hide FMA latency at M = 1 come
-// from B row blocks side by side, never from splitting a row's sum into partial sums (that
-// made a row's bits depend on the rows beside it).
+// stream_halves): the same operations in the same order. The independent chains that hide
+// FMA latency at M = 1 come from B row blocks side by side, never from splitting a row's sum
+// into partial sums (that made a row's bits depend on the rows beside it).
 
 // Beyond kStreamRows rows of x (prefill, batched decode), a row block is expanded once into a
 // per-thread scratch that every tile loads as it is, with no unpacking: q' as float32 [K][16]
