@@ -125,17 +125,19 @@ inline void load_sint4(const uint8_t* p, V& even, V& odd) {  // signed nibbles
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
-// Streamed tiles (x rows read beside the packed weights): up to 5 rows at once, both 8-lane
-// halves of a block, 2 * 5 accumulators + the unpacked even / odd k + a broadcast x = 15 of the
-// 16 registers. M = 1-2 take 2-4 blocks side by side (their FMA chains: see kChains).
-constexpr int kTile = 5;
+// Streamed tiles (x rows read beside the packed weights): up to 6 rows at once over both
+// 8-lane halves of a block, 2 * 6 accumulators + the unpacked even / odd k + a broadcast x (one
+// register more than the 16: the compiler reloads one, and 6 rows still ran 10-13% faster this
+// way than in stream_halves' 6 chains, builds alternated twice, best of 15). M = 1-2 take 2-4
+// blocks side by side (their FMA chains: see kChains).
+constexpr int kTile = 6;
 // an expanded block needs no registers for unpacking: 6 rows of x are 12 accumulators, plus
 // the two halves of w and a broadcast x: 15 of the 16 registers (BLIS's 6 x 16 AVX2 shape).
 // On the 2-core AVX2 EPYC (builds of each tile size called in turn on the same weights,
 // bit-identical outputs) 6 rows ran 1.5-1.8x faster than 4 at M = 8-512; 5 was no better
 // than 4, and 7 and 8 (spilling) in between.
 constexpr int kExpandedTile = 6;
-// Calls of up to 16 rows of x stream: 3-5 rows in one kTile pass, 6-16 through stream_halves
+// Calls of up to 16 rows of x stream: 3-6 rows in one kTile pass, 7-16 through stream_halves
 // (one 8-lane half of a block at a time, unpacked once for up to kHalfTile rows). Expanding
 // every block costs more than these rows multiply. One SmolLM2 step's 121 matmuls on the
 // AVX2 EPYC (Zen 3, 2 threads; builds alternated in one process, best of 9; small_m.py's
@@ -143,13 +145,14 @@ constexpr int kExpandedTile = 6;
 //   M                         1     3     5     6     9    12    16
 //   before (tiles of 2 rows  7.1  11.2  16.5  21.6  33.5  36.3  47.2
 //     up to 5, then expanded)
-//   streamed as now          7.3   9.1  11.7  15.7  22.1  35.1  43.9
+//   streamed (1fc9c8c)       7.3   9.1  11.7  15.7  22.1  35.1  43.9
+// (M = 6 ran in stream_halves there; one kTile pass now, 10-13% faster than that)
 // and beyond 16 rows the 6-row expanded tiles win (M = 24 / 32: 60 / 94 ms streamed against
 // 59 / 80 expanded).
 constexpr int kStreamRows = 16;
 constexpr int kHalfTile = 12;  // stream_halves' rows per pass: 12 accumulators + 3 registers
-// (linear splits 6-16 rows into at most two passes of 6-12: halves_tile's cases)
-static_assert((kHalfTile + 1) / 2 > kTile && kStreamRows <= 2 * kHalfTile);
+// (linear splits 7-16 rows into at most two passes of 6-12: halves_tile's cases)
+static_assert((kHalfTile + 1) / 2 >= kTile && kStreamRows <= 2 * kHalfTile);
 constexpr int kChains = 4;  // at M = 1: 4 blocks x (lo, hi) = 8 chains, FMA latency x 2
 struct V {
   __m256 lo, hi;
@@ -511,12 +514,12 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2, 6 to kHalfTile rows of x against one row block, read from the packed weights as they
-// go: each 8-row half of the block is unpacked once per k and used by every row of x, whose
-// accumulators are one 8-lane register each (MT + 3 of the 16 registers). kTile's passes of
-// both halves hold at most 5 rows; more rows in several such passes unpack every k once per
-// pass, which cost more than the FMAs. Each lane is summed in exactly stream_rows' order (a
-// half is 8 of its 16 lanes, folded the same way).
+// AVX2, 7 to kHalfTile rows of x (6 in the second of two passes) against one row block, read
+// from the packed weights as they go: each 8-row half of the block is unpacked once per k and
+// used by every row of x, whose accumulators are one 8-lane register each (MT + 3 of the 16
+// registers). kTile's passes of both halves hold at most 6 rows; more rows in several such
+// passes unpack every k once per pass, which cost more than the FMAs. Each lane is summed in
+// exactly stream_rows' order (a half is 8 of its 16 lanes, folded the same way).
 template <int Form, typename S, int MT>
 __attribute__((noinline)) void stream_halves(const float* x, const float* xsum, const Weight& w,
                                              int64_t block, float* out) {
@@ -628,9 +631,9 @@ void stream_tile(int mt, int nb, const X* x, const float* xsum, const Weight& w,
     case 25: stream_rows<Form, S, 3, 1>(x, xsum, w, block, out); break;
     case 33: stream_rows<Form, S, 4, 1>(x, xsum, w, block, out); break;
     case 41: stream_rows<Form, S, 5, 1>(x, xsum, w, block, out); break;
+    case 49: stream_rows<Form, S, 6, 1>(x, xsum, w, block, out); break;
 #endif
 #if defined(__AVX512F__)
-    case 49: stream_rows<Form, S, 6, 1>(x, xsum, w, block, out); break;
     case 57: stream_rows<Form, S, 7, 1>(x, xsum, w, block, out); break;
     case 65: stream_rows<Form, S, 8, 1>(x, xsum, w, block, out); break;
 #endif
