@@ -5,8 +5,9 @@ Requests stream from /v1/completions (or /v1/chat/completions); each arrives eit
 as one of `--concurrency` slots is free (a fixed concurrency), or at Poisson times with
 `--request-rate` per second (optionally capped by --concurrency as well). Prompts are seeded
 random English-like text of about --input-len words, new ones at each level; outputs are
-exactly --output-len tokens (ignore_eos) unless --no-ignore-eos. Prints throughput and TTFT / inter-token latency / end-to-
-end latency percentiles, plus what the server's /metrics saw (preemptions, prefix hits).
+exactly --output-len tokens (ignore_eos) unless --no-ignore-eos. Prints throughput and TTFT /
+inter-token latency / end-to-end latency percentiles, plus what the server's /metrics saw
+(preemptions, prefix hits).
 
 --concurrency takes a list (a sweep). Without --url the script starts the servers itself, on
 free ports with the same threads: `quire serve` with the default model and, where it is built

@@ -203,10 +203,9 @@ def smollm2_hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[lis
     import fcntl
     import json
 
-    with open("/proc/cpuinfo") as f:
-        cpu = "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
+    from quire.native.loader import _cpu_signature  # what the kernel cache keys on, too
     saved = os.path.join(_test_tools(), "smollm2-greedy-" + _smollm2_key(
-        torch.__version__, cpu, json.dumps(prompts), str(max_new_tokens)) + ".json")
+        torch.__version__, _cpu_signature(), json.dumps(prompts), str(max_new_tokens)) + ".json")
     with open(saved + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(saved):
