@@ -6,6 +6,8 @@ a KV budget small enough to preempt, then again with prefix-cache hits."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from quire import LLM, SamplingParams
@@ -138,14 +140,20 @@ def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp
     and gives the folder's transformers output, both dequantized and `auto`. (Gemma 2's
     converter needs a SentencePiece tokenizer.model, which no tiny model here has.) The
     second form's conversion takes the first's config and tokenizer files: transformers
-    parses the file for them once."""
+    parses the file for them once, and then reads the conversion's own parse, so each form's
+    conversion parses the file once in all."""
+    import gguf as gguf_py
+
     from quire.models import loader
 
     from llamacpp_converter import convert
-    parsed = []
+    parsed, parses = [], []
     load_tokenizer = loader.load_tokenizer
-    monkeypatch.setattr(loader, "load_tokenizer", lambda source, *a: (
-        parsed.append(source.kind), load_tokenizer(source, *a))[1])
+    monkeypatch.setattr(loader, "load_tokenizer", lambda source, *a, **k: (
+        parsed.append(source.kind), load_tokenizer(source, *a, **k))[1])
+    reader_init = gguf_py.GGUFReader.__init__
+    monkeypatch.setattr(gguf_py.GGUFReader, "__init__", lambda self, path, *a, **k: (
+        parses.append(os.path.basename(path)), reader_init(self, path, *a, **k))[1])
     folder = save_tiny_model(str(tmp_path / family), tiny_config(family), smollm_tokenizer)
     gguf = convert(folder, str(tmp_path / f"{family}.gguf"))
     prompts = random_prompts()
@@ -155,6 +163,8 @@ def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp
         got = [o.token_ids for o in _greedy(llm, prompts)]
         assert _diverging(got, expected, prompts) == [], quantization
     assert parsed.count("gguf") == 1
+    assert parses == [f"{family}.gguf"] * 2, parses
+    assert isinstance(gguf_py.GGUFReader, type)  # transformers' reader is gguf's own again
 
 
 def test_yarn_rope_scaling_matches_transformers(tmp_path, smollm_tokenizer):

@@ -32,7 +32,7 @@ def srv():
     # model rarely samples EOS), and at the model's 1,024 the fuzz ran ~1,000 tokens a request
     s = ServerProcess("fuzzed", [tiny_model(), "--dtype", "float32", "--kv-cache-memory", "16M",
                                  "--num-threads", "1", "--max-num-seqs", "4",
-                                 "--max-model-len", "96"])
+                                 "--max-model-len", "64"])
     s.start()
     try:
         s.wait_ready(300)
