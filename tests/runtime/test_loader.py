@@ -53,6 +53,37 @@ def test_gguf_q_k_permutation_is_undone():
     assert np.array_equal(unpermute_qk(permuted, n_head), w)
 
 
+def test_transformers_reads_the_loads_own_gguf_parse_and_then_gguf_has_its_reader_back(
+        tmp_path):
+    """loader._parsed_once: inside it gguf.GGUFReader hands the given parse out for that file
+    only (another file still gets a reader of its own, here gguf's error on a file that is no
+    GGUF), a second block nests inside the first, and the class is back however a block
+    ends."""
+    import gguf
+
+    from quire.models import loader
+    own = gguf.GGUFReader
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(b"not read")
+    second.write_bytes(b"not a GGUF either")
+
+    class Parsed:
+        def __init__(self, path):
+            self.source_path = str(path)
+    a, b = Parsed(first), Parsed(second)
+    with pytest.raises(RuntimeError, match="inside"):
+        with loader._parsed_once(a):
+            assert gguf.GGUFReader(str(first)) is a
+            assert gguf.GGUFReader(str(tmp_path / "." / "a.gguf")) is a  # the same file
+            with pytest.raises(Exception) as other:
+                gguf.GGUFReader(str(second))
+            assert other.type is not RuntimeError
+            with loader._parsed_once(b):
+                assert gguf.GGUFReader(str(second)) is b and gguf.GGUFReader(str(first)) is a
+            raise RuntimeError("inside")
+    assert gguf.GGUFReader is own
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))

@@ -303,7 +303,7 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None, reader=Non
     return AutoTokenizer.from_pretrained(source.path)
 
 
-_PARSED_ONCE_LOCK = threading.Lock()
+_PARSED_ONCE_LOCK = threading.RLock()  # a load inside a load nests its swap
 
 
 @contextlib.contextmanager
