@@ -29,11 +29,10 @@ import re
 import statistics
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 
 from machine import StealMeter
+from processes import runtime_snapshot
 
 CASES = {"bf16-1": ("bfloat16", 1), "fp32-1": ("float32", 1), "bf16-32": ("bfloat16", 32),
          "fp32-32": ("float32", 32)}
@@ -165,13 +164,7 @@ def compare_with_baseline(args) -> None:
     """This checkout and `args.baseline`, each case in a fresh process, rounds alternating
     (so a drift of the host shows as spread, not as a ratio); medians per case."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    snapshot = tempfile.mkdtemp(prefix="quire-baseline-")
-    archive = subprocess.run(["git", "-C", root, "archive", args.baseline, "runtime"],
-                             check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
-        tar.extractall(snapshot)
-    engines = {"this": os.path.join(root, "runtime"),
-               args.baseline: os.path.join(snapshot, "runtime")}
+    engines = {"this": os.path.join(root, "runtime"), args.baseline: runtime_snapshot(args.baseline)}
     times: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         for name, path in engines.items():

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import compileall
+import io
+import os
 import signal
 import socket
 import subprocess
+import tarfile
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -52,3 +57,18 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def runtime_snapshot(revision: str) -> str:
+    """The `runtime` folder of a git revision of this checkout, extracted into a temporary
+    folder: put it on PYTHONPATH to run that revision's engine beside this one's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    snapshot = tempfile.mkdtemp(prefix="quire-baseline-")
+    archive = subprocess.run(["git", "-C", root, "archive", revision, "runtime"],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(snapshot)
+    # byte-compiled like this checkout, so that a start-up under PYTHONDONTWRITEBYTECODE does
+    # not compile the older sources every time
+    compileall.compile_dir(os.path.join(snapshot, "runtime"), quiet=1)
+    return os.path.join(snapshot, "runtime")

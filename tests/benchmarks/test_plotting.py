@@ -39,6 +39,6 @@ def test_plot_flag_defaults_to_the_plots_folder():
 
 
 @pytest.mark.parametrize("script", ["serve", "throughput", "prefix_cache", "single_stream",
-                                    "memory", "llamacpp_compare"])
+                                    "memory", "llamacpp_compare", "cold_start"])
 def test_each_benchmark_offers_plot(script):
     assert "add_plot_flag(" in (Path(plotting.PLOTS).parent / f"{script}.py").read_text()
