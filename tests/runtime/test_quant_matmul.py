@@ -110,9 +110,9 @@ with open("/proc/cpuinfo") as _f:
 # this CPU's own build, then every ISA build it can execute (loader.ISA_BUILDS: an
 # AVX-512 CPU runs the AVX2 and plain C++ paths too, with AMX all of them)
 BUILDS = ["native", *loader.isa_builds()]
-# the vector path each build takes (no AMX path: an AMX build runs the AVX512-BF16 one)
+# the vector path each build takes
 ISA_PATHS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512",
-             "avx512_bf16": "avx512-bf16", "amx": "avx512-bf16"}
+             "avx512_bf16": "avx512-bf16", "amx": "amx"}
 
 
 @pytest.fixture(params=BUILDS)
@@ -136,10 +136,13 @@ def test_builds_use_the_vector_paths_this_cpu_has(march):
     if march != "native":
         assert qm.isa(march) == ISA_PATHS[march]
     else:
-        assert qm.isa(march) == ("avx512-bf16" if " avx512_bf16" in _FLAGS else
+        assert qm.isa(march) == ("amx" if " amx_bf16" in _FLAGS else
+                                 "avx512-bf16" if " avx512_bf16" in _FLAGS else
                                  "avx512" if " avx512f" in _FLAGS else
                                  "avx2" if " avx2" in _FLAGS else "scalar")
     assert qm.available()
+    # an AMX build uses the tiles wherever the CPU has them (the kernel grants the state)
+    assert qm.amx_ready(march) == (qm.isa(march) == "amx")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -380,10 +383,15 @@ def test_a_row_has_the_same_bits_whatever_rows_come_with_it(flavour, dtype, marc
         linear = qm.int4_linear
     x = _x(40, k, dtype, seed=4)
     y = linear(x, packed)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17):  # every streamed and expanded tile
-        assert torch.equal(linear(x[:m], packed), y[:m]), f"the first {m} rows"
-        assert torch.equal(linear(x[-m:], packed), y[-m:]), f"the last {m} rows"
-    assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), y), "rows alone"
+    # an AMX build's calls of fewer than AMX_MIN_ROWS bfloat16 rows keep the dot product:
+    # invariant among themselves (against 2-row calls), within the bound of the tiles' sums
+    few = qm.amx_rows_differ(march, dtype, packed)
+    pairs = torch.cat([linear(x[i:i + 2], packed) for i in range(0, 40, 2)]) if few else y
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33):  # every streamed and expanded tile
+        want = pairs if m < qm.AMX_MIN_ROWS else y
+        assert torch.equal(linear(x[:m], packed), want[:m]), f"the first {m} rows"
+        assert torch.equal(linear(x[-m:], packed), want[-m:]), f"the last {m} rows"
+    assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), pairs), "rows alone"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

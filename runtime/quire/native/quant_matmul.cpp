@@ -28,8 +28,9 @@
 // Vector paths: AVX-512 (16 lanes), AVX2 (two 8-lane halves), plain C++ otherwise; all three
 // share the kernel through the small V type. Where the CPU has AVX512-BF16, bfloat16 x uses
 // its dot product instead (int4 always, int8 where G is even; the integers are exact
-// bfloat16 values, products exact, sums float32: same rounding, half the instructions). No
-// AMX: a build for an AMX CPU runs the AVX512-BF16 path. OpenMP over row blocks with the
+// bfloat16 values, products exact, sums float32: same rounding, half the instructions). An
+// AMX build runs such calls of 3 rows or more on the tile unit (linear_amx: 16 rows of x per
+// tile product, for about the cost of one; prefill 3x the dot product). OpenMP over row blocks with the
 // thread count the caller passes (torch's: the same libgomp and pool once torch is loaded).
 // Plain C++ with a C ABI, called through ctypes.
 #include <algorithm>
@@ -46,6 +47,10 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -81,7 +86,9 @@ constexpr int kRows = 16;  // output rows per block: one V
 
 // V: 16 float lanes, one per output row of a block.
 #if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__)
+constexpr const char* kIsa = "amx";  // + bfloat16 x on the tiles (linear_amx)
+#elif defined(__AVX512BF16__)
 constexpr const char* kIsa = "avx512-bf16";  // + the bfloat16 dot product for int4 x bf16
 #else
 constexpr const char* kIsa = "avx512";
@@ -760,6 +767,185 @@ inline bool bf16_direct(int form, int64_t G) {
 #endif
 }
 
+#if defined(__AMX_BF16__)
+// AMX: bfloat16 x against int4 / int8 weights on the tile unit. A row block's 16 rows are one
+// B tile per 32 k: the AVX512-BF16 path's bfloat16 pairs of q' ([k / 2][16] 32-bit lanes, the
+// tile's VNNI layout as they are), unpacked once per block and used by up to 16 rows of x at a
+// time (the A tile), so 16 rows cost about one: verification rows and prefill alike. Each
+// group's part is summed by the tile (C, float32) and folded by the vector unit as everywhere
+// else (acc = s * part + acc, + z * xsum). The tile sums a group in its own order, not the
+// dot-product chain's (the hardware's pairs and rounding differ: a few float32 ulps; see
+// amx_takes for where each is used).
+constexpr int kAmxRows = 16;  // rows of x per A tile
+constexpr int kAmxK = 32;     // k per tile product (64 bytes of bfloat16 per row)
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// The kernel lets a process use the tile registers only after it asks (Linux 5.16+); torch's
+// oneDNN asks too. Once per process; false where the kernel or the VM refuses.
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// Up to kAmxGroups groups are in flight at once, each in its own tiles: group j of a batch
+// sums into C tile j from A tile 4 + j % 2 (mt rows of 32 bfloat16 x) and B tile 6 + j % 2
+// (16 pairs of k of the block's 16 rows). One C tile for every group serialized each group's
+// unpack, load, product, store and fold (the tiles are not renamed): M = 1 ran 35% slower
+// than the AVX512-BF16 chain. (Per thread, and again after anything else used the tiles:
+// oneDNN configures its own.)
+constexpr int kAmxGroups = 4;
+inline void amx_configure(int mt) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(t < 6 ? mt : kAmxK / 2);
+  }
+  _tile_loadconfig(&c);
+}
+
+// Group j of a batch: C_j = sum over its 32-k tiles of A x B, B from `pairs` (G / 32 tiles of
+// [16][16] pairs, consecutive). (The tile intrinsics paste their register numbers into the
+// instruction's text: literals, hence a macro.)
+#define QUIRE_AMX_GROUP(C, A, B)                                       \
+  [](const uint16_t* x, int64_t K, int64_t k0, int64_t G, const uint32_t* pairs) { \
+    _tile_zero(C);                                                     \
+    for (int64_t k = 0; k < G; k += kAmxK) {                           \
+      _tile_loadd(A, x + k0 + k, K * sizeof(uint16_t));                \
+      _tile_loadd(B, pairs + k / 2 * kRows, 64);                       \
+      _tile_dpbf16ps(C, A, B);                                         \
+    }                                                                  \
+  }
+
+// mt (<= 16) rows of x against row block `block`: out[m][r] = y[m, row r of the block]. The
+// B tiles come from `expanded` (the whole block's pairs, expand_block's bfloat16 layout) or,
+// when it is null, are unpacked a batch of groups at a time into a small buffer (decode,
+// verification: a single tile of rows reads each weight once).
+// MT = 16 (a full tile of rows: prefill) keeps the 16 rows' accumulators in registers; MT = 0
+// takes mt from the call and keeps them in `out`.
+template <int Form, typename S, int MT>
+__attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* xsum,
+                                        const Weight& w, int64_t block,
+                                        const uint32_t* expanded, uint32_t* buffer,
+                                        float* out) {
+  const int64_t K = w.K, G = w.G, groups = K / G;
+  const int64_t block_bytes = weight_bytes(Form, K) * kRows;
+  const uint8_t* q = w.q + block * block_bytes;
+  const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
+  const S* offsets =  // (read only by the forms that have them)
+      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block * groups * kRows;
+  constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
+  [[maybe_unused]] const __m512i table = nibble_table<Form>();
+  alignas(64) float part[kAmxGroups][kAmxRows * kRows];
+  V acc[MT > 0 ? MT : 1];
+  if constexpr (MT > 0)
+    for (int m = 0; m < MT; ++m) acc[m] = vzero();
+  else
+    for (int m = 0; m < mt; ++m) vstore(out + m * kRows, vzero());
+  for (int64_t g0 = 0; g0 < groups; g0 += kAmxGroups) {
+    const int n = static_cast<int>(std::min<int64_t>(kAmxGroups, groups - g0));
+    const uint32_t* pairs = expanded ? expanded + g0 * G / 2 * kRows : buffer;
+    if (!expanded) {  // the batch's G / 2 pairs of k per group, in k order
+      // the same batch of the next row block (this thread's next, mostly) is fetched
+      // meanwhile: each weight comes once from memory (a prefetch past the end never faults)
+      const int64_t bytes = weight_bytes(Form, n * G) * kRows;
+      const uint8_t* next = q + block_bytes + weight_bytes(Form, g0 * G) * kRows;
+      for (int64_t off = 0; off < bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+      for (int64_t i = 0; i < n * G / 2; ++i) {
+        const int64_t kp = g0 * G / 2 + i;
+        _mm512_store_si512(buffer + i * kRows,
+                           Form == kInt8 ? int8_pairs(q + 2 * kp * kRows)
+                                         : nibble_pairs(q + kp * kRows, table));
+      }
+    }
+    const int64_t stride = G / 2 * kRows;  // one group's pairs
+    QUIRE_AMX_GROUP(0, 4, 6)(x, K, g0 * G, G, pairs);
+    if (n > 1) QUIRE_AMX_GROUP(1, 5, 7)(x, K, (g0 + 1) * G, G, pairs + stride);
+    if (n > 2) QUIRE_AMX_GROUP(2, 4, 6)(x, K, (g0 + 2) * G, G, pairs + 2 * stride);
+    if (n > 3) QUIRE_AMX_GROUP(3, 5, 7)(x, K, (g0 + 3) * G, G, pairs + 3 * stride);
+    _tile_stored(0, part[0], 64);
+    if (n > 1) _tile_stored(1, part[1], 64);
+    if (n > 2) _tile_stored(2, part[2], 64);
+    if (n > 3) _tile_stored(3, part[3], 64);
+    for (int j = 0; j < n; ++j) {  // folded in group order
+      const int64_t g = g0 + j;
+      const V s = vload(scales + g * kRows);
+      const V z = kOffset ? vload(offsets + g * kRows) : vzero();
+      if constexpr (MT > 0) {
+        for (int m = 0; m < MT; ++m)
+          acc[m] = fold<Form>(acc[m], vload(part[j] + m * kRows), s, z,
+                              kOffset ? xsum[m * groups + g] : 0.f);
+      } else {
+        for (int m = 0; m < mt; ++m) {
+          const float xs = kOffset ? xsum[m * groups + g] : 0.f;
+          vstore(out + m * kRows,
+                 fold<Form>(vload(out + m * kRows), vload(part[j] + m * kRows), s, z, xs));
+        }
+      }
+    }
+  }
+  if constexpr (MT > 0)
+    for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
+}
+
+// Whether a bfloat16-x call runs on the tiles: a weight whose groups are whole tiles, and
+// kAmxMinRows rows of x or more. One or two rows (single-sequence decode) keep the
+// AVX512-BF16 chain, which reads them faster: each 32-k tile costs 16 vector stores of the
+// unpacked pairs before the tile unit can load them. One SmolLM2 step's quantized matmuls
+// on the 2-core AMX Xeon (builds alternated in one process, best of 7; ms):
+//   M                   1     2     3     4     6     9    16
+//   AVX512-BF16 chain  8.6   9.7  24.6  25.8  31.1  29.0  38.1
+//   AMX tiles         11.1  11.4  11.9  11.6  12.5  13.3  14.8
+// So a row's bits depend on whether its call had fewer than 3 rows (the tile sums a group in
+// its own order, a few float32 ulps from the chain's): batch invariance holds within each
+// side (tests/runtime/test_quant_matmul.py bounds the difference).
+constexpr int kAmxMinRows = 3;
+inline bool amx_takes(int64_t M, int64_t G) {
+  return M >= kAmxMinRows && G % kAmxK == 0 && amx_permitted();
+}
+
+// linear's AMX form: up to 16 rows of x read the packed weights as they go (one B tile at a
+// time); more rows expand each row block once, then every 16-row tile of x uses it.
+template <int Form, typename S>
+void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dtype,
+                int threads, const Weight& w) {
+  const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
+  const bool expand = M > kAmxRows;
+  const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+  {
+    std::vector<float> scratch(expand ? w.K * kRows / 2 : 0);
+    std::vector<uint32_t> buffer(expand ? 0 : kAmxGroups * w.G / 2 * kRows + 16);
+    uint32_t* aligned = reinterpret_cast<uint32_t*>(  // (64-byte stores)
+        (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+    int configured = -1;
+    alignas(64) float tile[kAmxRows * kRows];
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
+      if (expand) expand_block<Form, uint16_t>(w, b, scratch.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+        const int mt = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
+        if (mt != configured) amx_configure(configured = mt);
+        (mt == kAmxRows ? amx_rows<Form, S, kAmxRows> : amx_rows<Form, S, 0>)(
+            mt, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
+            expand ? reinterpret_cast<const uint32_t*>(scratch.data()) : nullptr, aligned,
+            tile);
+        store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 // bfloat16 x goes to the AVX512-BF16 path as it is (bf16_direct), everything else as float32
 template <int Form>
 void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
@@ -767,6 +953,13 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
 #if defined(__AVX512BF16__)
   if (Form != kBf16 && dtype == 1 && bf16_direct(Form, w.G)) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
+#if defined(__AMX_BF16__)
+    if (amx_takes(M, w.G)) {
+      if (half) linear_amx<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
+      else linear_amx<Form, float>(xb, xsum, y, M, dtype, threads, w);
+      return;
+    }
+#endif
     if (half) linear<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
     else linear<Form, float>(xb, xsum, y, M, dtype, threads, w);
     return;
@@ -781,8 +974,17 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
 
 extern "C" {
 
-// Which vector path this build took: "avx512-bf16", "avx512", "avx2" or "scalar".
+// Which vector path this build took: "amx", "avx512-bf16", "avx512", "avx2" or "scalar".
 const char* quire_quant_matmul_isa() { return kIsa; }
+
+// 1 where this build multiplies on the AMX tiles and the kernel lets this process use them
+int quire_quant_matmul_amx_ready() {
+#if defined(__AMX_BF16__)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 // y [M, N] = x [M, K] @ dequant(W)^T for a packed weight of `form` (above); x and y float32
 // (dtype 0) or bfloat16 (1); scales / offsets float16 when `half`. Returns 0, or 1 for an

@@ -63,6 +63,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
     lib.quire_dequantize_bf16.restype = ctypes.c_int
     lib.quire_dequantize_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
+    lib.quire_quant_matmul_amx_ready.restype = ctypes.c_int
     lib.quire_stream_read.restype = ctypes.c_uint64
     lib.quire_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
@@ -74,11 +75,31 @@ def available() -> bool:
 
 
 def isa(march: str = "native") -> str | None:
-    """The vector path the library was built with ("avx512-bf16": AVX-512 plus the bfloat16
-    dot product for bfloat16 x, "avx512", "avx2", "scalar"), or None. `march`: "native" or a
-    build of loader.ISA_BUILDS (tests)."""
+    """The vector path the library was built with ("amx": AVX512-BF16 plus AMX tiles for
+    bfloat16 x, "avx512-bf16": AVX-512 plus the bfloat16 dot product for bfloat16 x,
+    "avx512", "avx2", "scalar"), or None. `march`: "native" or a build of loader.ISA_BUILDS
+    (tests)."""
     lib = _library(march)
     return lib.quire_quant_matmul_isa().decode() if lib is not None else None
+
+
+# An "amx" build multiplies bfloat16 x on the tile unit in calls of this many rows or more
+# (quant_matmul.cpp's kAmxMinRows), where the groups are whole tiles (AMX_GROUP_MULTIPLE k);
+# fewer rows keep the AVX512-BF16 dot product. The two sum a group in different orders.
+AMX_MIN_ROWS, AMX_GROUP_MULTIPLE = 3, 32
+
+
+def amx_ready(march: str = "native") -> bool:
+    """This build multiplies on the AMX tiles here (the kernel granted the process their
+    state; without it bfloat16 x keeps the dot product for every M)."""
+    lib = _library(march)
+    return lib is not None and lib.quire_quant_matmul_amx_ready() == 1
+
+
+def amx_rows_differ(march: str, x_dtype, packed) -> bool:
+    """Whether a row's bits depend on its call having AMX_MIN_ROWS rows or more (tests)."""
+    return (amx_ready(march) and x_dtype == torch.bfloat16 and packed.form != BF16
+            and packed.group % AMX_GROUP_MULTIPLE == 0)
 
 
 # The weight forms of quant_matmul.cpp; pack_int4 picks the one that gives the canonical
