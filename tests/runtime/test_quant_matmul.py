@@ -387,11 +387,48 @@ def test_a_row_has_the_same_bits_whatever_rows_come_with_it(flavour, dtype, marc
     # invariant among themselves (against 2-row calls), within the bound of the tiles' sums
     few = qm.amx_rows_differ(march, dtype, packed)
     pairs = torch.cat([linear(x[i:i + 2], packed) for i in range(0, 40, 2)]) if few else y
+    threshold = qm._set_amx_min_rows(0, march) if few else 1
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33):  # every streamed and expanded tile
-        want = pairs if m < qm.AMX_MIN_ROWS else y
+        want = pairs if m < threshold else y
         assert torch.equal(linear(x[:m], packed), want[:m]), f"the first {m} rows"
         assert torch.equal(linear(x[-m:], packed), want[-m:]), f"the last {m} rows"
     assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), pairs), "rows alone"
+
+
+@pytest.mark.parametrize("flavour", ["min16", "symmetric32", "int8-g32"])
+def test_amx_min_rows_one_puts_every_bf16_row_in_one_order(flavour, march):
+    """QUIRE_AMX_MIN_ROWS=1 (the library's threshold at 1): on an AMX build every bfloat16
+    row goes to the tiles, so a row has the same bits alone, in 2 rows or in 40; elsewhere the
+    threshold is not the library's to set and rows were invariant already."""
+    k = 256
+    if flavour.startswith("int8"):
+        packed = qm.pack_int8(*_int8_case(70, k, 32, seed=3, half=True), 32, _march=march)
+        linear = qm.int8_linear
+    else:
+        packed = qm.pack_int4(*_int4_case(70, k, 32, seed=3, flavour=flavour), 32,
+                              _march=march)
+        linear = qm.int4_linear
+    x = _x(40, k, torch.bfloat16, seed=8)
+    before = qm._set_amx_min_rows(1, march)
+    try:
+        assert qm._set_amx_min_rows(0, march) == (1 if qm.amx_ready(march) else 0)
+        assert not qm.amx_rows_differ(march, torch.bfloat16, packed)
+        y = linear(x, packed)
+        assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), y)
+        assert torch.equal(torch.cat([linear(x[i:i + 2], packed) for i in range(0, 40, 2)]), y)
+        _assert_within_bound(y, x, *(_int8_exact(*_int8_case(70, k, 32, seed=3, half=True), 32)
+                                     if flavour.startswith("int8") else
+                                     _int4_exact(*_int4_case(70, k, 32, seed=3,
+                                                             flavour=flavour), 32)))
+    finally:
+        qm._set_amx_min_rows(max(1, before), march)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", ""])
+def test_amx_min_rows_names_the_variable(value, monkeypatch):
+    monkeypatch.setenv("QUIRE_AMX_MIN_ROWS", value)
+    with pytest.raises(ValueError, match="QUIRE_AMX_MIN_ROWS must be an integer >= 1"):
+        qm.amx_min_rows()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,6 +34,7 @@
 // thread count the caller passes (torch's: the same libgomp and pool once torch is loaded).
 // Plain C++ with a C ABI, called through ctypes.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -905,10 +906,14 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
 //   AMX tiles         11.1  11.4  11.9  11.6  12.5  13.3  14.8
 // So a row's bits depend on whether its call had fewer than 3 rows (the tile sums a group in
 // its own order, a few float32 ulps from the chain's): batch invariance holds within each
-// side (tests/runtime/test_quant_matmul.py bounds the difference).
+// side (tests/runtime/test_quant_matmul.py bounds the difference). $QUIRE_AMX_MIN_ROWS=1
+// (quant_matmul.py sets it here) puts every row on the tiles: one order for every M, so that
+// speculative verification rows have the bits of decode rows, at the single row's cost.
 constexpr int kAmxMinRows = 3;
+std::atomic<int> amx_min_rows{kAmxMinRows};
 inline bool amx_takes(int64_t M, int64_t G) {
-  return M >= kAmxMinRows && G % kAmxK == 0 && amx_permitted();
+  return M >= amx_min_rows.load(std::memory_order_relaxed) && G % kAmxK == 0 &&
+         amx_permitted();
 }
 
 // linear's AMX form: up to 16 rows of x read the packed weights as they go (one B tile at a
@@ -976,6 +981,18 @@ extern "C" {
 
 // Which vector path this build took: "amx", "avx512-bf16", "avx512", "avx2" or "scalar".
 const char* quire_quant_matmul_isa() { return kIsa; }
+
+// Calls of at least `rows` bfloat16 rows go to the AMX tiles (kAmxMinRows by default; an
+// AMX build only). Returns the value in force.
+int quire_quant_matmul_set_amx_min_rows(int rows) {
+#if defined(__AMX_BF16__)
+  if (rows >= 1) amx_min_rows.store(rows, std::memory_order_relaxed);
+  return amx_min_rows.load(std::memory_order_relaxed);
+#else
+  (void)rows;
+  return 0;
+#endif
+}
 
 // 1 where this build multiplies on the AMX tiles and the kernel lets this process use them
 int quire_quant_matmul_amx_ready() {

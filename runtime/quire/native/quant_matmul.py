@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -64,6 +65,9 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
     lib.quire_dequantize_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
     lib.quire_quant_matmul_amx_ready.restype = ctypes.c_int
+    lib.quire_quant_matmul_set_amx_min_rows.restype = ctypes.c_int
+    lib.quire_quant_matmul_set_amx_min_rows.argtypes = [ctypes.c_int]
+    lib.quire_quant_matmul_set_amx_min_rows(amx_min_rows())
     lib.quire_stream_read.restype = ctypes.c_uint64
     lib.quire_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
@@ -83,10 +87,27 @@ def isa(march: str = "native") -> str | None:
     return lib.quire_quant_matmul_isa().decode() if lib is not None else None
 
 
-# An "amx" build multiplies bfloat16 x on the tile unit in calls of this many rows or more
-# (quant_matmul.cpp's kAmxMinRows), where the groups are whole tiles (AMX_GROUP_MULTIPLE k);
-# fewer rows keep the AVX512-BF16 dot product. The two sum a group in different orders.
+# An "amx" build multiplies bfloat16 x on the tile unit in calls of AMX_MIN_ROWS rows or more
+# (quant_matmul.cpp's kAmxMinRows; $QUIRE_AMX_MIN_ROWS changes it), where the groups are whole
+# tiles (AMX_GROUP_MULTIPLE k); fewer rows keep the AVX512-BF16 dot product, faster for one or
+# two rows. The two sum a group in different orders, so QUIRE_AMX_MIN_ROWS=1 is the choice
+# for bfloat16 outputs that never depend on the rows beside them (speculative decoding's
+# verification rows then have exactly the bits of decode rows).
 AMX_MIN_ROWS, AMX_GROUP_MULTIPLE = 3, 32
+
+
+def amx_min_rows() -> int:
+    """$QUIRE_AMX_MIN_ROWS, checked (an integer >= 1), else AMX_MIN_ROWS."""
+    value = os.environ.get("QUIRE_AMX_MIN_ROWS", str(AMX_MIN_ROWS))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"QUIRE_AMX_MIN_ROWS must be an integer >= 1 (rows of x from which "
+                         f"bfloat16 calls use the AMX tiles), got {value!r}")
+    return int(value)
+
+
+def _set_amx_min_rows(rows: int, march: str = "native") -> int:
+    """The library's threshold set to `rows` (tests); returns the one in force."""
+    return _library(march).quire_quant_matmul_set_amx_min_rows(rows)
 
 
 def amx_ready(march: str = "native") -> bool:
@@ -99,7 +120,7 @@ def amx_ready(march: str = "native") -> bool:
 def amx_rows_differ(march: str, x_dtype, packed) -> bool:
     """Whether a row's bits depend on its call having AMX_MIN_ROWS rows or more (tests)."""
     return (amx_ready(march) and x_dtype == torch.bfloat16 and packed.form != BF16
-            and packed.group % AMX_GROUP_MULTIPLE == 0)
+            and packed.group % AMX_GROUP_MULTIPLE == 0 and _set_amx_min_rows(0, march) > 1)
 
 
 # The weight forms of quant_matmul.cpp; pack_int4 picks the one that gives the canonical
