@@ -348,7 +348,7 @@ def test_without_the_library_the_torch_path_gives_the_same_results(monkeypatch):
 @pytest.mark.parametrize("flavour", [*INT4_FLAVOURS, "int8-channel", "int8-g32"])
 def test_prefill_sized_float32_m_stays_within_the_bound(flavour, march):
     """Prefill-sized float32 x runs the kernel's tiles on every build (AVX2: 6 rows each,
-    here 22 of them and a last one of a single row; AVX-512: 16 of 8 and one of 5) within the
+    here 22 of them and a last one of a single row; AVX-512: 16 of 8 and one of 5; AMX with bfloat16 x: 8 of 16 and one of 5) within the
     same bound, and its first rows are those of a call with those rows alone."""
     m, n, k = 133, 70, 256
     if flavour.startswith("int8"):
