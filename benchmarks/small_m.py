@@ -12,6 +12,7 @@ round in one process.
     python benchmarks/small_m.py                       # M = 1..9, 16, 32; the native build
     python benchmarks/small_m.py --m 1 5 9 --plot
     python benchmarks/small_m.py --march avx2          # one ISA build (tests/runtime builds)
+    python benchmarks/small_m.py --march avx512_bf16 amx --dtype bfloat16   # builds side by side
 """
 
 from __future__ import annotations
@@ -57,46 +58,56 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="default: torch's")
-    ap.add_argument("--march", default="native", help="the kernel build (loader.ISA_BUILDS)")
+    ap.add_argument("--march", nargs="+", default=["native"],
+                    help="kernel builds (loader.ISA_BUILDS), alternated call by call")
     add_plot_flag(ap, "small_m")
     args = ap.parse_args()
-    qm = native_kernels(args)
+    builds = args.march
+    qm = None
+    for march in builds:
+        args.march = march
+        qm = native_kernels(args)
     dtype = getattr(torch, args.dtype)
-    step = make_step(qm, args.march)
-    weight_mb = sum(p.nbytes() for p, _ in step) / 1e6
+    steps = {march: make_step(qm, march) for march in builds}
+    weight_mb = sum(p.nbytes() for p, _ in steps[builds[0]]) / 1e6
     flops_per_row = 2 * sum(n * k for _, n, k in STEP_MATMULS)
     print(f"CPU: {cpu_flags()}")
-    print(f"kernel path: {qm.isa(args.march)}, {torch.get_num_threads()} threads, x "
-          f"{args.dtype}; one step: {len(step)} matmuls, {weight_mb:.1f} MB of weights")
+    print(f"{torch.get_num_threads()} threads, x {args.dtype}; one step: "
+          f"{len(steps[builds[0]])} matmuls, {weight_mb:.1f} MB of weights")
     inputs = {m: {k: torch.randn(m, k).to(dtype) for k in (576, 1536)} for m in args.m}
-    best = {m: float("inf") for m in args.m}
+    best = {(b, m): float("inf") for b in builds for m in args.m}
     with StealMeter() as steal:
-        for m in args.m:
-            run_step(step, inputs[m])  # warm-up: scratch, threads
+        for b in builds:
+            for m in args.m:
+                run_step(steps[b], inputs[m])  # warm-up: scratch, threads
         for _ in range(args.trials):
             for m in args.m:
-                start = time.perf_counter()
-                run_step(step, inputs[m])
-                best[m] = min(best[m], time.perf_counter() - start)
-    base = best[args.m[0]]
-    peak = fma_peak_gflops(torch.get_num_threads(), args.march)
-    print(f"float32 FMA peak of this build, {torch.get_num_threads()} threads: "
-          + (f"{peak:.0f} GFLOP/s" if peak else "n/a"))
-    print(f"\n{'M':>4} {'ms/step':>8} {'x M=' + str(args.m[0]):>7} {'GB/s':>6} {'GFLOP/s':>8}"
-          f" {'of peak':>8} {'floor x M=1':>12}")
-    for m in args.m:
-        gflops = m * flops_per_row / best[m] / 1e9
-        # the least a step of m rows can cost at the FMA peak (or its weight read, if longer)
-        floor = max(m * flops_per_row / (peak * 1e9), best[args.m[0]]) / base if peak else 0
-        print(f"{m:>4} {best[m] * 1e3:8.2f} {best[m] / base:7.2f} {weight_mb / 1e3 / best[m]:6.1f} "
-              f"{gflops:8.1f} {100 * gflops / peak if peak else 0:7.0f}% {floor:12.2f}")
+                for b in builds:
+                    start = time.perf_counter()
+                    run_step(steps[b], inputs[m])
+                    best[b, m] = min(best[b, m], time.perf_counter() - start)
+    for b in builds:
+        base = best[b, args.m[0]]
+        peak = fma_peak_gflops(torch.get_num_threads(), b)
+        print(f"\nkernel path {qm.isa(b)} (build {b}); float32 FMA peak of this build: "
+              + (f"{peak:.0f} GFLOP/s" if peak else "n/a"))
+        print(f"{'M':>4} {'ms/step':>8} {'x M=' + str(args.m[0]):>7} {'GB/s':>6} "
+              f"{'GFLOP/s':>8} {'of peak':>8} {'floor x M=1':>12}")
+        for m in args.m:
+            gflops = m * flops_per_row / best[b, m] / 1e9
+            # the least a step of m rows can cost at the FMA peak (or its weight read)
+            floor = max(m * flops_per_row / (peak * 1e9), base) / base if peak else 0
+            print(f"{m:>4} {best[b, m] * 1e3:8.2f} {best[b, m] / base:7.2f} "
+                  f"{weight_mb / 1e3 / best[b, m]:6.1f} {gflops:8.1f} "
+                  f"{100 * gflops / peak if peak else 0:7.0f}% {floor:12.2f}")
     print(f"steal: {steal.steal_percent}% of CPU time during the runs")
     if args.plot:
         print("plot:", line_panels(
-            args.plot, f"one SmolLM2-135M step's quantized matmuls ({qm.isa(args.march)})",
-            "M (rows of x)",
-            [("ms per step", {"Quire": (args.m, [best[m] * 1e3 for m in args.m])}),
-             (f"x M={args.m[0]}", {"Quire": (args.m, [best[m] / base for m in args.m])})],
+            args.plot, "one SmolLM2-135M step's quantized matmuls", "M (rows of x)",
+            [("ms per step", {qm.isa(b): (args.m, [best[b, m] * 1e3 for m in args.m])
+                              for b in builds}),
+             (f"x M={args.m[0]}", {qm.isa(b): (args.m, [best[b, m] / best[b, args.m[0]]
+                                                        for m in args.m]) for b in builds})],
             caption=cpu_flags()))
 
 
