@@ -293,6 +293,20 @@ struct Weight {
   int64_t N, K, G;
 };
 
+// Row block `block` of a weight: its packed q, and its [groups][16] scales and offsets
+template <int Form, typename S>
+struct Block {
+  const uint8_t* q;
+  const S* scales;
+  const S* offsets;  // (read only by the forms that have them)
+  Block(const Weight& w, int64_t block) {
+    const int64_t groups = w.K / w.G;
+    q = w.q + block * weight_bytes(Form, w.K) * kRows;
+    scales = static_cast<const S*>(w.scales) + block * groups * kRows;
+    offsets = static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block * groups * kRows;
+  }
+};
+
 #if defined(__AVX512BF16__)
 // The AVX512-BF16 operands: a row's k and k + 1 side by side in one 32-bit lane, as exact
 // bfloat16 values of q' (small integers). int4: a row's byte holds its pair already; each
@@ -430,9 +444,8 @@ template <int Form, typename S, int MT, typename X>
 __attribute__((noinline)) void expanded_rows(const X* x, const float* xsum, const Weight& w,
                                              int64_t block, const float* expanded, float* out) {
   const int64_t K = w.K, G = w.G, groups = K / G;
-  const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
-  const S* offsets =  // (read only by the forms that have them)
-      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block * groups * kRows;
+  const Block<Form, S> here(w, block);
+  const S *scales = here.scales, *offsets = here.offsets;
   for (int m = 0; m < MT; ++m) vstore(out + m * kRows, vzero());
   for (int64_t g = 0; g < groups; ++g) {
     V part[MT];
@@ -451,10 +464,9 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
   const int64_t K = w.K, G = w.G, groups = K / G;
   const int64_t block_bytes = weight_bytes(Form, K) * kRows;
   [[maybe_unused]] const int64_t group_bytes = block_bytes / groups;
-  const uint8_t* q = w.q + block0 * block_bytes;
-  const S* scales = static_cast<const S*>(w.scales) + block0 * groups * kRows;
-  const S* offsets =  // (read only by the forms that have them)
-      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block0 * groups * kRows;
+  const Block<Form, S> first(w, block0);  // the B blocks follow it
+  const uint8_t* q = first.q;
+  const S *scales = first.scales, *offsets = first.offsets;
   for (int i = 0; i < B * MT; ++i) vstore(out + i * kRows, vzero());
 #if defined(__AVX512BF16__)
   [[maybe_unused]] const __m512i table = nibble_table<Form>();
@@ -541,10 +553,9 @@ __attribute__((noinline)) void stream_halves(const float* x, const float* xsum, 
                                              int64_t block, float* out) {
   const int64_t K = w.K, G = w.G, groups = K / G;
   const int64_t block_bytes = weight_bytes(Form, K) * kRows;
-  const uint8_t* q = w.q + block * block_bytes;
-  const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
-  const S* offsets =  // (read only by the forms that have them)
-      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block * groups * kRows;
+  const Block<Form, S> here(w, block);
+  const uint8_t* q = here.q;
+  const S *scales = here.scales, *offsets = here.offsets;
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
   for (int i = 0; i < MT * kRows; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
   [[maybe_unused]] const int64_t group_bytes = block_bytes / groups;
@@ -856,11 +867,7 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
                                         const uint32_t* expanded, uint32_t* buffer,
                                         float* out) {
   const int64_t K = w.K, G = w.G, groups = K / G;
-  const int64_t block_bytes = weight_bytes(Form, K) * kRows;
-  const uint8_t* q = w.q + block * block_bytes;
-  const S* scales = static_cast<const S*>(w.scales) + block * groups * kRows;
-  const S* offsets =  // (read only by the forms that have them)
-      static_cast<const S*>(w.offsets ? w.offsets : w.scales) + block * groups * kRows;
+  const Block<Form, S> here(w, block);
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
   [[maybe_unused]] const __m512i table = nibble_table<Form>();
   alignas(64) float part[kAmxGroups][kAmxRows * kRows];
@@ -876,14 +883,14 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
       // the same batch of the next row block (this thread's next, mostly) is fetched
       // meanwhile: each weight comes once from memory (a prefetch past the end never faults)
       const int64_t bytes = weight_bytes(Form, n * G) * kRows;
-      const uint8_t* next = q + block_bytes + weight_bytes(Form, g0 * G) * kRows;
+      const uint8_t* next = here.q + weight_bytes(Form, K + g0 * G) * kRows;
       for (int64_t off = 0; off < bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
       for (int64_t i = 0; i < n * G / 2; ++i) {
         const int64_t kp = g0 * G / 2 + i;
         _mm512_store_si512(buffer + i * kRows,
-                           Form == kInt8 ? int8_pairs(q + 2 * kp * kRows)
-                                         : nibble_pairs(q + kp * kRows, table));
+                           Form == kInt8 ? int8_pairs(here.q + 2 * kp * kRows)
+                                         : nibble_pairs(here.q + kp * kRows, table));
       }
     }
     const int64_t stride = G / 2 * kRows;  // one group's pairs
@@ -897,8 +904,8 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
     if (n > 3) _tile_stored(3, part[3], 64);
     for (int j = 0; j < n; ++j) {  // folded in group order
       const int64_t g = g0 + j;
-      const V s = vload(scales + g * kRows);
-      const V z = kOffset ? vload(offsets + g * kRows) : vzero();
+      const V s = vload(here.scales + g * kRows);
+      const V z = kOffset ? vload(here.offsets + g * kRows) : vzero();
       if constexpr (MT > 0) {
         for (int m = 0; m < MT; ++m)
           acc[m] = fold<Form>(acc[m], vload(part[j] + m * kRows), s, z,
