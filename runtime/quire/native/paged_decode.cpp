@@ -237,6 +237,15 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
     const T* vb = v_cache + phys * block_stride;
     const int t0 = std::max(first, lo) - first;
     const int n = std::min(16, len - first);
+    // the next block's rows of this head, asked into L2 a row at a time while this block's
+    // values are summed (NextBlock below says why: scattered blocks, a head's slice of a row)
+    const char* next_k = nullptr;
+    const char* next_v = nullptr;
+    if (first + 16 < len) {
+      const int64_t next = table[first / 16 + 1];
+      next_k = reinterpret_cast<const char*>(k_cache + next * block_stride);
+      next_v = reinterpret_cast<const char*>(v_cache + next * block_stride);
+    }
 #if defined(__AVX512BF16__)
     if constexpr (kBf16Dot) {
       for (int g = 0; g < G; ++g)
@@ -263,6 +272,12 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(correction));
     }
     for (int t = t0; t < n; ++t) {
+      if (next_k)
+        for (int b = 0; b < C * 16 * static_cast<int>(sizeof(T)); b += 64) {
+          const int64_t at = t * row_stride * static_cast<int64_t>(sizeof(T)) + b;
+          _mm_prefetch(next_k + at, _MM_HINT_T1);
+          _mm_prefetch(next_v + at, _MM_HINT_T1);
+        }
       for (int c = 0; c < C; ++c) {
         const __m512 vv = load16(vb + t * row_stride + c * 16);
         for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), vv, acc[g][c]);
