@@ -348,7 +348,7 @@ def test_without_the_library_the_torch_path_gives_the_same_results(monkeypatch):
 @pytest.mark.parametrize("flavour", [*INT4_FLAVOURS, "int8-channel", "int8-g32"])
 def test_prefill_sized_float32_m_stays_within_the_bound(flavour, march):
     """Prefill-sized float32 x runs the kernel's tiles on every build (AVX2: 6 rows each,
-    here 22 of them and a last one of a single row; AVX-512: 16 of 8 and one of 5; AMX with bfloat16 x: 8 of 16 and one of 5) within the
+    here 22 of them and a last one of a single row; AVX-512: 16 of 8 and one of 5) within the
     same bound, and its first rows are those of a call with those rows alone."""
     m, n, k = 133, 70, 256
     if flavour.startswith("int8"):
@@ -387,7 +387,7 @@ def test_a_row_has_the_same_bits_whatever_rows_come_with_it(flavour, dtype, marc
     # invariant among themselves (against 2-row calls), within the bound of the tiles' sums
     few = qm.amx_rows_differ(march, dtype, packed)
     pairs = torch.cat([linear(x[i:i + 2], packed) for i in range(0, 40, 2)]) if few else y
-    threshold = qm._set_amx_min_rows(0, march) if few else 1
+    threshold = qm._amx_min_rows_in_force(march) if few else 1
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33):  # every streamed and expanded tile
         want = pairs if m < threshold else y
         assert torch.equal(linear(x[:m], packed), want[:m]), f"the first {m} rows"
@@ -411,7 +411,7 @@ def test_amx_min_rows_one_puts_every_bf16_row_in_one_order(flavour, march):
     x = _x(40, k, torch.bfloat16, seed=8)
     before = qm._set_amx_min_rows(1, march)
     try:
-        assert qm._set_amx_min_rows(0, march) == (1 if qm.amx_ready(march) else 0)
+        assert qm._amx_min_rows_in_force(march) == (1 if qm.amx_ready(march) else 0)
         assert not qm.amx_rows_differ(march, torch.bfloat16, packed)
         y = linear(x, packed)
         assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), y)

@@ -91,6 +91,23 @@ auto fixed_shape(int group, int head_dim, int block_size, Make make)
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The rows of the block after this one that this work item will read, asked into L2 a key
+// at a time while this block is summed. The block table scatters blocks, and a KV head's
+// slice of each row (a third of it for SmolLM2) breaks the hardware prefetcher's streams:
+// without this a decode step waited on memory for most of its K/V (1.6-1.8x slower on the
+// AVX2 EPYC). L2, not L1: a block's worth of requests at once would overrun L1's queue.
+struct NextBlock {
+  const char* k = nullptr;  // null: no next block
+  const char* v = nullptr;
+  int64_t stride = 0;       // bytes between rows
+  int bytes = 0;            // bytes of the head's slice of a row
+  void fetch(const char* base, int t) const {
+    for (int b = 0; b < bytes; b += 64) _mm_prefetch(base + t * stride + b, _MM_HINT_T1);
+  }
+};
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {  // bf16 is the high half of a float32
@@ -237,14 +254,12 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
     const T* vb = v_cache + phys * block_stride;
     const int t0 = std::max(first, lo) - first;
     const int n = std::min(16, len - first);
-    // the next block's rows of this head, asked into L2 a row at a time while this block's
-    // values are summed (NextBlock below says why: scattered blocks, a head's slice of a row)
-    const char* next_k = nullptr;
-    const char* next_v = nullptr;
+    NextBlock next;  // fetched a row at a time while this block's values are summed
     if (first + 16 < len) {
-      const int64_t next = table[first / 16 + 1];
-      next_k = reinterpret_cast<const char*>(k_cache + next * block_stride);
-      next_v = reinterpret_cast<const char*>(v_cache + next * block_stride);
+      const int64_t at = table[first / 16 + 1] * block_stride;
+      next = {reinterpret_cast<const char*>(k_cache + at),
+              reinterpret_cast<const char*>(v_cache + at), row_stride * int64_t(sizeof(T)),
+              int(C * 16 * sizeof(T))};
     }
 #if defined(__AVX512BF16__)
     if constexpr (kBf16Dot) {
@@ -272,12 +287,10 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(correction));
     }
     for (int t = t0; t < n; ++t) {
-      if (next_k)
-        for (int b = 0; b < C * 16 * static_cast<int>(sizeof(T)); b += 64) {
-          const int64_t at = t * row_stride * static_cast<int64_t>(sizeof(T)) + b;
-          _mm_prefetch(next_k + at, _MM_HINT_T1);
-          _mm_prefetch(next_v + at, _MM_HINT_T1);
-        }
+      if (next.k) {
+        next.fetch(next.k, t);
+        next.fetch(next.v, t);
+      }
       for (int c = 0; c < C; ++c) {
         const __m512 vv = load16(vb + t * row_stride + c * 16);
         for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), vv, acc[g][c]);
@@ -412,21 +425,6 @@ struct RowState {
   __m256 q[G][C];
   __m256 acc[G][C];
   float m[G], l[G];
-};
-
-// The rows of the block after this one that this work item will read, asked into L2 a key
-// at a time while this block is summed. The block table scatters blocks, and a KV head's
-// slice of each row (a third of it for SmolLM2) breaks the hardware prefetcher's streams:
-// without this a decode step waited on memory for most of its K/V (1.6-1.8x slower on the
-// AVX2 EPYC). L2, not L1: a block's worth of requests at once would overrun L1's queue.
-struct NextBlock {
-  const char* k = nullptr;  // null: no next block
-  const char* v = nullptr;
-  int64_t stride = 0;       // bytes between rows
-  int bytes = 0;            // bytes of the head's slice of a row
-  void fetch(const char* base, int t) const {
-    for (int b = 0; b < bytes; b += 64) _mm_prefetch(base + t * stride + b, _MM_HINT_T1);
-  }
 };
 
 template <typename T, int G, int C>

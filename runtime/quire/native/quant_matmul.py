@@ -106,8 +106,13 @@ def amx_min_rows() -> int:
 
 
 def _set_amx_min_rows(rows: int, march: str = "native") -> int:
-    """The library's threshold set to `rows` (tests); returns the one in force."""
+    """The library's threshold set to `rows` (tests; 0 leaves it); returns the one in force
+    (0 for a build without the tiles)."""
     return _library(march).quire_quant_matmul_set_amx_min_rows(rows)
+
+
+def _amx_min_rows_in_force(march: str = "native") -> int:
+    return _set_amx_min_rows(0, march)
 
 
 def amx_ready(march: str = "native") -> bool:
@@ -120,7 +125,7 @@ def amx_ready(march: str = "native") -> bool:
 def amx_rows_differ(march: str, x_dtype, packed) -> bool:
     """Whether a row's bits depend on its call having AMX_MIN_ROWS rows or more (tests)."""
     return (amx_ready(march) and x_dtype == torch.bfloat16 and packed.form != BF16
-            and packed.group % AMX_GROUP_MULTIPLE == 0 and _set_amx_min_rows(0, march) > 1)
+            and packed.group % AMX_GROUP_MULTIPLE == 0 and _amx_min_rows_in_force(march) > 1)
 
 
 # The weight forms of quant_matmul.cpp; pack_int4 picks the one that gives the canonical
