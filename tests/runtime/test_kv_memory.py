@@ -239,3 +239,29 @@ def test_fp8_kv_cache_holds_twice_the_tokens_and_agrees_with_full_precision():
     agree = sum(g.outputs[0].token_ids[0] == t for g, (_, t) in zip(got, forced)) / len(forced)
     assert agree >= 0.9, agree  # 63 of 64 on SmolLM2 (float32 and bfloat16 alike)
     assert_no_blocks_in_use(fp8)
+
+
+
+def _mapping_flags(address: int) -> str:
+    """The permissions column ('rw-s', 'rw-p') of the mapping holding `address`."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(v, 16) for v in span.split("-"))
+            if lo <= address < hi:
+                return perms
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+def test_the_cpu_kv_cache_is_zero_pages_of_a_shared_mapping():
+    # shared, not calloc's private pages: a private page read first (the zero page) costs a
+    # copy-on-write fault when a token is then written there (kv_cache._zeros)
+    from quire.worker.kv_cache import KVCache
+    cache = KVCache(num_layers=2, num_blocks=512, block_size=16, num_kv_heads=2, head_dim=64,
+                    dtype=torch.bfloat16, device=torch.device("cpu"))
+    kv = cache.kv
+    assert kv.data_ptr() % 64 == 0 and kv.is_contiguous()
+    assert _mapping_flags(kv.data_ptr()) == "rw-s"
+    assert not kv.any()   # zeros: padded gathers read unused slots
+    kv[1, 1, 511] = 1.5   # read first, then written, to its last byte
+    assert kv[1, 1, 511].eq(1.5).all() and kv.sum().item() == 1.5 * 16 * 2 * 64
