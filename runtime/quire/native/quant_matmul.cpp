@@ -373,11 +373,19 @@ void expand_block(const Weight& w, int64_t block, float* scratch) {
     }
   } else {
 #if defined(__AVX512BF16__)
+    // the next row block (this thread's next, mostly) is fetched meanwhile, a line for each
+    // line read here: batched decode and prefill read each weight once from memory too
+    const int64_t block_bytes = weight_bytes(Form, K) * kRows;
+    constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : 1) * kRows;  // q bytes of a pair of k
     [[maybe_unused]] const __m512i table = nibble_table<Form>();
-    for (int64_t kp = 0; kp < K / 2; ++kp)
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
+      if (kp * kPairBytes % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + kp * kPairBytes),
+                     _MM_HINT_T0);
       _mm512_storeu_si512(scratch + kp * kRows, Form == kInt8 ? int8_pairs(q + 2 * kp * kRows)
                                                               : nibble_pairs(q + kp * kRows,
                                                                              table));
+    }
 #endif
   }
 }
