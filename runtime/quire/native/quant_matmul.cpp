@@ -866,7 +866,7 @@ inline void amx_configure(int mt) {
 // mt (<= 16) rows of x against row block `block`: out[m][r] = y[m, row r of the block]. The
 // B tiles come from `expanded` (the whole block's pairs, expand_block's bfloat16 layout) or,
 // when it is null, are unpacked a batch of groups at a time into a small buffer (decode,
-// verification: a single tile of rows reads each weight once).
+// verification, batched decode: each 16-row tile of x reads the block as it goes).
 // MT = 16 (a full tile of rows: prefill) keeps the 16 rows' accumulators in registers; MT = 0
 // takes mt from the call and keeps them in `out`.
 template <int Form, typename S, int MT>
@@ -951,13 +951,21 @@ inline bool amx_takes(int64_t M, int64_t G) {
          amx_permitted();
 }
 
-// linear's AMX form: up to 16 rows of x read the packed weights as they go (one B tile at a
-// time); more rows expand each row block once, then every 16-row tile of x uses it.
+// linear's AMX form: up to kAmxStreamRows rows of x read the packed weights as they go (one
+// batch of B tiles at a time, unpacked again for each 16-row tile of x: the block's bytes are
+// in cache by then); more rows expand each row block once, then every 16-row tile of x uses
+// it. Expanding for 17-32 rows (batched decode) ran slower than unpacking twice: the 18 KiB
+// block and 16 rows of x (another 18 KiB at K = 576) crowd the 48 KiB L1 that the 4 KiB
+// batch leaves to x. One SmolLM2 step's matmuls (small_m.py's), 2-core AMX Xeon, best of 5:
+//   M                 20     24     32     48     64
+//   expanded          23.1   23.8   25.0   32.8   41.8 ms
+//   streamed          22.2   22.6   23.2   32.8   44.0
+constexpr int kAmxStreamRows = 32;
 template <int Form, typename S>
 void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dtype,
                 int threads, const Weight& w) {
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
-  const bool expand = M > kAmxRows;
+  const bool expand = M > kAmxStreamRows;
   const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
   {
