@@ -64,7 +64,8 @@ def test_forced_on_a_prefill_takes_the_gemm_within_the_bound(form, monkeypatch):
     terms = x.double().abs() @ w64.abs().T
     bound = (2.0 ** -9 + k * 2.0 ** -24) * terms * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
     assert ((y.double() - want).abs() <= bound).all()
-    # the same bfloat16 weight through F.linear: what an AMX host computes, op for op
+    # the same bfloat16 weight through F.linear: what a host without the library's tiles
+    # computes, op for op (with them, the tiles sum each whole row of K as oneDNN's do here)
     assert torch.equal(y, torch.nn.functional.linear(x, qm.dequantize(packed).bfloat16()))
     # a wrong weight is far outside it
     broken = qm.dequantize(packed)
@@ -102,6 +103,36 @@ def test_off_keeps_prefill_native_and_auto_needs_amx(monkeypatch):
     else:  # an AMX host measures both on this input and keeps the faster
         decided = matrix_engine.wants(x, packed, qm.int4_linear)
         assert decided is matrix_engine._decision
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_the_library_tiles_multiply_by_the_dequantize_bf16_weight(form, march):
+    """quant_matmul.dequantized_linear (an AMX build with the tiles permitted; None
+    elsewhere): the product by dequantize_bf16's weight, without a copy of it. One-hot rows
+    of x read that weight back bit for bit (each output one exact product); random rows are
+    within the bound above. 37 output rows: an odd number of row blocks, the last padded;
+    rows 1-67: either tile of a 32-row pass, the last partly past M."""
+    packed = _packed(form, 37, 128, seed=2, march=march)
+    if not qm.amx_ready(march):
+        assert qm.dequantized_linear(torch.ones(80, 128).bfloat16(), packed, march) is None
+        return
+    weight = qm.dequantize_bf16(packed, march=march)
+    for m in (1, 16, 17, 33, 67):
+        one_hot = torch.eye(128)[torch.arange(m) * 7 % 128].bfloat16()
+        assert torch.equal(qm.dequantized_linear(one_hot, packed, march), one_hot @ weight.T)
+    x = torch.randn(67, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    y = qm.dequantized_linear(x, packed, march)
+    want = x.double() @ qm.dequantize(packed).double().T
+    terms = x.double().abs() @ qm.dequantize(packed).double().abs().T
+    bound = (2.0 ** -9 + 128 * 2.0 ** -24) * terms * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
+    assert y.shape == (67, 37) and ((y.double() - want).abs() <= bound).all()
+    assert torch.equal(y[:20], qm.dequantized_linear(x[:20], packed, march))  # row-invariant
+    # what it leaves to torch: float32 x, and a K of no whole 32-k tiles (int8, per channel)
+    assert qm.dequantized_linear(x.float(), packed, march) is None
+    channel = qm.pack_int8(torch.ones(16, 40, dtype=torch.int8), torch.ones(16, 1), 40,
+                           _march=march)
+    assert qm.dequantized_linear(torch.ones(3, 40).bfloat16(), channel, march) is None
 
 
 def test_bad_setting_names_the_variable(monkeypatch):

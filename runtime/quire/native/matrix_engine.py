@@ -1,15 +1,20 @@
-"""Prefill of quantized weights on the CPU's matrix engine: AMX tiles, by way of oneDNN.
+"""Prefill of quantized weights on the CPU's matrix engine: AMX tiles, the library's own or
+oneDNN's.
 
 The native kernels (quant_matmul.cpp) multiply on the vector units: at a prefill's rows they
 run near the vector FMA peak (benchmarks/prefill_roofline.py), and that peak is what a CPU
 with AMX leaves on the table: issue 48 measured torch's bfloat16 GEMM (oneDNN on AMX) at
 ~2,100 GFLOP/s on a 2-core Xeon against ~140 for Quire's quantized prefill. So a call with
 many rows of bfloat16 x (a prefill chunk, a large batch) dequantizes its weight to bfloat16
-once (`quant_matmul.dequantize_bf16`, into a scratch the size of the largest layer, reused)
-and multiplies it with torch's F.linear, which oneDNN runs on AMX where the CPU has it: the
-dequantize-to-bfloat16-per-call road (IPEX's and vLLM's CPU path), taken rather than int8
-AMX because it keeps float activations (int8 activations cost agreement with transformers:
-benchmarks/int8_activations.py).
+and multiplies by that, the dequantize-to-bfloat16 road (IPEX's and vLLM's CPU path), taken
+rather than int8 AMX because it keeps float activations (int8 activations cost agreement with
+transformers: benchmarks/int8_activations.py). Where the library has AMX tiles
+(`quant_matmul.dequantized_linear`) each pair of row blocks is dequantized in cache and
+multiplied there, whole rows of K summed in the tiles: a SmolLM2 step's matmuls at 512 rows
+in 126 ms against 268 through a bfloat16 copy and oneDNN and 284 on the native kernel's
+per-group tiles (2-core AMX Xeon). Elsewhere the weight is dequantized once a call
+(`quant_matmul.dequantize_bf16`, into a scratch the size of the largest layer, reused) and
+torch's F.linear (oneDNN) multiplies.
 
 When (`wants`): x is bfloat16 (the model runs in bfloat16: what `--dtype auto` picks on such
 a CPU), 2-D with at least MIN_ROWS rows, and the engine is on. $QUIRE_MATRIX_ENGINE:
@@ -87,6 +92,9 @@ def linear(x: torch.Tensor, packed) -> torch.Tensor:
     """x [M, K] bfloat16 @ dequantize(packed).T in bfloat16, by torch's (oneDNN's) GEMM."""
     global calls
     calls += 1
+    y = quant_matmul.dequantized_linear(x, packed)  # the library's own tiles, where it has them
+    if y is not None:
+        return y
     size = packed.n * packed.k
     scratch = getattr(_local, "scratch", None)
     if scratch is None or scratch.numel() < size:

@@ -992,6 +992,138 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
     _tile_release();
   }
 }
+
+// --- Prefill over dequantized weights (matrix_engine.py's road, on this library's tiles) --
+// A prefill chunk's rows are many: there the per-group fold above (each 32-k tile product
+// stored and folded by the vector unit) costs several times the product. So matrix_engine.py
+// multiplies by the weight dequantized to bfloat16, which needs no fold: each C tile sums a
+// whole row of K. Here each pair of row blocks is dequantized into cache (the value
+// quire_dequantize_bf16 gives, bit for bit) and multiplied there by 2 x 2 tiles (32 rows of x
+// against 32 output rows: four loads a k step for four products), instead of a whole
+// bfloat16 copy of the weight through memory and then oneDNN's GEMM.
+
+// the bfloat16 bits of 16 floats, one in the low half of each 32-bit lane (float_to_bf16's
+// round to nearest even, NaN kept a NaN)
+inline __m512i bf16_lanes(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+
+// Row block `block` as bfloat16 pairs of w = s * q' (+ z), [K / 2][16] 32-bit lanes (the B
+// tile's layout): float32 product, then sum, then rounding, as quire_dequantize_bf16 does
+// (-std=c++17: no contraction into one FMA). The next block is fetched meanwhile.
+template <int Form, typename S>
+void expand_dequantized(const Weight& w, int64_t block, uint32_t* pairs) {
+  const int64_t K = w.K, G = w.G;
+  const Block<Form, S> here(w, block);
+  const int64_t block_bytes = weight_bytes(Form, K) * kRows;
+  constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : 1) * kRows;
+  constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    if (kp * kPairBytes % 64 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(here.q + block_bytes + kp * kPairBytes),
+                   _MM_HINT_T0);
+    const int64_t g = 2 * kp / G;  // (G even: a pair never straddles two groups)
+    const V s = vload(here.scales + g * kRows);
+    V even, odd;
+    if (Form == kInt8) {
+      even = load_int8(here.q + 2 * kp * kRows);
+      odd = load_int8(here.q + (2 * kp + 1) * kRows);
+    } else if (Form == kInt4Min) {
+      load_int4(here.q + kp * kRows, even, odd);
+    } else {
+      load_sint4(here.q + kp * kRows, even, odd);
+    }
+    even = vmul(even, s);
+    odd = vmul(odd, s);
+    if (kOffset) {
+      const V z = vload(here.offsets + g * kRows);
+      even = vadd(even, z);
+      odd = vadd(odd, z);
+    }
+    _mm512_store_si512(pairs + kp * kRows,
+                       _mm512_or_si512(bf16_lanes(even.v),
+                                       _mm512_slli_epi32(bf16_lanes(odd.v), 16)));
+  }
+}
+
+// y = x @ bfloat16(dequant(W))^T, bfloat16 x [M, K] (K a multiple of 32), on the tiles: each
+// unit of two row blocks is dequantized once, then every 32 rows of x (16 in the last tile
+// when they run out; rows past M read a zeroed copy) sum whole rows of K in C tiles 0-3:
+// C0 = A4 B6, C1 = A4 B7, C2 = A5 B6, C3 = A5 B7.
+template <int Form, typename S>
+void linear_amx_dequantized(const uint16_t* x, void* y, int64_t M, int dtype, int threads,
+                            const Weight& w) {
+  const int64_t K = w.K, N = w.N, blocks = (N + kRows - 1) / kRows;
+  const int64_t padded_rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+  std::vector<uint16_t> padded;
+  const uint16_t* xp = x;
+  if (padded_rows != M) {  // the last tile's rows past M: zeros (their outputs are dropped)
+    padded.assign(padded_rows * K, 0);
+    std::memcpy(padded.data(), x, M * K * sizeof(uint16_t));
+    xp = padded.data();
+  }
+  const int64_t units = (blocks + 1) / 2;
+  const int64_t chunk = std::max<int64_t>(1, units / (8 * threads));
+  const int64_t stride = K * sizeof(uint16_t);
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+  {
+    std::vector<uint32_t> scratch(K * kRows + 16);  // two blocks' K / 2 pairs of 16 rows
+    uint32_t* b0 = reinterpret_cast<uint32_t*>(
+        (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    uint32_t* b1 = b0 + K / 2 * kRows;
+    alignas(64) float tile[4][kAmxRows * kRows];
+    amx_configure(kAmxRows);
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t first = 2 * u;
+      const bool two = first + 1 < blocks;
+      expand_dequantized<Form, S>(w, first, b0);
+      if (two) expand_dequantized<Form, S>(w, first + 1, b1);
+      for (int64_t m0 = 0; m0 < padded_rows; m0 += 2 * kAmxRows) {
+        const bool both = m0 + kAmxRows < padded_rows;
+        const uint16_t* a0 = xp + m0 * K;
+        const uint16_t* a1 = a0 + kAmxRows * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += kAmxK) {
+          _tile_loadd(4, a0 + k, stride);
+          _tile_loadd(6, b0 + k / 2 * kRows, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) {
+            _tile_loadd(7, b1 + k / 2 * kRows, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (both) {
+            _tile_loadd(5, a1 + k, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, tile[0], 64);
+        _tile_stored(1, tile[1], 64);
+        _tile_stored(2, tile[2], 64);
+        _tile_stored(3, tile[3], 64);
+        for (int t = 0; t < 4; ++t) {
+          const int64_t rows0 = m0 + (t >= 2 ? kAmxRows : 0), block = first + (t & 1);
+          if (rows0 >= M || block >= blocks) continue;
+          store_rows(tile[t], static_cast<int>(std::min<int64_t>(kAmxRows, M - rows0)),
+                     static_cast<int>(std::min<int64_t>(kRows, N - block * kRows)), y, dtype,
+                     N, rows0, block * kRows);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
 #endif
 
 // bfloat16 x goes to the AVX512-BF16 path as it is (bf16_direct), everything else as float32
@@ -1106,6 +1238,47 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
                               const PackedArgs* w) {
   return quire_quant_linear(x, y, M, dtype, threads, w->form, w->half, w->q, w->scales,
                             w->offsets, w->N, w->K, w->G);
+}
+
+// y [M, N] = bfloat16 x [M, K] @ bfloat16(dequant(W))^T (quire_dequantize_bf16's values),
+// float32 sums, on the AMX tiles without a copy of the weight (linear_amx_dequantized): what
+// matrix_engine.py takes for prefill chunks where this build has the tiles. Returns 0, or 1
+// where it does not apply (no AMX here, float32 x, a bfloat16 weight, K not whole tiles): the
+// caller then dequantizes and calls torch.
+int quire_quant_linear_dequantized(const void* x, void* y, int64_t M, int threads,
+                                   const PackedArgs* w) {
+#if defined(__AMX_BF16__)
+  if (w->form < kInt8 || w->form >= kBf16 || w->K % kAmxK != 0 || w->G % 2 != 0 ||
+      !amx_permitted())
+    return 1;
+  if (M <= 0 || w->N <= 0) return 0;
+  threads = std::max(1, threads);
+  const Weight weight{static_cast<const uint8_t*>(w->q), w->scales, w->offsets, w->N, w->K,
+                      w->G};
+  const uint16_t* xb = static_cast<const uint16_t*>(x);
+  auto run = [&](auto form, auto scale) {
+    using S = decltype(scale);
+    linear_amx_dequantized<decltype(form)::value, S>(xb, y, M, 1, threads, weight);
+  };
+  using F0 = std::integral_constant<int, kInt8>;
+  using F1 = std::integral_constant<int, kInt4Symmetric>;
+  using F2 = std::integral_constant<int, kInt4Zero>;
+  using F3 = std::integral_constant<int, kInt4Min>;
+  switch (w->form * 2 + (w->half ? 1 : 0)) {
+    case 0: run(F0{}, float{}); break;
+    case 1: run(F0{}, uint16_t{}); break;
+    case 2: run(F1{}, float{}); break;
+    case 3: run(F1{}, uint16_t{}); break;
+    case 4: run(F2{}, float{}); break;
+    case 5: run(F2{}, uint16_t{}); break;
+    case 6: run(F3{}, float{}); break;
+    default: run(F3{}, uint16_t{}); break;
+  }
+  return 0;
+#else
+  (void)x, (void)y, (void)M, (void)threads, (void)w;
+  return 1;
+#endif
 }
 
 // out [N, K] bfloat16 (round to nearest even) = the packed weight's values, as dequantize()
