@@ -100,7 +100,12 @@ def test_off_keeps_prefill_native_and_auto_needs_amx(monkeypatch):
         assert not matrix_engine.available()
         assert not matrix_engine.wants(x, packed, qm.int4_linear)
         assert matrix_engine._decision is False
-    else:  # an AMX host measures both on this input and keeps the faster
+    elif qm.amx_ready():  # the library's own tiles: taken at once, whatever one call measures
+        measured = []
+        monkeypatch.setattr(matrix_engine, "_measure", lambda *a: measured.append(a) or False)
+        assert matrix_engine.wants(x, packed, qm.int4_linear) and matrix_engine._decision
+        assert not measured
+    else:  # oneDNN's road (a build without the tiles): measured on this input, the faster kept
         decided = matrix_engine.wants(x, packed, qm.int4_linear)
         assert decided is matrix_engine._decision
 

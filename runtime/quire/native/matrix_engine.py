@@ -18,9 +18,13 @@ torch's F.linear (oneDNN) multiplies.
 
 When (`wants`): x is bfloat16 (the model runs in bfloat16: what `--dtype auto` picks on such
 a CPU), 2-D with at least MIN_ROWS rows, and the engine is on. $QUIRE_MATRIX_ENGINE:
-- `auto` (default): on where the CPU has amx_bf16 and torch's oneDNN does bfloat16 here, and
-  only if, on the first such call, it measures faster than the native kernel on that call's
-  input (each timed twice; the answer holds for the process and is logged);
+- `auto` (default): on where the CPU has amx_bf16 and torch's oneDNN does bfloat16 here: at
+  once where the library's own tiles run (`quant_matmul.amx_ready`: 1.6x the native kernel
+  at 64 rows, 2.2x at 512), else only if, on the first such call, oneDNN's road measures
+  faster than the native kernel on that call's input (each timed twice; the answer holds for
+  the process and is logged). (The library's tiles were measured too, at first: a 71-row
+  call of ~0.2 ms either way chose the native kernel in 1 start of 4, a server's prefill then
+  ~1.6x slower for its life.)
 - `1`: on for every such call on any CPU (tests and benchmarks; slow without AMX);
 - `0`: off.
 
@@ -84,7 +88,10 @@ def wants(x: torch.Tensor, packed, native_fn) -> bool:
         return m == "1"
     global _decision
     if _decision is None:
-        _decision = available() and _measure(x, packed, native_fn)
+        _decision = available() and (quant_matmul.amx_ready() or _measure(x, packed, native_fn))
+        if _decision and quant_matmul.amx_ready():
+            logger.info("quantized prefill (%d+ rows) on the library's AMX tiles over "
+                        "dequantized weights", MIN_ROWS)
     return _decision
 
 
