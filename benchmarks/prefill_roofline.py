@@ -33,7 +33,8 @@ FORMATS = {  # name -> LLM keyword arguments
     "int4": {"dtype": "auto", "quantization": "int4"},
     "gguf": {"dtype": "auto", "quantization": "auto"},
     # the GGUF in bfloat16 with prefill on the matrix engine (native/matrix_engine.py:
-    # AMX through oneDNN); every other format keeps the native kernels (QUIRE_MATRIX_ENGINE=0)
+    # on an AMX build the library's tiles over dequantized weights, else oneDNN); every other
+    # format keeps the native kernels (QUIRE_MATRIX_ENGINE=0)
     "gguf-matrix": {"dtype": "bfloat16", "quantization": "auto"},
 }
 MATRIX_FORMATS = {"gguf-matrix"}

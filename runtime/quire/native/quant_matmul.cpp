@@ -688,6 +688,22 @@ void stream_tile(int mt, int nb, const X* x, const float* xsum, const Weight& w,
   }
 }
 
+#if defined(__AVX512F__)
+// the bfloat16 bits of 16 floats, one in the low half of each 32-bit lane (float_to_bf16's
+// round to nearest even, NaN kept a NaN)
+inline __m512i bf16_lanes(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+
+#endif
+
 void store_rows(const float* tile, int mt, int rows, void* y, int dtype, int64_t N, int64_t m0,
                 int64_t n0) {
   for (int m = 0; m < mt; ++m) {
@@ -696,6 +712,13 @@ void store_rows(const float* tile, int mt, int rows, void* y, int dtype, int64_t
       std::memcpy(static_cast<float*>(y) + (m0 + m) * N + n0, src, rows * sizeof(float));
     } else {
       uint16_t* dst = static_cast<uint16_t*>(y) + (m0 + m) * N + n0;
+#if defined(__AVX512F__)
+      if (rows == kRows) {  // (a prefill's whole blocks: the scalar loop was 6% of its time)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                            _mm512_cvtepi32_epi16(bf16_lanes(_mm512_loadu_ps(src))));
+        continue;
+      }
+#endif
       for (int r = 0; r < rows; ++r) dst[r] = float_to_bf16(src[r]);
     }
   }
@@ -1001,19 +1024,6 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
 // quire_dequantize_bf16 gives, bit for bit) and multiplied there by 2 x 2 tiles (32 rows of x
 // against 32 output rows: four loads a k step for four products), instead of a whole
 // bfloat16 copy of the weight through memory and then oneDNN's GEMM.
-
-// the bfloat16 bits of 16 floats, one in the low half of each 32-bit lane (float_to_bf16's
-// round to nearest even, NaN kept a NaN)
-inline __m512i bf16_lanes(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_blend_epi32(nan, rounded, quiet);
-}
 
 // Row block `block` as bfloat16 pairs of w = s * q' (+ z), [K / 2][16] 32-bit lanes (the B
 // tile's layout): float32 product, then sum, then rounding, as quire_dequantize_bf16 does
