@@ -140,6 +140,33 @@ def test_the_library_tiles_multiply_by_the_dequantize_bf16_weight(form, march):
     assert qm.dequantized_linear(torch.ones(3, 40).bfloat16(), channel, march) is None
 
 
+@pytest.mark.parametrize("group", [64, 128, "channel"])
+def test_the_library_tiles_read_back_every_group_size(group):
+    """Groups of 64 and 128 k (int4, each form) and one per row (int8): a pair of k never
+    straddles two groups, and one-hot rows read dequantize_bf16's weight back exactly."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 23, 256
+    if group == "channel":
+        weights = [qm.pack_int8(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g),
+                                torch.rand(n, 1, generator=g), k)]
+    else:
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        s = torch.rand(n, k // group, generator=g) * 0.02
+        half = s.half().float()
+        weights = [qm.pack_int4(q, s, torch.randn(n, k // group, generator=g) * 0.05, group),
+                   qm.pack_int4(q, s, torch.zeros_like(s), group),
+                   qm.pack_int4(q, half, 8 * half - (torch.rand(n, k // group, generator=g)
+                                                     * 0.1).half().float(), group)]
+        assert {w.form for w in weights} == {qm.INT4_ZERO, qm.INT4_SYMMETRIC, qm.INT4_MIN}
+    one_hot = torch.eye(k)[torch.arange(40) * 3 % k].bfloat16()
+    for packed in weights:
+        y = qm.dequantized_linear(one_hot, packed)
+        if not qm.amx_ready():
+            assert y is None
+            continue
+        assert torch.equal(y, one_hot @ qm.dequantize_bf16(packed).T), packed
+
+
 def test_bad_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv("QUIRE_MATRIX_ENGINE", "yes")
     with pytest.raises(ValueError, match="QUIRE_MATRIX_ENGINE must be one of auto, 0, 1"):
