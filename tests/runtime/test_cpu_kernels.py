@@ -68,6 +68,36 @@ def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,head_dim,window,extras", [
+    (3, 3, 64, None, False), (1, 8, 128, None, False), (2, 2, 64, 20, False),
+    (1, 5, 64, None, True),
+])
+def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group, head_dim,
+                                                          window, extras, march):
+    """Batch invariance of decode attention: with fewer (sequence, KV head) items than two a
+    thread (one sequence), each item's query heads run in two parts (paged_decode.cpp); a
+    head's sums are the same alone as beside the others, so a lone sequence gets exactly the
+    bits it gets in a batch of 8 (whole items)."""
+    torch.manual_seed(1)
+    num_blocks, block_size = 64, 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    lens = torch.tensor([37, 1, 16, 90, 5, 64, 17, 33], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:6] for _ in range(8)]).int()
+    q = torch.randn(8, kv_heads * group, head_dim, dtype=dtype)
+    kw = {"softcap": 30.0, "sinks": torch.randn(kv_heads * group)} if extras else {}
+    batch = torch.full_like(q, float("nan"))
+    paged_attention.paged_decode(q, k_cache, v_cache, batch, tables, lens, head_dim ** -0.5,
+                                 window, _march=march, **kw)
+    for i in range(8):
+        alone = torch.full_like(q[i:i + 1], float("nan"))
+        paged_attention.paged_decode(q[i:i + 1], k_cache, v_cache, alone, tables[i:i + 1],
+                                     lens[i:i + 1], head_dim ** -0.5, window, _march=march, **kw)
+        assert torch.equal(alone[0], batch[i]), f"sequence {i}"
+
+
 def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, monkeypatch):
     prompts = random_prompts(6, lengths=[1, 15, 16, 17, 100, 300], seed=9)
     params = SamplingParams(temperature=0, max_tokens=20)
