@@ -76,10 +76,11 @@ def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size
 ])
 def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group, head_dim,
                                                           window, extras, march):
-    """Batch invariance of decode attention: with fewer (sequence, KV head) items than two a
-    thread (one sequence), each item's query heads run in two parts (paged_decode.cpp); a
-    head's sums are the same alone as beside the others, so a lone sequence gets exactly the
-    bits it gets in a batch of 8 (whole items)."""
+    """Batch invariance of decode attention: a sequence's (sequence, KV head) items are summed
+    the same whatever else the call holds and however the threads take them, so a lone
+    sequence gets exactly the bits it gets in a batch of 8 (with a window, soft-capping and
+    sinks too). (Splitting a lone sequence's query heads across the threads, tried for
+    balance, would keep this; it read each KV head twice and was not faster.)"""
     torch.manual_seed(1)
     num_blocks, block_size = 64, 16
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
