@@ -109,6 +109,19 @@ def quire_int4(qm, n, k, group, g, march, gguf: bool):
     return lambda x: qm.int4_linear(x, packed), packed.nbytes()
 
 
+def quire_int4_tiles(qm, n, k, group, g, march):
+    """Q4_1 by the matrix engine's road on the library's AMX tiles (`dequantized_linear`:
+    bfloat16 x, the weight rounded to bfloat16 in cache; prefill's 64+ rows): None where
+    the build has no tiles."""
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = (torch.rand(n, k // group, generator=g) * 0.01).half().float()
+    z = -(torch.rand(n, k // group, generator=g) * 0.1).half().float() + 8 * s
+    packed = qm.pack_int4(q, s, z, group, _march=march)
+    if qm.dequantized_linear(torch.zeros(1, k, dtype=torch.bfloat16), packed, march) is None:
+        return None
+    return lambda x: qm.dequantized_linear(x.to(torch.bfloat16), packed, march), packed.nbytes()
+
+
 def quire_int8(qm, n, k, group, g, march, gguf: bool):
     """gguf: Q8_0's float16 d; else float32 scales."""
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
@@ -128,6 +141,8 @@ def contenders(qm, n: int, k: int, group4: int, dtype: torch.dtype, march: str):
     return [
         (f"quire int4 g{group4} Q4_1 fp16", lambda g: quire_int4(qm, n, k, group4, g, march, True)),
         (f"quire int4 g{group4} fp32 s,z", lambda g: quire_int4(qm, n, k, group4, g, march, False)),
+        (f"quire int4 g{group4} Q4_1, AMX tiles dequantized",
+         lambda g: quire_int4_tiles(qm, n, k, group4, g, march)),
         ("quire int8 g32 Q8_0 fp16", lambda g: quire_int8(qm, n, k, 32, g, march, True)),
         ("quire int8 per-channel", lambda g: quire_int8(qm, n, k, k, g, march, False)),
         (f"torch int4pack g{group4}", lambda g: torch_int4(n, k, group4, dtype, g)),
