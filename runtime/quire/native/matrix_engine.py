@@ -88,8 +88,9 @@ def wants(x: torch.Tensor, packed, native_fn) -> bool:
         return m == "1"
     global _decision
     if _decision is None:
-        _decision = available() and (quant_matmul.amx_ready() or _measure(x, packed, native_fn))
-        if _decision and quant_matmul.amx_ready():
+        tiles = quant_matmul.amx_ready()
+        _decision = available() and (tiles or _measure(x, packed, native_fn))
+        if _decision and tiles:
             logger.info("quantized prefill (%d+ rows) on the library's AMX tiles over "
                         "dequantized weights", MIN_ROWS)
     return _decision

@@ -348,6 +348,20 @@ inline __m512i int8_pairs(const uint8_t* p) {
 // FMA latency at M = 1 come from B row blocks side by side, never from splitting a row's sum
 // into partial sums (that made a row's bits depend on the rows beside it).
 
+#if defined(__AVX512BF16__)
+// While pair kp of k of row block q is unpacked, the same line of the next row block (this
+// thread's next, mostly) is fetched, once a line: batched decode and prefill read each
+// weight once from memory too.
+template <int Form>
+inline void fetch_next_block(const uint8_t* q, int64_t K, int64_t kp) {
+  constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : 1) * kRows;  // q bytes of a pair of k
+  if (kp * kPairBytes % 64 == 0)
+    _mm_prefetch(reinterpret_cast<const char*>(q + weight_bytes(Form, K) * kRows +
+                                               kp * kPairBytes),
+                 _MM_HINT_T0);
+}
+#endif
+
 // Beyond kStreamRows rows of x (prefill, batched decode), a row block is expanded once into a
 // per-thread scratch that every tile loads as it is, with no unpacking: q' as float32 [K][16]
 // (float x), or as bfloat16 pairs [K / 2][16] (the AVX512-BF16 path).
@@ -373,15 +387,9 @@ void expand_block(const Weight& w, int64_t block, float* scratch) {
     }
   } else {
 #if defined(__AVX512BF16__)
-    // the next row block (this thread's next, mostly) is fetched meanwhile, a line for each
-    // line read here: batched decode and prefill read each weight once from memory too
-    const int64_t block_bytes = weight_bytes(Form, K) * kRows;
-    constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : 1) * kRows;  // q bytes of a pair of k
     [[maybe_unused]] const __m512i table = nibble_table<Form>();
     for (int64_t kp = 0; kp < K / 2; ++kp) {
-      if (kp * kPairBytes % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + kp * kPairBytes),
-                     _MM_HINT_T0);
+      fetch_next_block<Form>(q, K, kp);
       _mm512_storeu_si512(scratch + kp * kRows, Form == kInt8 ? int8_pairs(q + 2 * kp * kRows)
                                                               : nibble_pairs(q + kp * kRows,
                                                                              table));
@@ -1032,13 +1040,9 @@ template <int Form, typename S>
 void expand_dequantized(const Weight& w, int64_t block, uint32_t* pairs) {
   const int64_t K = w.K, G = w.G;
   const Block<Form, S> here(w, block);
-  const int64_t block_bytes = weight_bytes(Form, K) * kRows;
-  constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : 1) * kRows;
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
-    if (kp * kPairBytes % 64 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(here.q + block_bytes + kp * kPairBytes),
-                   _MM_HINT_T0);
+    fetch_next_block<Form>(here.q, K, kp);
     const int64_t g = 2 * kp / G;  // (G even: a pair never straddles two groups)
     const V s = vload(here.scales + g * kRows);
     V even, odd;
@@ -1068,7 +1072,7 @@ void expand_dequantized(const Weight& w, int64_t block, uint32_t* pairs) {
 // when they run out; rows past M read a zeroed copy) sum whole rows of K in C tiles 0-3:
 // C0 = A4 B6, C1 = A4 B7, C2 = A5 B6, C3 = A5 B7.
 template <int Form, typename S>
-void linear_amx_dequantized(const uint16_t* x, void* y, int64_t M, int dtype, int threads,
+void linear_amx_dequantized(const uint16_t* x, uint16_t* y, int64_t M, int threads,
                             const Weight& w) {
   const int64_t K = w.K, N = w.N, blocks = (N + kRows - 1) / kRows;
   const int64_t padded_rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
@@ -1126,13 +1130,21 @@ void linear_amx_dequantized(const uint16_t* x, void* y, int64_t M, int dtype, in
           const int64_t rows0 = m0 + (t >= 2 ? kAmxRows : 0), block = first + (t & 1);
           if (rows0 >= M || block >= blocks) continue;
           store_rows(tile[t], static_cast<int>(std::min<int64_t>(kAmxRows, M - rows0)),
-                     static_cast<int>(std::min<int64_t>(kRows, N - block * kRows)), y, dtype,
-                     N, rows0, block * kRows);
+                     static_cast<int>(std::min<int64_t>(kRows, N - block * kRows)), y,
+                     1 /* bfloat16 */, N, rows0, block * kRows);
         }
       }
     }
     _tile_release();
   }
+}
+
+// (float32 or float16 scales, as linear_form picks them)
+template <int Form>
+void dequantized_form(const uint16_t* x, uint16_t* y, int64_t M, int threads, bool half,
+                      const Weight& w) {
+  if (half) linear_amx_dequantized<Form, uint16_t>(x, y, M, threads, w);
+  else linear_amx_dequantized<Form, float>(x, y, M, threads, w);
 }
 #endif
 
@@ -1266,23 +1278,14 @@ int quire_quant_linear_dequantized(const void* x, void* y, int64_t M, int thread
   const Weight weight{static_cast<const uint8_t*>(w->q), w->scales, w->offsets, w->N, w->K,
                       w->G};
   const uint16_t* xb = static_cast<const uint16_t*>(x);
-  auto run = [&](auto form, auto scale) {
-    using S = decltype(scale);
-    linear_amx_dequantized<decltype(form)::value, S>(xb, y, M, 1, threads, weight);
-  };
-  using F0 = std::integral_constant<int, kInt8>;
-  using F1 = std::integral_constant<int, kInt4Symmetric>;
-  using F2 = std::integral_constant<int, kInt4Zero>;
-  using F3 = std::integral_constant<int, kInt4Min>;
-  switch (w->form * 2 + (w->half ? 1 : 0)) {
-    case 0: run(F0{}, float{}); break;
-    case 1: run(F0{}, uint16_t{}); break;
-    case 2: run(F1{}, float{}); break;
-    case 3: run(F1{}, uint16_t{}); break;
-    case 4: run(F2{}, float{}); break;
-    case 5: run(F2{}, uint16_t{}); break;
-    case 6: run(F3{}, float{}); break;
-    default: run(F3{}, uint16_t{}); break;
+  uint16_t* yb = static_cast<uint16_t*>(y);
+  switch (w->form) {
+    case kInt8: dequantized_form<kInt8>(xb, yb, M, threads, w->half, weight); break;
+    case kInt4Symmetric:
+      dequantized_form<kInt4Symmetric>(xb, yb, M, threads, w->half, weight);
+      break;
+    case kInt4Zero: dequantized_form<kInt4Zero>(xb, yb, M, threads, w->half, weight); break;
+    default: dequantized_form<kInt4Min>(xb, yb, M, threads, w->half, weight); break;
   }
   return 0;
 #else
