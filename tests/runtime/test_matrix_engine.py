@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from quire.layers import quant_kernels
-from quire.native import loader, matrix_engine
+from quire.layers.linear import MergedColumnParallelLinear
+from quire.native import fused_ops, loader, matrix_engine
 from quire.native import quant_matmul as qm
 
 BUILDS = ["native", *loader.isa_builds()]
@@ -165,6 +166,89 @@ def test_the_library_tiles_read_back_every_group_size(group):
             assert y is None
             continue
         assert torch.equal(y, one_hot @ qm.dequantize_bf16(packed).T), packed
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_the_activation_fused_in_the_tiles_is_the_two_steps_bit_for_bit(form, march):
+    """dequantized_linear(silu=...) of a gate|up weight: silu(gate) * up in the tiles'
+    epilogue is fused_ops.silu_and_mul of the plain product, bit for bit. Parts of 48 rows
+    (three row blocks: the third past the 32 columns torch's silu vectorizes, so std::exp
+    there) and of 1536 (SmolLM2's); rows 1-67 (tiles partly past M); products past +-100 reach
+    exp's overflow and underflow. None without the tiles, or where a part is no whole blocks."""
+    silu = fused_ops.bf16_silu_exp(48)
+    if qm.amx_ready(march):
+        assert silu is not None  # an AMX CPU has AVX-512: Sleef's 16-lane exp is checked here
+    g = torch.Generator().manual_seed(6)
+    for n in (96, 3072):
+        packed = _packed(form, n, 128, seed=n, march=march)
+        x = (torch.randn(67, 128, generator=g) * (3 if form == "int8" else 192)).bfloat16()
+        fused = qm.dequantized_linear(x, packed, march, silu=fused_ops.bf16_silu_exp(n // 2))
+        if not qm.amx_ready(march):
+            assert fused is None
+            continue
+        plain = qm.dequantized_linear(x, packed, march)
+        assert plain.abs().max() > 100  # (exp(-100) and exp(100) are out of float's range)
+        assert torch.equal(fused, fused_ops.silu_and_mul(plain))
+        for m in (1, 17, 33):
+            assert torch.equal(qm.dequantized_linear(x[:m], packed, march,
+                                                     silu=fused_ops.bf16_silu_exp(n // 2)),
+                               fused[:m])
+    odd = _packed(form, 80, 128, march=march)  # parts of 40 rows: 2.5 blocks
+    assert qm.dequantized_linear(torch.ones(70, 128).bfloat16(), odd, march, silu=silu) is None
+
+
+def test_sleef_16_lane_exp_is_taken_only_where_it_matches_torchs(monkeypatch):
+    """bf16_exp16 checks Sleef's 16-lane exp against the 8-lane one torch's silu calls on all
+    65,536 bfloat16 inputs: the same function passes, a different one (exp2) does not."""
+    native = fused_ops._native()
+    with open("/proc/cpuinfo") as f:
+        avx512 = " avx512f" in f.read()
+    exp16 = fused_ops.bf16_exp16()
+    if not avx512:
+        assert exp16 is None
+        return
+    assert exp16 is not None
+    lib = native[0]
+    import ctypes
+    import os
+    torch_lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                         "libtorch_cpu.so"))
+    exp2 = ctypes.cast(torch_lib.Sleef_exp2f16_u10, ctypes.c_void_p).value
+    assert lib.quire_exp16_matches_exp8(native[2], exp16) == 1
+    assert lib.quire_exp16_matches_exp8(native[2], exp2) == 0
+
+
+def test_a_gated_mlp_layer_fuses_its_activation_only_where_nothing_else_applies(monkeypatch):
+    """MergedColumnParallelLinear.silu_and_mul: the fused road for a quantized gate|up on the
+    matrix engine (one call, the two steps' bits), the two steps with a LoRA delta or decode
+    rows (the fused kernel would drop the delta)."""
+    monkeypatch.setenv("QUIRE_MATRIX_ENGINE", "1")
+    layer = MergedColumnParallelLinear(128, [48, 48], quant_config=None, prefix="mlp.gate_up")
+    packed = _packed("q4_1", 96, 128, seed=7)
+    layer.quant_kernel = quant_kernels.NativeKernel("native", qm, qm.int4_linear, packed)
+    layer.quant_method.apply = lambda lay, x, bias: lay.quant_kernel(x)
+    x = torch.randn(70, 128, generator=torch.Generator().manual_seed(8)).bfloat16()
+    two_steps = fused_ops.silu_and_mul(layer.quant_kernel(x))
+    before = matrix_engine.calls
+    assert torch.equal(layer.silu_and_mul(x), two_steps)
+    fused = qm.amx_ready() and fused_ops.bf16_exp16() is not None
+    assert matrix_engine.calls == before + 1  # one call: fused, or the plain product
+    taken = []
+    monkeypatch.setattr(quant_kernels.NativeKernel, "silu_and_mul",
+                        lambda self, x: taken.append(x) or None)
+    assert torch.equal(layer.silu_and_mul(x), two_steps) and len(taken) == 1
+
+    class Delta:
+        def apply(self, x, y):
+            return y + 1
+    layer.lora = Delta()
+    got = layer.silu_and_mul(x)
+    assert len(taken) == 1  # never asked: the delta must be in the product
+    assert torch.equal(got, fused_ops.silu_and_mul(layer.quant_kernel(x) + 1))
+    assert fused or not qm.amx_ready()
+    if fused:  # the road the first call took on this CPU
+        assert torch.equal(matrix_engine.silu_and_mul(x, packed), two_steps)
 
 
 def test_bad_setting_names_the_variable(monkeypatch):

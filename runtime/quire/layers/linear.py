@@ -35,6 +35,7 @@ from torch import nn
 from quire import parallel_state as ps
 from quire.layers.quantization import NO_QUANT, QuantConfig
 from quire.layers.weights import materialize, narrow
+from quire.native.fused_ops import silu_and_mul
 
 
 class LinearBase(nn.Module):
@@ -129,6 +130,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                                  f"{prefix}'s output sizes {output_sizes}")
         self.output_sizes = [s // size for s in output_sizes]  # local
         super().__init__(in_features, sum(output_sizes), bias, quant_config, prefix)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(self(x)) for a gated MLP's [gate | up]: in one pass where the layer's
+        kernel fuses the activation into its matmul (bit for bit the same), else two steps."""
+        fused = getattr(getattr(self, "quant_kernel", None), "silu_and_mul", None)
+        if (fused is not None and self.lora is None and self.bias is None
+                and len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]):
+            y = fused(x)
+            if y is not None:
+                return y
+        return silu_and_mul(self(x))
 
     def shard_ranges(self, param, shard_id):
         dim = _dim(param, "output_dim")

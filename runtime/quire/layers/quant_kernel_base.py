@@ -24,3 +24,8 @@ class Kernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """fused_ops.silu_and_mul(self(x)) of a gate|up weight in one pass, where this kernel
+        fuses it (bit for bit); None: the caller takes the two steps."""
+        return None

@@ -84,6 +84,11 @@ class NativeKernel(Kernel):
             return self.fn(x, self.packed)
         return self.fn(x.float(), self.packed).to(x.dtype)  # it takes fp32 or bf16 only
 
+    def silu_and_mul(self, x):
+        if x.dtype is torch.bfloat16 and matrix_engine.wants(x, self.packed, self.fn):
+            return matrix_engine.silu_and_mul(x, self.packed)
+        return None
+
     def dequantize(self):
         return self.module.dequantize(self.packed)
 

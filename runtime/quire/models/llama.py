@@ -21,7 +21,7 @@ from quire.layers.norms import RMSNorm
 from quire.layers.quantization import QuantConfig
 from quire.models.config import ModelConfig
 from quire.models.decoder import GLOBAL_ROPE, CausalLM
-from quire.native.fused_ops import rope, silu_and_mul
+from quire.native.fused_ops import rope
 
 
 class DecoderLayer(nn.Module):
@@ -80,7 +80,7 @@ class DecoderLayer(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
     def _mlp(self, h):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(h))
 
 
 class LlamaForCausalLM(CausalLM):

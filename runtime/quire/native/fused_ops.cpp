@@ -190,6 +190,31 @@ extern "C" int quire_fused_supports_width(int width) {
   return 0;
 }
 
+// 1 if Sleef's 16-lane exp (exp16) gives the 8-lane one's (exp8: torch's silu) bits on every
+// bfloat16 input: then kernels on bfloat16 values may take the cheaper exp16
+// (quant_matmul.cpp's fused gate|up epilogue); 0 if one differs or this build has no AVX-512.
+extern "C" int quire_exp16_matches_exp8(const void* exp8, const void* exp16) {
+#if defined(__AVX512F__)
+  using Exp8 = __m256 (*)(__m256);
+  using Exp16 = __m512 (*)(__m512);
+  const Exp8 e8 = reinterpret_cast<Exp8>(const_cast<void*>(exp8));
+  const Exp16 e16 = reinterpret_cast<Exp16>(const_cast<void*>(exp16));
+  for (uint32_t first = 0; first < 65536; first += 16) {
+    alignas(64) uint32_t in[16], a[16], b[16];
+    for (uint32_t i = 0; i < 16; ++i) in[i] = (first + i) << 16;
+    const __m512 v = _mm512_load_ps(reinterpret_cast<const float*>(in));
+    _mm256_store_ps(reinterpret_cast<float*>(a), e8(_mm512_castps512_ps256(v)));
+    _mm256_store_ps(reinterpret_cast<float*>(a + 8), e8(_mm512_extractf32x8_ps(v, 1)));
+    _mm512_store_ps(reinterpret_cast<float*>(b), e16(v));
+    if (std::memcmp(a, b, sizeof a) != 0) return 0;
+  }
+  return 1;
+#else
+  (void)exp8, (void)exp16;
+  return 0;
+#endif
+}
+
 extern "C" int quire_rms_norm(int dtype, int width, void* x, void* residual, const void* weight,
                               void* out, int64_t rows, int64_t n, int64_t x_stride,
                               int64_t res_stride, int64_t out_stride, float eps) {

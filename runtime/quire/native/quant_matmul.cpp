@@ -35,6 +35,7 @@
 // Plain C++ with a C ABI, called through ctypes.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -1067,13 +1068,56 @@ void expand_dequantized(const Weight& w, int64_t block, uint32_t* pairs) {
   }
 }
 
+// A gated MLP's activation in the tiles' epilogue (gate|up weights: y = silu(gate) * up,
+// [M, N / 2], the gate|up product never stored): fused_ops.cpp's silu_and_mul of the
+// bfloat16 product, bit for bit. `exp16` is Sleef's 16-lane exp, which fused_ops.py has
+// checked gives torch's 8-lane one's bits on every bfloat16 input (at a third of the cost
+// here: two 8-lane calls made this epilogue ~0.5 ms of a 1.4 ms gate|up at 512 rows), on the
+// columns before `vec_end` (those torch's silu vectorizes); std::exp after.
+struct Glu {
+  using Exp16 = __m512 (*)(__m512);
+  Exp16 exp16;
+  int64_t vec_end;
+};
+
+// rows of one C tile pair (gate, up: 16 columns from `col`) -> y's bfloat16 rows, in passes
+// (the exps in one run of calls)
+inline void glu_rows(const float* gate, const float* up, int rows, uint16_t* y, int64_t ld,
+                     int64_t row0, int64_t col, const Glu& glu) {
+  const auto as_stored = [](__m512 v) {  // the bfloat16 the plain product would store
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_lanes(v), 16));
+  };
+  alignas(64) float g[kAmxRows * kRows], e[kAmxRows * kRows];
+  for (int r = 0; r < rows; ++r) {
+    const __m512 v = as_stored(_mm512_loadu_ps(gate + r * kRows));
+    _mm512_store_ps(g + r * kRows, v);
+    _mm512_store_ps(e + r * kRows, _mm512_castsi512_ps(  // -g, as the scalar negation
+        _mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))));
+  }
+  if (col + kRows <= glu.vec_end) {  // (vec_end a multiple of 32: blocks fall on one side)
+    for (int r = 0; r < rows; ++r)
+      _mm512_store_ps(e + r * kRows, glu.exp16(_mm512_load_ps(e + r * kRows)));
+  } else {
+    for (int i = 0; i < rows * kRows; ++i) e[i] = std::exp(e[i]);
+  }
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 silu = as_stored(_mm512_div_ps(
+        _mm512_load_ps(g + r * kRows), _mm512_add_ps(one, _mm512_load_ps(e + r * kRows))));
+    const __m512 u = as_stored(_mm512_loadu_ps(up + r * kRows));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (row0 + r) * ld + col),
+                        _mm512_cvtepi32_epi16(bf16_lanes(_mm512_mul_ps(silu, u))));
+  }
+}
+
 // y = x @ bfloat16(dequant(W))^T, bfloat16 x [M, K] (K a multiple of 32), on the tiles: each
 // unit of two row blocks is dequantized once, then every 32 rows of x (16 in the last tile
 // when they run out; rows past M read a zeroed copy) sum whole rows of K in C tiles 0-3:
-// C0 = A4 B6, C1 = A4 B7, C2 = A5 B6, C3 = A5 B7.
+// C0 = A4 B6, C1 = A4 B7, C2 = A5 B6, C3 = A5 B7. With `glu` a unit is gate block u and up
+// block u + N / 32 (N / 2 a multiple of 16), and the epilogue stores silu(gate) * up.
 template <int Form, typename S>
 void linear_amx_dequantized(const uint16_t* x, uint16_t* y, int64_t M, int threads,
-                            const Weight& w) {
+                            const Weight& w, const Glu* glu) {
   const int64_t K = w.K, N = w.N, blocks = (N + kRows - 1) / kRows;
   const int64_t padded_rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   std::vector<uint16_t> padded;
@@ -1083,7 +1127,7 @@ void linear_amx_dequantized(const uint16_t* x, uint16_t* y, int64_t M, int threa
     std::memcpy(padded.data(), x, M * K * sizeof(uint16_t));
     xp = padded.data();
   }
-  const int64_t units = (blocks + 1) / 2;
+  const int64_t units = glu ? blocks / 2 : (blocks + 1) / 2;
   const int64_t chunk = std::max<int64_t>(1, units / (8 * threads));
   const int64_t stride = K * sizeof(uint16_t);
 #pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
@@ -1096,10 +1140,10 @@ void linear_amx_dequantized(const uint16_t* x, uint16_t* y, int64_t M, int threa
     amx_configure(kAmxRows);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t first = 2 * u;
-      const bool two = first + 1 < blocks;
+      const int64_t first = glu ? u : 2 * u, second = glu ? u + units : first + 1;
+      const bool two = second < blocks;
       expand_dequantized<Form, S>(w, first, b0);
-      if (two) expand_dequantized<Form, S>(w, first + 1, b1);
+      if (two) expand_dequantized<Form, S>(w, second, b1);
       for (int64_t m0 = 0; m0 < padded_rows; m0 += 2 * kAmxRows) {
         const bool both = m0 + kAmxRows < padded_rows;
         const uint16_t* a0 = xp + m0 * K;
@@ -1126,6 +1170,16 @@ void linear_amx_dequantized(const uint16_t* x, uint16_t* y, int64_t M, int threa
         _tile_stored(1, tile[1], 64);
         _tile_stored(2, tile[2], 64);
         _tile_stored(3, tile[3], 64);
+        if (glu) {
+          for (int t = 0; t < 4; t += 2) {
+            const int64_t rows0 = m0 + (t >= 2 ? kAmxRows : 0);
+            if (rows0 < M)
+              glu_rows(tile[t], tile[t + 1],
+                       static_cast<int>(std::min<int64_t>(kAmxRows, M - rows0)), y, N / 2,
+                       rows0, first * kRows, *glu);
+          }
+          continue;
+        }
         for (int t = 0; t < 4; ++t) {
           const int64_t rows0 = m0 + (t >= 2 ? kAmxRows : 0), block = first + (t & 1);
           if (rows0 >= M || block >= blocks) continue;
@@ -1142,9 +1196,9 @@ void linear_amx_dequantized(const uint16_t* x, uint16_t* y, int64_t M, int threa
 // (float32 or float16 scales, as linear_form picks them)
 template <int Form>
 void dequantized_form(const uint16_t* x, uint16_t* y, int64_t M, int threads, bool half,
-                      const Weight& w) {
-  if (half) linear_amx_dequantized<Form, uint16_t>(x, y, M, threads, w);
-  else linear_amx_dequantized<Form, float>(x, y, M, threads, w);
+                      const Weight& w, const Glu* glu) {
+  if (half) linear_amx_dequantized<Form, uint16_t>(x, y, M, threads, w, glu);
+  else linear_amx_dequantized<Form, float>(x, y, M, threads, w, glu);
 }
 #endif
 
@@ -1267,29 +1321,37 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
 // matrix_engine.py takes for prefill chunks where this build has the tiles. Returns 0, or 1
 // where it does not apply (no AMX here, float32 x, a bfloat16 weight, K not whole tiles): the
 // caller then dequantizes and calls torch.
+// With `exp16` (Sleef_expf16_u10's address, see Glu; nullptr: the plain product), y [M, N / 2]
+// = silu(gate) * up of the gate|up product instead, fused_ops' silu_and_mul bit for bit
+// (`vec_end`: where torch's silu stops vectorizing a row); 1 also where N / 2 is not whole
+// row blocks.
 int quire_quant_linear_dequantized(const void* x, void* y, int64_t M, int threads,
-                                   const PackedArgs* w) {
+                                   const PackedArgs* w, const void* exp16, int64_t vec_end) {
 #if defined(__AMX_BF16__)
   if (w->form < kInt8 || w->form >= kBf16 || w->K % kAmxK != 0 || w->G % 2 != 0 ||
-      !amx_permitted())
+      !amx_permitted() || (exp16 && w->N % (2 * kRows) != 0))
     return 1;
   if (M <= 0 || w->N <= 0) return 0;
+  const Glu glu{reinterpret_cast<Glu::Exp16>(const_cast<void*>(exp16)), vec_end};
+  const Glu* fused = exp16 ? &glu : nullptr;
   threads = std::max(1, threads);
   const Weight weight{static_cast<const uint8_t*>(w->q), w->scales, w->offsets, w->N, w->K,
                       w->G};
   const uint16_t* xb = static_cast<const uint16_t*>(x);
   uint16_t* yb = static_cast<uint16_t*>(y);
   switch (w->form) {
-    case kInt8: dequantized_form<kInt8>(xb, yb, M, threads, w->half, weight); break;
+    case kInt8: dequantized_form<kInt8>(xb, yb, M, threads, w->half, weight, fused); break;
     case kInt4Symmetric:
-      dequantized_form<kInt4Symmetric>(xb, yb, M, threads, w->half, weight);
+      dequantized_form<kInt4Symmetric>(xb, yb, M, threads, w->half, weight, fused);
       break;
-    case kInt4Zero: dequantized_form<kInt4Zero>(xb, yb, M, threads, w->half, weight); break;
-    default: dequantized_form<kInt4Min>(xb, yb, M, threads, w->half, weight); break;
+    case kInt4Zero:
+      dequantized_form<kInt4Zero>(xb, yb, M, threads, w->half, weight, fused);
+      break;
+    default: dequantized_form<kInt4Min>(xb, yb, M, threads, w->half, weight, fused); break;
   }
   return 0;
 #else
-  (void)x, (void)y, (void)M, (void)threads, (void)w;
+  (void)x, (void)y, (void)M, (void)threads, (void)w, (void)exp16, (void)vec_end;
   return 1;
 #endif
 }

@@ -63,7 +63,8 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         ctypes.c_void_p]
     lib.quire_quant_linear_dequantized.restype = ctypes.c_int
     lib.quire_quant_linear_dequantized.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int64]
     lib.quire_dequantize_bf16.restype = ctypes.c_int
     lib.quire_dequantize_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
@@ -301,19 +302,24 @@ def dequantize_bf16(packed: PackedWeight, out: torch.Tensor | None = None,
     return out
 
 
-def dequantized_linear(x: torch.Tensor, packed: PackedWeight,
-                       march: str = "native") -> torch.Tensor | None:
+def dequantized_linear(x: torch.Tensor, packed: PackedWeight, march: str = "native",
+                       silu: tuple[int, int] | None = None) -> torch.Tensor | None:
     """x @ dequantize_bf16(packed).T for bfloat16 x [M, K], float32 sums, on the AMX tiles
     without a bfloat16 copy of the weight (each pair of row blocks is dequantized in cache);
     None where the library cannot (no AMX build or permission, an unsupported weight): the
-    caller then dequantizes and calls torch. matrix_engine.py's prefill road."""
+    caller then dequantizes and calls torch. matrix_engine.py's prefill road.
+    `silu` = (fused_ops.bf16_silu_exp(N / 2)) for a gated MLP's gate|up weight: then
+    fused_ops.silu_and_mul of that product, [M, N / 2], bit for bit, in the tiles' epilogue
+    (the product never stored)."""
     lib = _library(march)
     if lib is None or x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[1] != packed.k:
         return None
     x = x.contiguous()
-    y = torch.empty((x.shape[0], packed.n), dtype=torch.bfloat16)
+    exp16, vec_end = silu or (None, 0)
+    y = torch.empty((x.shape[0], packed.n // 2 if silu else packed.n), dtype=torch.bfloat16)
     if lib.quire_quant_linear_dequantized(x.data_ptr(), y.data_ptr(), x.shape[0],
-                                          torch.get_num_threads(), packed._address):
+                                          torch.get_num_threads(), packed._address, exp16,
+                                          vec_end):
         return None
     return y
 
