@@ -11,6 +11,7 @@ every kernel is that build's; the float formats use torch's GEMM whatever the bu
     python benchmarks/prefill_roofline.py
     python benchmarks/prefill_roofline.py --prompt-len 512 --formats gguf int4 --plot
     python benchmarks/prefill_roofline.py --formats gguf gguf-matrix --isa native   # AMX
+    python benchmarks/prefill_roofline.py --formats gguf-matrix --isa amx --breakdown  # by op
 """
 
 from __future__ import annotations
@@ -70,12 +71,52 @@ def flops_per_token(cfg, prompt_len: int) -> float:
     return 2 * linear + attention
 
 
+def time_ops() -> dict[str, float]:
+    """Wraps the ops a prefill spends its time in with timers (seconds, summed per op)."""
+    import functools
+
+    from quire.attention import torch_backend
+    from quire.layers import vocab_parallel
+    from quire.native import fused_ops, matrix_engine, quant_matmul
+
+    spent = dict.fromkeys(OPS, 0.0)
+
+    def wrap(owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - start
+        setattr(owner, name, timed)
+
+    wrap(matrix_engine, "linear", "matmuls on the matrix engine")
+    wrap(matrix_engine, "silu_and_mul", "matmuls on the matrix engine")
+    wrap(quant_matmul, "_linear", "matmuls on the native kernel")
+    wrap(torch_backend.TorchAttentionBackend, "forward", "attention (KV write included)")
+    wrap(fused_ops, "rms_norm", "residual + RMSNorm")
+    wrap(fused_ops, "rope_", "RoPE")
+    wrap(fused_ops, "silu_and_mul", "SiLU-and-mul (where not fused)")
+    wrap(vocab_parallel.VocabParallelEmbedding, "lookup", "embedding lookup")
+    return spent
+
+
+# (matrix_engine's gate|up with its SiLU fused counts as a matmul)
+OPS = ["matmuls on the matrix engine", "matmuls on the native kernel",
+       "attention (KV write included)", "residual + RMSNorm", "RoPE",
+       "SiLU-and-mul (where not fused)", "embedding lookup"]
+
+
 def child(args) -> None:
     """One ISA build: every format's prefill, as JSON lines."""
     import random
 
     from quire import LLM, SamplingParams
     rng = random.Random(0)
+    spent = time_ops() if args.breakdown else None
     for name in args.formats:
         os.environ["QUIRE_MATRIX_ENGINE"] = "1" if name in MATRIX_FORMATS else "0"
         llm = LLM(args.model, num_threads=args.threads, enable_prefix_caching=False,
@@ -88,6 +129,8 @@ def child(args) -> None:
             one = SamplingParams(temperature=0, max_tokens=1)
             llm.generate([prompts[0]], one, use_tqdm=False)  # warm-up
             times = []
+            if spent is not None:
+                spent.update(dict.fromkeys(spent, 0.0))
             with StealMeter() as steal:
                 for p in prompts[1:]:
                     start = time.perf_counter()
@@ -99,7 +142,9 @@ def child(args) -> None:
                 "format": name, "dtype": str(llm.engine.dtype).removeprefix("torch."),
                 "tok_s": args.prompt_len / seconds,
                 "gflops": flops_per_token(cfg, args.prompt_len) * args.prompt_len / seconds
-                / 1e9, "steal": str(steal)}), flush=True)
+                / 1e9, "steal": str(steal),
+                "ops_ms": {k: v / len(times) * 1e3 for k, v in (spent or {}).items()},
+                "prefill_ms": sum(times) / len(times) * 1e3}), flush=True)
         finally:
             llm.engine.shutdown()
 
@@ -113,6 +158,8 @@ def main() -> None:
                    help="default: all (bfloat16 only where torch multiplies it natively)")
     p.add_argument("--isa", nargs="+", default=None,
                    help="native builds to run (default: every one this CPU runs but scalar)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the ops a prefill spends its time in (a wrapper per call)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_plot_flag(p, "prefill_roofline")
     args = p.parse_args()
@@ -140,6 +187,8 @@ def main() -> None:
                "--threads", str(args.threads), "--formats", *args.formats]
         if args.model:
             cmd += ["--model", args.model]
+        if args.breakdown:
+            cmd += ["--breakdown"]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
             print(f"  {build}: failed\n{done.stderr[-2000:]}")
@@ -154,6 +203,10 @@ def main() -> None:
             print(f"  {r['format']:<11} {build:<12} {r['dtype']:<9} {r['tok_s']:8.0f} tok/s "
                   f"{r['gflops']:6.0f} GFLOP/s = {r['share']:4.0%} of the {r['dtype']} GEMM "
                   f"peak | {r['steal']}", flush=True)
+            for op, ms in r["ops_ms"].items():
+                if ms:
+                    print(f"      {op:<46} {ms:7.1f} ms = {ms / r['prefill_ms']:4.0%} of a "
+                          f"prefill ({r['prefill_ms']:.0f} ms)")
     if args.plot and rows:
         grouped_bars(args.plot, f"Prefill ({args.prompt_len} tokens) against the GEMM peak",
                      "% of the same-run GEMM peak", ["share"],
