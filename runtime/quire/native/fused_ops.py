@@ -64,13 +64,18 @@ def _native():
     lib.quire_rms_norm.argtypes = [_INT, _INT, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F]
     lib.quire_rope.argtypes = [_INT, _P, _P, _P, _I64, _INT, _INT, _I64, _I64]
     lib.quire_silu_and_mul.argtypes = [_INT, _INT, _P, _P, _I64, _I64, _I64, _I64, _P]
+    # (no exp: silu keeps the torch path; the others do not need it)
+    return lib, width, _torch_function(exp_name)
+
+
+def _torch_function(name: str) -> int | None:
+    """The address of a function libtorch_cpu exports (its Sleef functions), or None."""
     try:
         torch_lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
                                              "libtorch_cpu.so"))
-        exp_fn = ctypes.cast(getattr(torch_lib, exp_name), ctypes.c_void_p).value
+        return ctypes.cast(getattr(torch_lib, name), ctypes.c_void_p).value
     except (OSError, AttributeError):
-        exp_fn = None  # silu keeps the torch path; the others do not need it
-    return lib, width, exp_fn
+        return None
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -136,17 +141,11 @@ def bf16_exp16() -> int | None:
     silu calls on every bfloat16 input (checked here, once, on all 65,536 of them), else
     None: a kernel over bfloat16 values may call it instead, at about a third of the cost."""
     native = _native()
-    if native is None or native[2] is None:
+    exp16 = _torch_function("Sleef_expf16_u10")
+    if native is None or native[2] is None or exp16 is None:
         return None
-    try:
-        torch_lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
-                                             "libtorch_cpu.so"))
-        exp16 = ctypes.cast(torch_lib.Sleef_expf16_u10, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-    lib = native[0]
-    lib.quire_exp16_matches_exp8.argtypes = [_P, _P]
-    return exp16 if lib.quire_exp16_matches_exp8(native[2], exp16) else None
+    native[0].quire_exp16_matches_exp8.argtypes = [_P, _P]
+    return exp16 if native[0].quire_exp16_matches_exp8(native[2], exp16) else None
 
 
 def bf16_silu_exp(n: int) -> tuple[int, int] | None:
