@@ -82,3 +82,17 @@ def test_uncache_and_reset_forget_contents():
     pool.reset_prefix_cache()
     assert pool.num_cached_free == 0 and all(b.block_hash is None for b in blocks)
     assert ids(pool.allocate(1)) == [1], "a block whose hash was forgotten goes out first"
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_building_a_pool_leaves_the_garbage_collector_as_it_was(collecting):
+    # the pool pauses the collector while it makes its blocks (a large cache's start-up)
+    import gc
+    was = gc.isenabled()
+    try:
+        (gc.enable if collecting else gc.disable)()
+        pool = BlockPool(1000, enable_caching=True)
+        assert gc.isenabled() is collecting
+        assert pool.num_free_blocks == 1000 and [b.block_id for b in pool.allocate(3)] == [0, 1, 2]
+    finally:
+        (gc.enable if was else gc.disable)()
