@@ -97,7 +97,7 @@ def torch_int8(n: int, k: int, dtype: torch.dtype, g: torch.Generator):
     return lambda x: torch._weight_int8pack_mm(x, w, scales), n * k + n * dtype.itemsize
 
 
-def quire_int4(qm, n, k, group, g, march, gguf: bool):
+def _packed_int4(qm, n, k, group, g, march, gguf: bool):
     """gguf: Q4_1's float16 d and m (zero = m + 8 d); else float32 scales and zeros (int4
     quantized on load from a float checkpoint)."""
     q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
@@ -105,7 +105,11 @@ def quire_int4(qm, n, k, group, g, march, gguf: bool):
     if gguf:
         s = s.half().float()
         z = -(torch.rand(n, k // group, generator=g) * 0.1).half().float() + 8 * s
-    packed = qm.pack_int4(q, s, z, group, _march=march)
+    return qm.pack_int4(q, s, z, group, _march=march)
+
+
+def quire_int4(qm, n, k, group, g, march, gguf: bool):
+    packed = _packed_int4(qm, n, k, group, g, march, gguf)
     return lambda x: qm.int4_linear(x, packed), packed.nbytes()
 
 
@@ -113,10 +117,7 @@ def quire_int4_tiles(qm, n, k, group, g, march):
     """Q4_1 by the matrix engine's road on the library's AMX tiles (`dequantized_linear`:
     bfloat16 x, the weight rounded to bfloat16 in cache; prefill's 64+ rows): None where
     the build has no tiles."""
-    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    s = (torch.rand(n, k // group, generator=g) * 0.01).half().float()
-    z = -(torch.rand(n, k // group, generator=g) * 0.1).half().float() + 8 * s
-    packed = qm.pack_int4(q, s, z, group, _march=march)
+    packed = _packed_int4(qm, n, k, group, g, march, gguf=True)
     if qm.dequantized_linear(torch.zeros(1, k, dtype=torch.bfloat16), packed, march) is None:
         return None
     return lambda x: qm.dequantized_linear(x.to(torch.bfloat16), packed, march), packed.nbytes()

@@ -198,7 +198,7 @@ def test_the_activation_fused_in_the_tiles_is_the_two_steps_bit_for_bit(form, ma
     assert qm.dequantized_linear(torch.ones(70, 128).bfloat16(), odd, march, silu=silu) is None
 
 
-def test_sleef_16_lane_exp_is_taken_only_where_it_matches_torchs(monkeypatch):
+def test_sleef_16_lane_exp_is_taken_only_where_it_matches_torchs():
     """bf16_exp16 checks Sleef's 16-lane exp against the 8-lane one torch's silu calls on all
     65,536 bfloat16 inputs: the same function passes, a different one (exp2) does not."""
     native = fused_ops._native()
@@ -230,6 +230,12 @@ def test_a_gated_mlp_layer_fuses_its_activation_only_where_nothing_else_applies(
     assert torch.equal(layer.silu_and_mul(x), two_steps)
     fused = qm.amx_ready() and fused_ops.bf16_exp16() is not None
     assert matrix_engine.calls == before + 1  # one call: fused, or the plain product
+    if fused:  # the kernel's own fused road on this CPU (not the two steps behind it)
+        assert torch.equal(layer.quant_kernel.silu_and_mul(x), two_steps)
+    # decode rows (fewer than the matrix engine's MIN_ROWS): never fused, the two steps
+    few = x[: matrix_engine.MIN_ROWS - 1]
+    assert layer.quant_kernel.silu_and_mul(few) is None
+    assert torch.equal(layer.silu_and_mul(few), fused_ops.silu_and_mul(layer.quant_kernel(few)))
     taken = []
     monkeypatch.setattr(quant_kernels.NativeKernel, "silu_and_mul",
                         lambda self, x: taken.append(x) or None)
@@ -243,8 +249,6 @@ def test_a_gated_mlp_layer_fuses_its_activation_only_where_nothing_else_applies(
     assert len(taken) == 1  # never asked: the delta must be in the product
     assert torch.equal(got, fused_ops.silu_and_mul(layer.quant_kernel(x) + 1))
     assert fused or not qm.amx_ready()
-    if fused:  # the road the first call took on this CPU
-        assert torch.equal(matrix_engine.silu_and_mul(x, packed), two_steps)
 
 
 def test_bad_setting_names_the_variable(monkeypatch):
