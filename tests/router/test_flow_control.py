@@ -141,9 +141,10 @@ def test_a_flooding_tenant_does_not_hold_up_another_beyond_two_turns(replicas):
         requests.post(p.url + "/control", json={"waiting": 0}, timeout=5)
         for c in clients:
             c.join(90)
-        order = seen(p)
-        assert sorted(order) == sorted(c.prompt for c in clients)
-        assert order.index("B0") <= 1 and order.index("B1") <= 3, order
+        assert sorted(seen(p)) == sorted(c.prompt for c in clients)
+        # the router's own release order (the replica may see two back-to-back sends swapped)
+        tenants = [t["tenant"][-1].upper() for t in router_state(r)["flow_control_releases"]]
+        assert tenants == list("ABAB") + ["A"] * 10, tenants
         assert all(c.status == 200 and c.answered == 1 for c in clients)
 
 

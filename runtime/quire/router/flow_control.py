@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_QUEUE_DEPTH = 5
 DEFAULT_KV_USAGE = 0.8
 DISPATCH_GRACE = 2.0  # s a released waiter has to open its request before the next goes
+RELEASES_KEPT = 64  # the last releases, in order, shown on /state (fairness made visible)
 
 
 class Shed(Exception):
@@ -96,6 +97,7 @@ class FlowControl:
         self._queued = 0
         self._changed: asyncio.Event | None = None
         self._pump: asyncio.Task | None = None
+        self._releases: collections.deque[dict] = collections.deque(maxlen=RELEASES_KEPT)
 
     # --- reads ---------------------------------------------------------------------------
     @property
@@ -106,6 +108,11 @@ class FlowControl:
         """True when there are replicas and none has room (no replica: the hold's business)."""
         backends = self.backends.all() if candidates is None else candidates
         return bool(backends) and all(self.saturation.saturated(b) for b in backends)
+
+    def recent_releases(self) -> list[dict]:
+        """The last waiters let go, oldest first: priority, tenant and seconds waited. The
+        router's own order (a replica may see two back-to-back sends swapped)."""
+        return list(self._releases)
 
     # --- a request -----------------------------------------------------------------------
     async def admit(self, priority: int, tenant: str) -> Ticket | None:
@@ -208,5 +215,7 @@ class FlowControl:
             if ticket is None or ticket.released.done():
                 continue
             ticket.released.set_result(None)
+            self._releases.append({"priority": ticket.priority, "tenant": ticket.tenant,
+                                   "waited": round(time.monotonic() - ticket.arrived, 3)})
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ticket.sent.wait(), DISPATCH_GRACE)
