@@ -396,6 +396,67 @@ def test_a_row_has_the_same_bits_whatever_rows_come_with_it(flavour, dtype, marc
     assert torch.equal(torch.cat([linear(row[None], packed) for row in x]), pairs), "rows alone"
 
 
+@pytest.mark.parametrize("flavour", ["min32", "symmetric32", "zero32", "int8-g32"])
+def test_streamed_bf16_rows_keep_the_dot_products_bits_at_the_edges(flavour, march):
+    """Streamed bfloat16 rows (decode) run float32 FMAs in the AVX512-BF16 dot product's
+    order, and read denormal x as zero as it does: the same bits as the rows it expands
+    (prefill-sized calls), for x with denormals, zeros of both signs, infinities' neighbours
+    and values from 1e-30 to 1e30 side by side."""
+    n, k = 70, 256
+    if flavour.startswith("int8"):
+        packed = qm.pack_int8(*_int8_case(n, k, 32, seed=3, half=True), 32, _march=march)
+        linear = qm.int8_linear
+    else:
+        packed = qm.pack_int4(*_int4_case(n, k, 32, seed=3, flavour=flavour), 32, _march=march)
+        linear = qm.int4_linear
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(40, k, generator=gen) * 10.0 ** torch.randint(-30, 31, (40, k), generator=gen)
+    bits = x.to(torch.bfloat16).view(torch.int16)
+    denormal = torch.randint(1, 0x7f, (40, k), dtype=torch.int16, generator=gen)
+    pick = torch.rand(40, k, generator=gen)
+    bits = torch.where(pick < 0.1, denormal, bits)  # positive denormals
+    bits = torch.where((pick >= 0.1) & (pick < 0.15), denormal | -0x8000, bits)  # negative
+    bits = torch.where((pick >= 0.15) & (pick < 0.2), torch.tensor(-0x8000, dtype=torch.int16),
+                       bits)  # -0.0
+    x = bits.view(torch.bfloat16)
+    x[3] = (x[3].view(torch.int16) & 0x7f).view(torch.bfloat16)  # a row of denormals (and 0)
+    y = linear(x, packed)  # 40 rows: expanded (or the tiles)
+    streamed = torch.cat([linear(row[None], packed) for row in x])
+    if qm.amx_rows_differ(march, torch.bfloat16, packed):  # the tiles sum in their own order
+        assert torch.equal(streamed, torch.cat([linear(x[i:i + 2], packed)
+                                                for i in range(0, 40, 2)]))
+    else:
+        assert torch.equal(streamed, y)
+    if qm.isa(march) in ("amx", "avx512-bf16") and flavour == "symmetric32":
+        # denormal x read as zero (forms with an offset add z * sum(x), summed unflushed)
+        assert torch.equal(linear(x[3:4], packed), torch.zeros(1, n, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_streamed_bf16_rows_add_each_pair_of_k_odd_first(bits, march):
+    """Where the order shows: x = [1, 2^24, -2^24, 1] against weights of 1. The AVX512-BF16
+    dot product adds k = 1 before k = 0 (2^24 + 1 rounds to 2^24, then 2^24 - 2^24 = 0, then
+    k = 3, k = 2: 0); in k order the sum is 1. Streamed rows (FMAs) take the instruction's
+    order, as its expanded rows do; builds without it (float32 rows) sum in k order."""
+    n, k = 16, 32
+    if bits == 4:
+        qweight = torch.full((n, k // 2), 0x99, dtype=torch.uint8)  # every nibble 9: q - 8 = 1
+        packed = qm.pack_int4(qweight, torch.ones(n, 1), torch.zeros(n, 1), 32, _march=march)
+        linear = qm.int4_linear
+    else:
+        packed = qm.pack_int8(torch.ones(n, k, dtype=torch.int8), torch.ones(n, 1), 32,
+                              _march=march)
+        linear = qm.int8_linear
+    x = torch.zeros(40, k)
+    x[:, :4] = torch.tensor([1.0, 2.0 ** 24, -2.0 ** 24, 1.0])
+    x = x.to(torch.bfloat16)
+    dot = qm.isa(march) in ("amx", "avx512-bf16")
+    want = torch.full((1, n), 0.0 if dot else 1.0, dtype=torch.bfloat16)
+    assert torch.equal(linear(x[:1], packed), want)
+    if not qm.amx_rows_differ(march, torch.bfloat16, packed):  # expanded rows: the instruction
+        assert torch.equal(linear(x, packed), want.expand(40, n))
+
+
 @pytest.mark.parametrize("flavour", ["min16", "symmetric32", "int8-g32"])
 def test_amx_min_rows_one_puts_every_bf16_row_in_one_order(flavour, march):
     """QUIRE_AMX_MIN_ROWS=1 (the library's threshold at 1): on an AMX build every bfloat16
