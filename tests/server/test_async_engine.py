@@ -5,6 +5,7 @@ everyone, and each lifecycle state refuses what it should (and the probes say so
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -395,3 +396,29 @@ def test_a_failed_load_is_dead():
         await ae.shutdown()
         assert ae.state is EngineState.DEAD
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_servers_engine_moves_what_loading_made_out_of_the_collectors_reach(freeze):
+    """freeze_gc (quire serve's engine): once loaded, the objects loading made are frozen, so
+    a full collection no longer walks them; a library engine leaves the collector alone."""
+    made = []
+
+    def load():
+        made.extend([object()] for _ in range(50_000))  # tracked containers, like KV blocks
+        return ScriptedEngine()
+
+    async def main():
+        ae = AsyncLLMEngine(engine_factory=load, freeze_gc=freeze)
+        await ae.start()
+        await ae.wait_ready()
+        frozen = gc.get_freeze_count()
+        await ae.shutdown()
+        return frozen
+
+    gc.unfreeze()
+    try:
+        frozen = asyncio.run(main())
+        assert (frozen >= len(made)) if freeze else frozen == 0
+    finally:
+        gc.unfreeze()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -150,7 +151,8 @@ class AsyncLLMEngine:
     def __init__(self, args: EngineArgs | None = None, *, engine_factory: Callable | None = None,
                  served_model_name: str | None = None, max_queue_len: int | None = None,
                  stats: StatsSink | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 freeze_gc: bool = False) -> None:
         if engine_factory is None:
             if args is None:
                 raise ValueError("give EngineArgs or an engine_factory")
@@ -164,6 +166,10 @@ class AsyncLLMEngine:
         self.stats = stats
         self.stats_log = StatsLog()  # the periodic engine line
         self.on_fatal = on_fatal
+        # a server's engine: what loading made (modules, the block pool's ~300K blocks) is
+        # moved out of the collector's reach once loaded (gc.freeze, as vLLM's engine does):
+        # a full collection walked it all, a ~150 ms pause in whichever step it fell
+        self.freeze_gc = freeze_gc
 
         self.engine = None          # the LLMEngine, once loaded
         self.model_info: ModelInfo | None = None  # once loaded
@@ -388,6 +394,9 @@ class AsyncLLMEngine:
         except Exception as e:  # noqa: BLE001 - a failed load is fatal, whatever it was
             self._die(e, "loading the model failed", traceback_level=logging.DEBUG)
             return
+        if self.freeze_gc:
+            gc.collect()  # (what loading left as garbage goes first, not into the frozen set)
+            gc.freeze()
         if self.stats is not None:
             self.stats.bind(self.served_model_name)
         self._watch_workers(loop)

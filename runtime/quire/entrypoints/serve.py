@@ -219,7 +219,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         args.block_size, args.kv_cache_dtype, args.enable_prefix_caching))
     tracing = start_tracing(ns.otlp_traces_endpoint, "quire")
     engine = AsyncLLMEngine(args, served_model_name=names[0] if names else None,
-                            max_queue_len=ns.max_queue_len, stats=metrics)
+                            max_queue_len=ns.max_queue_len, stats=metrics, freeze_gc=True)
     app = build_app(engine, metrics, api_key=api_key, log_requests=ns.log_requests,
                     limits=limits, trim_memory=ns.trim_idle_memory,
                     tool_call_parser=ns.tool_call_parser,
