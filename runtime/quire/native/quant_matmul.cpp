@@ -1012,12 +1012,15 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
 
 // Whether a bfloat16-x call runs on the tiles: a weight whose groups are whole tiles, and
 // kAmxMinRows rows of x or more. One or two rows (single-sequence decode) keep the
-// AVX512-BF16 chain, which reads them faster: each 32-k tile costs 16 vector stores of the
-// unpacked pairs before the tile unit can load them. One SmolLM2 step's quantized matmuls
-// on the 2-core AMX Xeon (builds alternated in one process, best of 7; ms):
+// AVX512-BF16 chain's sums, which read them faster: each 32-k tile costs 16 vector stores of
+// the unpacked pairs before the tile unit can load them. One SmolLM2 step's quantized
+// matmuls on the 2-core AMX Xeon (builds alternated in one process, best of 7; ms):
 //   M                   1     2     3     4     6     9    16
 //   AVX512-BF16 chain  8.6   9.7  24.6  25.8  31.1  29.0  38.1
 //   AMX tiles         11.1  11.4  11.9  11.6  12.5  13.3  14.8
+// (The chain is now float32 FMAs in the instruction's order, bf16_as_float: small_m.py,
+// 2026-11-30, ms: M = 1 6.4, 2 7.5 on it; 3 9.9, 9 11.1, 16 12.7 on the tiles; with
+// QUIRE_AMX_MIN_ROWS=17 the FMAs took 3 9.6, 4 9.9, 5 11.0, 9 14.8: no threshold moves.)
 // So a row's bits depend on whether its call had fewer than 3 rows (the tile sums a group in
 // its own order, a few float32 ulps from the chain's): batch invariance holds within each
 // side (tests/runtime/test_quant_matmul.py bounds the difference). $QUIRE_AMX_MIN_ROWS=1
