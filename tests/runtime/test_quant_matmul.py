@@ -398,17 +398,20 @@ def test_a_row_has_the_same_bits_whatever_rows_come_with_it(flavour, dtype, marc
 
 @pytest.mark.parametrize("flavour", ["min32", "symmetric32", "zero32", "int8-g32"])
 def test_streamed_bf16_rows_keep_the_dot_products_bits_at_the_edges(flavour, march):
-    """Streamed bfloat16 rows (decode) run float32 FMAs in the AVX512-BF16 dot product's
-    order, and read denormal x as zero as it does: the same bits as the rows it expands
-    (prefill-sized calls), for x with denormals, zeros of both signs and values from 1e-30
-    to 1e30 side by side."""
+    """On an AMX build streamed bfloat16 rows (decode) run float32 FMAs in the AVX512-BF16 dot
+    product's order, and read denormal x as zero as it does: the same bits as the instruction
+    gives them (the avx512_bf16 build's rows, this CPU running both) and as its own expanded
+    rows (prefill-sized calls) on builds without tiles, for x with denormals, zeros of both
+    signs and values from 1e-30 to 1e30 side by side."""
     n, k = 70, 256
-    if flavour.startswith("int8"):
-        packed = qm.pack_int8(*_int8_case(n, k, 32, seed=3, half=True), 32, _march=march)
-        linear = qm.int8_linear
-    else:
-        packed = qm.pack_int4(*_int4_case(n, k, 32, seed=3, flavour=flavour), 32, _march=march)
-        linear = qm.int4_linear
+
+    def pack(build):
+        if flavour.startswith("int8"):
+            return qm.pack_int8(*_int8_case(n, k, 32, seed=3, half=True), 32, _march=build)
+        return qm.pack_int4(*_int4_case(n, k, 32, seed=3, flavour=flavour), 32, _march=build)
+
+    packed = pack(march)
+    linear = qm.int8_linear if flavour.startswith("int8") else qm.int4_linear
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(40, k, generator=gen) * 10.0 ** torch.randint(-30, 31, (40, k), generator=gen)
     bits = x.to(torch.bfloat16).view(torch.int16)
@@ -427,6 +430,10 @@ def test_streamed_bf16_rows_keep_the_dot_products_bits_at_the_edges(flavour, mar
                                                 for i in range(0, 40, 2)]))
     else:
         assert torch.equal(streamed, y)
+    if qm.isa(march) == "amx":  # the FMAs against the instruction itself
+        dot = pack("avx512_bf16")
+        assert qm.isa("avx512_bf16") == "avx512-bf16"
+        assert torch.equal(streamed, torch.cat([linear(row[None], dot) for row in x]))
     if qm.isa(march) in ("amx", "avx512-bf16") and flavour == "symmetric32":
         # denormal x read as zero (forms with an offset add z * sum(x), summed unflushed)
         assert torch.equal(linear(x[3:4], packed), torch.zeros(1, n, dtype=torch.bfloat16))
@@ -436,8 +443,9 @@ def test_streamed_bf16_rows_keep_the_dot_products_bits_at_the_edges(flavour, mar
 def test_streamed_bf16_rows_add_each_pair_of_k_odd_first(bits, march):
     """Where the order shows: x = [1, 2^24, -2^24, 1] against weights of 1. The AVX512-BF16
     dot product adds k = 1 before k = 0 (2^24 + 1 rounds to 2^24, then 2^24 - 2^24 = 0, then
-    k = 3, k = 2: 0); in k order the sum is 1. Streamed rows (FMAs) take the instruction's
-    order, as its expanded rows do; builds without it (float32 rows) sum in k order."""
+    k = 3, k = 2: 0); in k order the sum is 1. An AMX build's streamed rows (FMAs) take the
+    instruction's order, as its own rows do; builds without it (float32 rows) sum in k
+    order."""
     n, k = 16, 32
     if bits == 4:
         qweight = torch.full((n, k // 2), 0x99, dtype=torch.uint8)  # every nibble 9: q - 8 = 1

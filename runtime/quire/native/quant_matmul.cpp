@@ -28,9 +28,9 @@
 // Vector paths: AVX-512 (16 lanes), AVX2 (two 8-lane halves), plain C++ otherwise; all three
 // share the kernel through the small V type. Where the CPU has AVX512-BF16, bfloat16 x uses
 // its dot product instead (int4 always, int8 where G is even; the integers are exact
-// bfloat16 values, products exact, sums float32: same rounding, half the instructions) where
-// it expands blocks; streamed rows (decode) run float32 FMAs in the instruction's order, for
-// the same bits at twice its issue rate (bf16_as_float). An
+// bfloat16 values, products exact, sums float32: same rounding, half the instructions); on
+// an AMX build, streamed rows (decode) run float32 FMAs in the instruction's order instead,
+// for the same bits at twice its issue rate there (bf16_as_float). An
 // AMX build runs such calls of 3 rows or more on the tile unit (linear_amx: 16 rows of x per
 // tile product, for about the cost of one; prefill 3x the dot product). OpenMP over row blocks with the
 // thread count the caller passes (torch's: the same libgomp and pool once torch is loaded).
@@ -1018,7 +1018,7 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
 //   M                   1     2     3     4     6     9    16
 //   AVX512-BF16 chain  8.6   9.7  24.6  25.8  31.1  29.0  38.1
 //   AMX tiles         11.1  11.4  11.9  11.6  12.5  13.3  14.8
-// (The chain is now float32 FMAs in the instruction's order, bf16_as_float: small_m.py,
+// (On AMX builds the chain is now float32 FMAs in the instruction's order, bf16_as_float: small_m.py,
 // 2026-11-30, ms: M = 1 6.4, 2 7.5 on it; 3 9.9, 9 11.1, 16 12.7 on the tiles; with
 // QUIRE_AMX_MIN_ROWS=17 the FMAs took 3 9.6, 4 9.9, 5 11.0, 9 14.8: no threshold moves.)
 // So a row's bits depend on whether its call had fewer than 3 rows (the tile sums a group in
@@ -1252,15 +1252,17 @@ void dequantized_form(const uint16_t* x, uint16_t* y, int64_t M, int threads, bo
 }
 #endif
 
-#if defined(__AVX512BF16__)
-// Streaming rows of bfloat16 x (decode) on the AVX512-BF16 path: the same sums on float32
+#if defined(__AMX_BF16__)
+// Streaming rows of bfloat16 x (decode) on an AMX build: the AVX512-BF16 path's sums on float32
 // FMAs. vdpbf16ps adds a pair's two products in turn (k + 1 first), each product exact in
 // float32 (8-bit by at most 8-bit significands) and each sum rounded to nearest even: an FMA
 // chain in that order gives the same bits. The instruction also reads denormal inputs as zero
 // (done here, once a call) and flushes denormal results, which a float32 sum keeps: those
 // arise only where a group's products are all below ~1e-36, and there the last bits may
 // differ. On the AMX Xeon vdpbf16ps issues one per ~2 cycles to the FMA's two a cycle, so a
-// decode step ran 10% faster (benchmarks/decode_profile.py --baseline).
+// decode step ran 10% faster (benchmarks/decode_profile.py --baseline). Only there: AMD's
+// AVX512-BF16 CPUs (Zen 4 / 5, no AMX) issue it at the FMA's rate, where the instruction's one
+// operation a pair of k should win, and were not measured with this.
 inline const std::vector<float>& bf16_as_float(const uint16_t* xb, int64_t n) {
   static thread_local std::vector<float> xd;  // (read by this call's threads only)
   xd.resize(n);
@@ -1282,7 +1284,6 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
       else linear_amx<Form, float>(xb, xsum, y, M, dtype, threads, w);
       return;
     }
-#endif
     if (M <= kStreamRows) {  // streaming rows: float FMAs in the dot product's order
       const std::vector<float>& xd = bf16_as_float(xb, M * w.K);
       Weight pairs = w;
@@ -1291,6 +1292,7 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
       else linear<Form, float>(xd.data(), xsum, y, M, dtype, threads, pairs);
       return;
     }
+#endif
     if (half) linear<Form, uint16_t>(xb, xsum, y, M, dtype, threads, w);
     else linear<Form, float>(xb, xsum, y, M, dtype, threads, w);
     return;
