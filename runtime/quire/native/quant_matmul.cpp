@@ -552,28 +552,22 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
             for (int m = 0; m < MT; ++m)
               part[b][m] = vfma(vset(x[m * K + k]), wk, part[b][m]);
           }
-      } else if (w.odd_first) {  // (bf16_as_float)
-        for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp)
-          for (int b = 0; b < B; ++b) {
-            V even, odd;
-            const uint8_t* p = q + b * block_bytes + kp * kRows;
-            if (Form == kInt4Min) load_int4(p, even, odd); else load_sint4(p, even, odd);
-            for (int m = 0; m < MT; ++m) {
-              part[b][m] = vfma(vset(x[m * K + 2 * kp + 1]), odd, part[b][m]);
-              part[b][m] = vfma(vset(x[m * K + 2 * kp]), even, part[b][m]);
-            }
-          }
       } else {  // k0, k1 even (groups of 32, 64, 128)
-        for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp)
-          for (int b = 0; b < B; ++b) {
-            V even, odd;
-            const uint8_t* p = q + b * block_bytes + kp * kRows;
-            if (Form == kInt4Min) load_int4(p, even, odd); else load_sint4(p, even, odd);
-            for (int m = 0; m < MT; ++m) {
-              part[b][m] = vfma(vset(x[m * K + 2 * kp]), even, part[b][m]);
-              part[b][m] = vfma(vset(x[m * K + 2 * kp + 1]), odd, part[b][m]);
+        // each pair of k in k order, or k + 1 first (w.odd_first: bf16_as_float)
+        const auto pairs = [&](auto odd_first) {
+          constexpr int first = decltype(odd_first)::value ? 1 : 0;
+          for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp)
+            for (int b = 0; b < B; ++b) {
+              V wk[2];  // [even k, odd k]
+              const uint8_t* p = q + b * block_bytes + kp * kRows;
+              if (Form == kInt4Min) load_int4(p, wk[0], wk[1]); else load_sint4(p, wk[0], wk[1]);
+              for (int m = 0; m < MT; ++m) {
+                part[b][m] = vfma(vset(x[m * K + 2 * kp + first]), wk[first], part[b][m]);
+                part[b][m] = vfma(vset(x[m * K + 2 * kp + 1 - first]), wk[1 - first], part[b][m]);
+              }
             }
-          }
+        };
+        if (w.odd_first) pairs(std::true_type{}); else pairs(std::false_type{});
       }
     } else {
 #if defined(__AVX512BF16__)
