@@ -47,14 +47,11 @@
 #include <omp.h>
 #endif
 
+#include "amx.h"
 #include "bf16.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -890,19 +887,7 @@ inline bool bf16_direct(int form, int64_t G) {
 constexpr int kAmxRows = 16;  // rows of x per A tile
 constexpr int kAmxK = 32;     // k per tile product (64 bytes of bfloat16 per row)
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// The kernel lets a process use the tile registers only after it asks (Linux 5.16+); torch's
-// oneDNN asks too. Once per process; false where the kernel or the VM refuses.
-inline bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
+using quire_amx::TileConfig, quire_amx::amx_permitted;
 
 // Up to kAmxGroups groups are in flight at once, each in its own tiles: group j of a batch
 // sums into C tile j from A tile 4 + j % 2 (mt rows of 32 bfloat16 x) and B tile 6 + j % 2

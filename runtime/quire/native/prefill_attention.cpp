@@ -1,0 +1,329 @@
+// Causal attention of a prefill chunk on the AMX tiles: bfloat16 q, k and v in, bfloat16 out,
+// float32 scores, softmax and sums. The chunk's L query rows sit at the end of the ctx keys
+// (positions ctx - L .. ctx - 1: a fresh prompt has ctx = L, a chunk over a cached prefix
+// passes its gathered K/V). No window, soft-capping or sinks.
+//
+// Why not torch's SDPA: on the 2-core AMX Xeon its CPU flash kernel ran a 512-token SmolLM2
+// layer (9 heads, 3 KV heads, head_dim 64) in ~1.0-1.3 ms, ~30% of a bfloat16 prefill.
+// Attention at head_dim 64 is bound by the softmax's vector work, so this kernel keeps every
+// vector operation full width and leaves the rest to the tiles:
+// - work items are (head, 16 query rows); for each, the scores of every key it sees are
+//   computed first (S = Q . K^T, the rows' 16 x keys scores in C tiles four at a time), so
+//   each row's max is known before any exp: no running max, no rescaling of partial sums;
+// - the softmax walks each row in 16-key vectors (its own exp, below), and writes the row's
+//   probabilities as bfloat16 in key order, which is the A tile layout of P . V as it lies;
+// - P . V sums every key in the C tiles (four of 16 columns of d at once) and each row is
+//   divided by its sum once, at the end.
+// K and V are laid out once a call as B tiles (pairs of d down and keys across for K, pairs
+// of keys down and d across for V) for every KV head, zero-padded past ctx. Probabilities
+// are rounded to bfloat16 for their product with V, as torch's CPU flash kernel does.
+//
+// Plain C++ with a C ABI, no torch headers, called through ctypes
+// (native/prefill_attention.py); a build without AMX says so (quire_prefill_attention_ready).
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+
+#include "amx.h"
+
+#if defined(__AMX_BF16__)
+#include <immintrin.h>
+
+namespace {
+
+using quire_amx::TileConfig, quire_amx::amx_permitted;
+
+constexpr int kRows = 16;     // query rows per item: an A tile's rows
+constexpr int kKeys = 16;     // keys per score tile: a B tile's columns
+constexpr int kMaxDim = 256;  // head_dim, a multiple of 32
+
+void configure() {  // every tile 16 rows of 64 bytes
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = kRows;
+  }
+  _tile_loadconfig(&c);
+}
+
+// 2^t for t <= 0 (a scaled score less its row's max, in units of log2): t = n + f with
+// |f| <= 1/2, 2^f by its Taylor polynomial of degree 6 (within ~1 float32 ulp), times 2^n.
+// Below -126 it gives ~1e-38 instead of less: nothing beside the row's max (1) can tell.
+inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.540353039338161e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline uint32_t pair(uint16_t lo, uint16_t hi) { return lo | (uint32_t(hi) << 16); }
+
+// KV head hk's K and V as the B tiles of the two products, each tile's 16 rows of 64 bytes
+// contiguous (1 KB a tile: a strided tile of rows 2 KB apart ran the products ~2x slower):
+// - K: kt[key / 16][d pair][key % 16], the score product's (d pairs down, keys across);
+// - V: vv[key / 32][d / 16][key pair % 16][d % 16], the value product's (pairs of keys down,
+//   d across).
+// Keys in [key0, key1) (multiples of 32), those past ctx zeros.
+void lay_out_kv(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int hk,
+                int D,
+                int64_t ctx, int64_t key0, int64_t key1, uint32_t* kt, uint32_t* vv) {
+  const uint16_t* kh = k + int64_t(hk) * D;
+  const uint16_t* vh = v + int64_t(hk) * D;
+  for (int64_t key = key0; key < key1; ++key) {
+    const uint16_t* row = key < ctx ? kh + key * k_stride : nullptr;
+    uint32_t* dst = kt + key / 16 * (D / 2 * 16) + key % 16;
+    for (int i = 0; i < D / 2; ++i) dst[i * 16] = row ? pair(row[2 * i], row[2 * i + 1]) : 0u;
+  }
+  for (int64_t key = key0; key < key1; key += 2) {
+    const uint16_t* even = key < ctx ? vh + key * v_stride : nullptr;
+    const uint16_t* odd = key + 1 < ctx ? vh + (key + 1) * v_stride : nullptr;
+    uint32_t* dst = vv + key / 32 * (16 * D) + key % 32 / 2 * 16;
+    for (int d = 0; d < D; ++d)
+      dst[d / 16 * 256 + d % 16] = pair(even ? even[d] : 0, odd ? odd[d] : 0);
+  }
+}
+
+struct Scratch {  // one thread's buffers, grown to the call's longest item
+  std::vector<float> scores;   // [16 rows][keys]
+  std::vector<uint16_t> probs;  // [16 rows][keys] bfloat16
+  alignas(64) float acc[kRows * kMaxDim];
+  alignas(64) uint16_t qpad[kRows * kMaxDim];
+};
+
+// Scores of 16 query rows (A: `qrows`, row stride qs elements) against keys [0, nk16), nk16 a
+// multiple of 16, into S [16][ks]: C tiles 0-3 take 4 key blocks at a time, A tiles 4 and 7
+// the rows' q 32 wide in turn, B tiles 5 and 6 the key blocks' K in turn. (A tile is not
+// renamed: loading the one a product still reads waits for it, hence two of each. The tile
+// intrinsics paste their register numbers into the instruction: literals, hence the macros.)
+void score_rows(const uint16_t* qrows, int64_t qs, const uint32_t* kt, int D,
+                int64_t nk16, float* S, int64_t ks) {
+#define QUIRE_SCORE_TILE(C, A, B, T)                                                  \
+  if (count > T) {                                                                    \
+    _tile_loadd(B, kt + (key0 / kKeys + T) * (D / 2 * 16) + s * 256, 64);         \
+    _tile_dpbf16ps(C, A, B);                                                          \
+  }
+#define QUIRE_SCORE_SLICE(A)                  \
+  _tile_loadd(A, qrows + 32 * s, qs * 2);     \
+  QUIRE_SCORE_TILE(0, A, 5, 0)                \
+  QUIRE_SCORE_TILE(1, A, 6, 1)                \
+  QUIRE_SCORE_TILE(2, A, 5, 2)                \
+  QUIRE_SCORE_TILE(3, A, 6, 3)
+  for (int64_t key0 = 0; key0 < nk16; key0 += 4 * kKeys) {
+    const int64_t count = std::min<int64_t>(4, (nk16 - key0) / kKeys);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int s = 0;
+    for (; s + 1 < D / 32; s += 2) {
+      QUIRE_SCORE_SLICE(4)
+      ++s;
+      QUIRE_SCORE_SLICE(7)
+      --s;
+    }
+    if (s < D / 32) {
+      QUIRE_SCORE_SLICE(4)
+    }
+    _tile_stored(0, S + key0, ks * 4);
+    if (count > 1) _tile_stored(1, S + key0 + kKeys, ks * 4);
+    if (count > 2) _tile_stored(2, S + key0 + 2 * kKeys, ks * 4);
+    if (count > 3) _tile_stored(3, S + key0 + 3 * kKeys, ks * 4);
+  }
+#undef QUIRE_SCORE_SLICE
+#undef QUIRE_SCORE_TILE
+}
+
+// Row r of S (keys [0, n), n >= 1, the rest masked) into bfloat16 probabilities P[0, n32)
+// (n32 a multiple of 32, zeros past n), returning 1 / the row's sum.
+float softmax_row(const float* S, int64_t n, int64_t n32, float scale, uint16_t* P) {
+  const int64_t full = n / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
+  const __m512 lowest = _mm512_set1_ps(-__builtin_inff());
+  __m512 m0 = lowest, m1 = lowest;
+  int64_t j = 0;
+  for (; j + 1 < full; j += 2) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(S + 16 * j));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(S + 16 * j + 16));
+  }
+  if (j < full) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(S + 16 * j));
+  if (tail) m1 = _mm512_mask_max_ps(m1, tail, m1, _mm512_maskz_loadu_ps(tail, S + 16 * full));
+  // the scale is positive: the max of the scaled scores is the scaled max; exp(x) = 2^(x
+  // log2 e), the factor taken into the scale (one rounding of s * scale * log2 e - max)
+  const float to_log2 = scale * 1.44269504088896341f;
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) * to_log2);
+  const __m512 scaled = _mm512_set1_ps(to_log2);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n32 / 16; b += 2) {
+    const __mmask16 k0 = b < full ? __mmask16(0xffff) : b == full ? tail : __mmask16(0);
+    const __mmask16 k1 = b + 1 < full ? __mmask16(0xffff) : b + 1 == full ? tail : __mmask16(0);
+    const __m512 p0 = _mm512_maskz_mov_ps(
+        k0, exp2_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k0, S + 16 * b), scaled, top)));
+    const __m512 p1 = _mm512_maskz_mov_ps(
+        k1, exp2_nonpositive(
+                _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k1, S + 16 * b + 16), scaled, top)));
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+    // keys 16b .. 16b + 15 then 16b + 16 .. 16b + 31, in order
+    _mm512_storeu_si512(P + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+  return 1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+// out rows of one item: C tiles 0-3 sum 4 slices of 16 d at a time over the keys' 32-wide
+// steps (A tiles 4 and 7: P's rows, in turn; B tiles 5 and 6: V's pairs of keys, in turn),
+// into acc [16][D].
+void value_rows(const uint16_t* P, int64_t n32, const uint32_t* vv, int D, float* acc) {
+#define QUIRE_VALUE_TILE(C, A, B, T)                                         \
+  if (count > T) {                                                           \
+    _tile_loadd(B, vv + key0 / 32 * (16 * D) + (d0 / 16 + T) * 256, 64);         \
+    _tile_dpbf16ps(C, A, B);                                                 \
+  }
+#define QUIRE_VALUE_STEP(A)                  \
+  _tile_loadd(A, P + key0, n32 * 2);         \
+  QUIRE_VALUE_TILE(0, A, 5, 0)               \
+  QUIRE_VALUE_TILE(1, A, 6, 1)               \
+  QUIRE_VALUE_TILE(2, A, 5, 2)               \
+  QUIRE_VALUE_TILE(3, A, 6, 3)
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    const int count = std::min(4, (D - d0) / 16);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int64_t key0 = 0;
+    for (; key0 + 32 < n32; key0 += 64) {
+      QUIRE_VALUE_STEP(4)
+      key0 += 32;
+      QUIRE_VALUE_STEP(7)
+      key0 -= 32;
+    }
+    if (key0 < n32) {
+      QUIRE_VALUE_STEP(4)
+    }
+    _tile_stored(0, acc + d0, D * 4);
+    _tile_stored(1, acc + d0 + 16, D * 4);
+    if (count > 2) _tile_stored(2, acc + d0 + 32, D * 4);
+    if (count > 3) _tile_stored(3, acc + d0 + 48, D * 4);
+  }
+#undef QUIRE_VALUE_STEP
+#undef QUIRE_VALUE_TILE
+}
+
+// One item: head h, query rows r0 .. r0 + rows - 1 (rows <= 16) at positions offset + r.
+void attend_rows(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out_stride, int h,
+                 int D, int64_t r0, int64_t rows, int64_t offset, const uint32_t* kt,
+                 const uint32_t* vv, float scale, Scratch& w) {
+  const int64_t nk = offset + r0 + rows;  // keys the last row sees
+  const int64_t nk16 = (nk + 15) / 16 * 16, nk32 = (nk + 31) / 32 * 32;
+  if (static_cast<int64_t>(w.scores.size()) < kRows * nk16) w.scores.resize(kRows * nk16);
+  if (static_cast<int64_t>(w.probs.size()) < kRows * nk32) w.probs.resize(kRows * nk32);
+  const uint16_t* qrows = q + r0 * q_stride + int64_t(h) * D;
+  int64_t qs = q_stride;
+  if (rows < kRows) {  // the chunk's last rows: a zero-padded copy (no reads past the end)
+    std::fill(w.qpad, w.qpad + kRows * D, uint16_t{0});
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(qrows + r * q_stride, qrows + r * q_stride + D, w.qpad + r * D);
+    qrows = w.qpad;
+    qs = D;
+  }
+  score_rows(qrows, qs, kt, D, nk16, w.scores.data(), nk16);
+  alignas(64) float inv[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    uint16_t* prow = w.probs.data() + r * nk32;
+    if (r < rows)
+      inv[r] = softmax_row(w.scores.data() + r * nk16, offset + r0 + r + 1, nk32, scale, prow);
+    else
+      std::fill(prow, prow + nk32, uint16_t{0});
+  }
+  value_rows(w.probs.data(), nk32, vv, D, w.acc);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* dst = out + (r0 + r) * out_stride + int64_t(h) * D;
+    const __m512 f = _mm512_set1_ps(inv[r]);
+    for (int d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                              _mm512_loadu_ps(w.acc + r * D + d), f)));
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// 1 where this build runs the kernel on the tiles and the process may use them
+int quire_prefill_attention_ready() {
+#if defined(__AMX_BF16__)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// out[t, h] = softmax over keys s <= ctx - L + t of scale * q[t, h] . k[s, h / (H / Hk)],
+// times v: q [L, H, D] with row stride q_stride (elements), k and v [ctx, Hk, D] with row
+// strides k_stride and v_stride, out [L, H, D] with row stride out_stride; each row's heads
+// contiguous.
+// Returns 0, or 1 where it does not run (no tiles; D not a multiple of 32 or above 256; H not
+// a multiple of Hk; ctx < L; scale not positive).
+int quire_prefill_attention(const void* q, const void* k, const void* v, void* out, int64_t L,
+                            int64_t ctx, int H, int Hk, int D, int64_t q_stride,
+                            int64_t k_stride, int64_t v_stride, int64_t out_stride, float scale,
+                            int threads) {
+#if defined(__AMX_BF16__)
+  if (!amx_permitted() || D % 32 != 0 || D <= 0 || D > kMaxDim || Hk <= 0 || H % Hk != 0 ||
+      ctx < L || !(scale > 0.f))
+    return 1;
+  if (L <= 0) return 0;
+  const int64_t keys = (ctx + 31) / 32 * 32, blocks = (L + kRows - 1) / kRows;
+  const int64_t kv_size = int64_t(D / 2) * keys;  // uint32 pairs per head, K's and V's alike
+  std::vector<uint32_t> kt(Hk * kv_size), vv(Hk * kv_size);
+  const auto* qb = static_cast<const uint16_t*>(q);
+  const auto* kb = static_cast<const uint16_t*>(k);
+  const auto* vb = static_cast<const uint16_t*>(v);
+  auto* ob = static_cast<uint16_t*>(out);
+  const int group = H / Hk;
+  const int64_t offset = ctx - L;
+  const int64_t spans = (keys + 63) / 64;  // K/V laid out in spans of 64 keys per head
+#pragma omp parallel num_threads(std::max(1, threads))
+  {
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < Hk * spans; ++job) {
+      const int hk = static_cast<int>(job / spans);
+      const int64_t key0 = job % spans * 64;
+      lay_out_kv(kb, k_stride, vb, v_stride, hk, D, ctx, key0, std::min(keys, key0 + 64),
+                 kt.data() + hk * kv_size, vv.data() + hk * kv_size);
+    }
+    static thread_local Scratch scratch;
+    configure();
+    // the longest items (the last rows see the most keys) first
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * blocks; ++item) {
+      const int64_t block = blocks - 1 - item / H;
+      const int h = static_cast<int>(item % H);
+      const int64_t r0 = block * kRows;
+      attend_rows(qb, q_stride, ob, out_stride, h, D, r0, std::min<int64_t>(kRows, L - r0),
+                  offset, kt.data() + (h / group) * kv_size, vv.data() + (h / group) * kv_size,
+                  scale, scratch);
+    }
+    _tile_release();
+  }
+  return 0;
+#else
+  (void)q, (void)k, (void)v, (void)out, (void)L, (void)ctx, (void)H, (void)Hk, (void)D,
+      (void)q_stride, (void)k_stride, (void)v_stride, (void)out_stride, (void)scale, (void)threads;
+  return 1;
+#endif
+}
+
+}  // extern "C"
