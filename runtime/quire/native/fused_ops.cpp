@@ -13,6 +13,7 @@
 //
 // Plain C++ with a C ABI, called through ctypes. dtype codes: 0 = float32, 1 = bfloat16.
 #pragma GCC optimize("fp-contract=off")
+#pragma GCC target("prefer-vector-width=512")
 #include <cmath>
 #include <cstdint>
 #include <cstring>

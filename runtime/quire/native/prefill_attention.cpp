@@ -37,6 +37,7 @@ using quire_amx::TileConfig, quire_amx::amx_permitted;
 
 constexpr int kRows = 16;     // query rows per item: an A tile's rows
 constexpr int kKeys = 16;     // keys per score tile: a B tile's columns
+constexpr int kItemRows = 32; // query rows per item: two A tiles
 constexpr int kMaxDim = 256;  // head_dim, a multiple of 32
 
 void configure() {  // every tile 16 rows of 64 bytes
@@ -94,53 +95,41 @@ void lay_out_kv(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t 
 }
 
 struct Scratch {  // one thread's buffers, grown to the call's longest item
-  std::vector<float> scores;   // [16 rows][keys]
-  std::vector<uint16_t> probs;  // [16 rows][keys] bfloat16
-  alignas(64) float acc[kRows * kMaxDim];
-  alignas(64) uint16_t qpad[kRows * kMaxDim];
+  std::vector<float> scores;    // [32 rows][keys]
+  std::vector<uint16_t> probs;  // [32 rows][keys] bfloat16
+  alignas(64) float acc[kItemRows * kMaxDim];
+  alignas(64) uint16_t qpad[kItemRows * kMaxDim];
 };
 
-// Scores of 16 query rows (A: `qrows`, row stride qs elements) against keys [0, nk16), nk16 a
-// multiple of 16, into S [16][ks]: C tiles 0-3 take 4 key blocks at a time, A tiles 4 and 7
-// the rows' q 32 wide in turn, B tiles 5 and 6 the key blocks' K in turn. (A tile is not
-// renamed: loading the one a product still reads waits for it, hence two of each. The tile
-// intrinsics paste their register numbers into the instruction: literals, hence the macros.)
-void score_rows(const uint16_t* qrows, int64_t qs, const uint32_t* kt, int D,
-                int64_t nk16, float* S, int64_t ks) {
-#define QUIRE_SCORE_TILE(C, A, B, T)                                                  \
-  if (count > T) {                                                                    \
-    _tile_loadd(B, kt + (key0 / kKeys + T) * (D / 2 * 16) + s * 256, 64);         \
-    _tile_dpbf16ps(C, A, B);                                                          \
-  }
-#define QUIRE_SCORE_SLICE(A)                  \
-  _tile_loadd(A, qrows + 32 * s, qs * 2);     \
-  QUIRE_SCORE_TILE(0, A, 5, 0)                \
-  QUIRE_SCORE_TILE(1, A, 6, 1)                \
-  QUIRE_SCORE_TILE(2, A, 5, 2)                \
-  QUIRE_SCORE_TILE(3, A, 6, 3)
-  for (int64_t key0 = 0; key0 < nk16; key0 += 4 * kKeys) {
-    const int64_t count = std::min<int64_t>(4, (nk16 - key0) / kKeys);
+// Scores of 32 query rows (two A tiles of 16: `qrows`, row stride qs elements) against keys
+// [0, nk32), into S [32][nk32]: per 32 keys, C tiles 0-3 are (rows 0-15, 16-31) x (keys 0-15,
+// 16-31), A tiles 4 and 5 the two row blocks' q 32 wide, B tiles 6 and 7 the two key
+// blocks' K: each K tile serves both row blocks (a tile per product from L2 was ~1/4 of
+// the kernel). (The tile intrinsics paste their register numbers into the instruction:
+// literals.)
+void score_rows(const uint16_t* qrows, int64_t qs, const uint32_t* kt, int D, int64_t nk32,
+                float* S) {
+  for (int64_t key0 = 0; key0 < nk32; key0 += 32) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    int s = 0;
-    for (; s + 1 < D / 32; s += 2) {
-      QUIRE_SCORE_SLICE(4)
-      ++s;
-      QUIRE_SCORE_SLICE(7)
-      --s;
+    const uint32_t* k0 = kt + key0 / kKeys * (D / 2 * 16);
+    for (int s = 0; s < D / 32; ++s) {
+      _tile_loadd(4, qrows + 32 * s, qs * 2);
+      _tile_loadd(6, k0 + s * 256, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, qrows + 16 * qs + 32 * s, qs * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, k0 + (D / 2 * 16) + s * 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    if (s < D / 32) {
-      QUIRE_SCORE_SLICE(4)
-    }
-    _tile_stored(0, S + key0, ks * 4);
-    if (count > 1) _tile_stored(1, S + key0 + kKeys, ks * 4);
-    if (count > 2) _tile_stored(2, S + key0 + 2 * kKeys, ks * 4);
-    if (count > 3) _tile_stored(3, S + key0 + 3 * kKeys, ks * 4);
+    _tile_stored(0, S + key0, nk32 * 4);
+    _tile_stored(1, S + key0 + kKeys, nk32 * 4);
+    _tile_stored(2, S + 16 * nk32 + key0, nk32 * 4);
+    _tile_stored(3, S + 16 * nk32 + key0 + kKeys, nk32 * 4);
   }
-#undef QUIRE_SCORE_SLICE
-#undef QUIRE_SCORE_TILE
 }
 
 // Row r of S (keys [0, n), n >= 1, the rest masked) into bfloat16 probabilities P[0, n32)
@@ -179,69 +168,57 @@ float softmax_row(const float* S, int64_t n, int64_t n32, float scale, uint16_t*
   return 1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
-// out rows of one item: C tiles 0-3 sum 4 slices of 16 d at a time over the keys' 32-wide
-// steps (A tiles 4 and 7: P's rows, in turn; B tiles 5 and 6: V's pairs of keys, in turn),
-// into acc [16][D].
+// out rows of one item, acc [32][D]: per 32 d, C tiles 0-3 are (rows 0-15, 16-31) x (d 0-15,
+// 16-31), summed over the keys' 32-wide steps: A tiles 4 and 5 the two row blocks' P, B tiles
+// 6 and 7 V's pairs of keys for the two slices of d (each V tile serves both row blocks).
 void value_rows(const uint16_t* P, int64_t n32, const uint32_t* vv, int D, float* acc) {
-#define QUIRE_VALUE_TILE(C, A, B, T)                                         \
-  if (count > T) {                                                           \
-    _tile_loadd(B, vv + key0 / 32 * (16 * D) + (d0 / 16 + T) * 256, 64);         \
-    _tile_dpbf16ps(C, A, B);                                                 \
-  }
-#define QUIRE_VALUE_STEP(A)                  \
-  _tile_loadd(A, P + key0, n32 * 2);         \
-  QUIRE_VALUE_TILE(0, A, 5, 0)               \
-  QUIRE_VALUE_TILE(1, A, 6, 1)               \
-  QUIRE_VALUE_TILE(2, A, 5, 2)               \
-  QUIRE_VALUE_TILE(3, A, 6, 3)
-  for (int d0 = 0; d0 < D; d0 += 64) {
-    const int count = std::min(4, (D - d0) / 16);
+  for (int d0 = 0; d0 < D; d0 += 32) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    int64_t key0 = 0;
-    for (; key0 + 32 < n32; key0 += 64) {
-      QUIRE_VALUE_STEP(4)
-      key0 += 32;
-      QUIRE_VALUE_STEP(7)
-      key0 -= 32;
-    }
-    if (key0 < n32) {
-      QUIRE_VALUE_STEP(4)
+    for (int64_t key0 = 0; key0 < n32; key0 += 32) {
+      const uint32_t* v0 = vv + key0 / 32 * (16 * D) + d0 / 16 * 256;
+      _tile_loadd(4, P + key0, n32 * 2);
+      _tile_loadd(6, v0, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, P + 16 * n32 + key0, n32 * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, v0 + 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
     }
     _tile_stored(0, acc + d0, D * 4);
     _tile_stored(1, acc + d0 + 16, D * 4);
-    if (count > 2) _tile_stored(2, acc + d0 + 32, D * 4);
-    if (count > 3) _tile_stored(3, acc + d0 + 48, D * 4);
+    _tile_stored(2, acc + 16 * D + d0, D * 4);
+    _tile_stored(3, acc + 16 * D + d0 + 16, D * 4);
   }
-#undef QUIRE_VALUE_STEP
-#undef QUIRE_VALUE_TILE
 }
 
-// One item: head h, query rows r0 .. r0 + rows - 1 (rows <= 16) at positions offset + r.
+// One item: head h, query rows r0 .. r0 + rows - 1 (rows <= 32) at positions offset + r.
 void attend_rows(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out_stride, int h,
                  int D, int64_t r0, int64_t rows, int64_t offset, const uint32_t* kt,
                  const uint32_t* vv, float scale, Scratch& w) {
   const int64_t nk = offset + r0 + rows;  // keys the last row sees
-  const int64_t nk16 = (nk + 15) / 16 * 16, nk32 = (nk + 31) / 32 * 32;
-  if (static_cast<int64_t>(w.scores.size()) < kRows * nk16) w.scores.resize(kRows * nk16);
-  if (static_cast<int64_t>(w.probs.size()) < kRows * nk32) w.probs.resize(kRows * nk32);
+  const int64_t nk32 = (nk + 31) / 32 * 32;
+  if (static_cast<int64_t>(w.scores.size()) < kItemRows * nk32)
+    w.scores.resize(kItemRows * nk32);
+  if (static_cast<int64_t>(w.probs.size()) < kItemRows * nk32) w.probs.resize(kItemRows * nk32);
   const uint16_t* qrows = q + r0 * q_stride + int64_t(h) * D;
   int64_t qs = q_stride;
-  if (rows < kRows) {  // the chunk's last rows: a zero-padded copy (no reads past the end)
-    std::fill(w.qpad, w.qpad + kRows * D, uint16_t{0});
+  if (rows < kItemRows) {  // the chunk's last rows: a zero-padded copy (no reads past the end)
+    std::fill(w.qpad, w.qpad + kItemRows * D, uint16_t{0});
     for (int64_t r = 0; r < rows; ++r)
       std::copy(qrows + r * q_stride, qrows + r * q_stride + D, w.qpad + r * D);
     qrows = w.qpad;
     qs = D;
   }
-  score_rows(qrows, qs, kt, D, nk16, w.scores.data(), nk16);
-  alignas(64) float inv[kRows];
-  for (int64_t r = 0; r < kRows; ++r) {
+  score_rows(qrows, qs, kt, D, nk32, w.scores.data());
+  alignas(64) float inv[kItemRows];
+  for (int64_t r = 0; r < kItemRows; ++r) {
     uint16_t* prow = w.probs.data() + r * nk32;
     if (r < rows)
-      inv[r] = softmax_row(w.scores.data() + r * nk16, offset + r0 + r + 1, nk32, scale, prow);
+      inv[r] = softmax_row(w.scores.data() + r * nk32, offset + r0 + r + 1, nk32, scale, prow);
     else
       std::fill(prow, prow + nk32, uint16_t{0});
   }
@@ -285,9 +262,14 @@ int quire_prefill_attention(const void* q, const void* k, const void* v, void* o
       ctx < L || !(scale > 0.f))
     return 1;
   if (L <= 0) return 0;
-  const int64_t keys = (ctx + 31) / 32 * 32, blocks = (L + kRows - 1) / kRows;
+  const int64_t keys = (ctx + 31) / 32 * 32, blocks = (L + kItemRows - 1) / kItemRows;
   const int64_t kv_size = int64_t(D / 2) * keys;  // uint32 pairs per head, K's and V's alike
-  std::vector<uint32_t> kt(Hk * kv_size), vv(Hk * kv_size);
+  // the caller's thread keeps the layouts' buffer from call to call: a fresh one (~0.4 MB at
+  // 512 tokens) cost its page faults and zeroing every layer (574 -> 507 us, 512 tokens)
+  static thread_local std::vector<uint32_t> layouts;
+  if (static_cast<int64_t>(layouts.size()) < 2 * Hk * kv_size) layouts.resize(2 * Hk * kv_size);
+  uint32_t* const kt = layouts.data();
+  uint32_t* const vv = kt + Hk * kv_size;
   const auto* qb = static_cast<const uint16_t*>(q);
   const auto* kb = static_cast<const uint16_t*>(k);
   const auto* vb = static_cast<const uint16_t*>(v);
@@ -302,7 +284,7 @@ int quire_prefill_attention(const void* q, const void* k, const void* v, void* o
       const int hk = static_cast<int>(job / spans);
       const int64_t key0 = job % spans * 64;
       lay_out_kv(kb, k_stride, vb, v_stride, hk, D, ctx, key0, std::min(keys, key0 + 64),
-                 kt.data() + hk * kv_size, vv.data() + hk * kv_size);
+                 kt + hk * kv_size, vv + hk * kv_size);
     }
     static thread_local Scratch scratch;
     configure();
@@ -311,9 +293,9 @@ int quire_prefill_attention(const void* q, const void* k, const void* v, void* o
     for (int64_t item = 0; item < H * blocks; ++item) {
       const int64_t block = blocks - 1 - item / H;
       const int h = static_cast<int>(item % H);
-      const int64_t r0 = block * kRows;
-      attend_rows(qb, q_stride, ob, out_stride, h, D, r0, std::min<int64_t>(kRows, L - r0),
-                  offset, kt.data() + (h / group) * kv_size, vv.data() + (h / group) * kv_size,
+      const int64_t r0 = block * kItemRows;
+      attend_rows(qb, q_stride, ob, out_stride, h, D, r0, std::min<int64_t>(kItemRows, L - r0),
+                  offset, kt + (h / group) * kv_size, vv + (h / group) * kv_size,
                   scale, scratch);
     }
     _tile_release();
