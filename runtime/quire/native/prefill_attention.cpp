@@ -4,16 +4,19 @@
 // passes its gathered K/V). No window, soft-capping or sinks.
 //
 // Why not torch's SDPA: on the 2-core AMX Xeon its CPU flash kernel ran a 512-token SmolLM2
-// layer (9 heads, 3 KV heads, head_dim 64) in ~1.0-1.3 ms, ~30% of a bfloat16 prefill.
-// Attention at head_dim 64 is bound by the softmax's vector work, so this kernel keeps every
-// vector operation full width and leaves the rest to the tiles:
-// - work items are (head, 16 query rows); for each, the scores of every key it sees are
-//   computed first (S = Q . K^T, the rows' 16 x keys scores in C tiles four at a time), so
-//   each row's max is known before any exp: no running max, no rescaling of partial sums;
+// layer (9 heads, 3 KV heads, head_dim 64) in ~1.0-1.3 ms, ~30% of a bfloat16 prefill; this
+// kernel takes ~0.55 ms (benchmarks/HISTORY.md, session 13). At head_dim 64 the products are
+// short and the softmax's vector work is as large, so every vector operation here is full
+// width and the products stay in the tiles:
+// - work items are (head, 32 query rows); for each, the scores of every key it sees are
+//   computed first (S = Q . K^T in C tiles, 2 row blocks x 2 key blocks at a time), so each
+//   row's max is known before any exp: no running max, no rescaling of partial sums (an
+//   earlier online-softmax kernel on the tiles, rescaling per 32 keys, was no faster than
+//   SDPA);
 // - the softmax walks each row in 16-key vectors (its own exp, below), and writes the row's
 //   probabilities as bfloat16 in key order, which is the A tile layout of P . V as it lies;
-// - P . V sums every key in the C tiles (four of 16 columns of d at once) and each row is
-//   divided by its sum once, at the end.
+// - P . V sums every key in the C tiles (2 row blocks x 2 slices of 16 d at a time) and each
+//   row is divided by its sum once, at the end.
 // K and V are laid out once a call as B tiles (pairs of d down and keys across for K, pairs
 // of keys down and d across for V) for every KV head, zero-padded past ctx. Probabilities
 // are rounded to bfloat16 for their product with V, as torch's CPU flash kernel does.
@@ -35,9 +38,9 @@ namespace {
 
 using quire_amx::TileConfig, quire_amx::amx_permitted;
 
-constexpr int kRows = 16;     // query rows per item: an A tile's rows
-constexpr int kKeys = 16;     // keys per score tile: a B tile's columns
-constexpr int kItemRows = 32; // query rows per item: two A tiles
+constexpr int kRows = 16;      // an A tile's rows
+constexpr int kKeys = 16;      // keys per score tile: a B tile's columns
+constexpr int kItemRows = 32;  // query rows per item: two A tiles
 constexpr int kMaxDim = 256;  // head_dim, a multiple of 32
 
 void configure() {  // every tile 16 rows of 64 bytes
