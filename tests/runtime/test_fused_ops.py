@@ -95,3 +95,46 @@ def test_fallback_without_native_library(monkeypatch):
     assert torch.equal(fused_ops.rms_norm(x, w, 1e-5, residual=residual), want)
     gate_up = _rand(3, 128, dtype=torch.float32, seed=13)
     assert torch.equal(fused_ops.silu_and_mul(gate_up), fused_ops.silu_and_mul_ref(gate_up))
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit, NaN where torch has NaN (its NaN payloads are its own: torch writes a
+    canonical NaN, the kernels keep the quieted input's upper bits, as they always have)."""
+    nan = want.isnan()
+    bits = (lambda t: t.view(torch.int16)) if want.dtype == torch.bfloat16 else \
+        (lambda t: t.view(torch.int32))
+    return torch.equal(got.isnan(), nan) and torch.equal(bits(got)[~nan], bits(want)[~nan])
+
+
+@pytest.mark.parametrize("special", ["denormal", "nan", "inf"])
+def test_bfloat16_edge_values_keep_torchs_bits(special):
+    """bfloat16 rows on AVX512-BF16 round with the instruction, which reads denormals as zero:
+    blocks with denormals, NaN or inf take the exact path, so sums and products that land
+    there keep torch's bits (and NaN stays where torch has it)."""
+    value = {"denormal": 3e-39, "nan": float("nan"), "inf": float("inf")}[special]
+    rows, n = 4, 576
+    h = _rand(rows, n, dtype=torch.bfloat16, seed=14)
+    residual = _rand(rows, n, dtype=torch.bfloat16, seed=15)
+    h[1, 40:60] = value
+    residual[1, 40:60] = 0
+    h[2] = (torch.randn(n) * 1e-39).bfloat16()  # a row of denormals: its sum of squares is 0
+    residual[2] = 0
+    w = _rand(n, dtype=torch.bfloat16, seed=16)
+    want_sum = residual + h
+    want = fused_ops.rms_norm_ref(want_sum, w, 1e-6)
+    got = fused_ops.rms_norm(h.clone(), w, 1e-6, residual=residual)
+    assert _same(residual, want_sum)
+    assert _same(got, want)
+    tiny = (torch.randn(rows, n) * 1e-38).bfloat16()  # x * rsqrt lands near the denormals
+    assert _same(fused_ops.rms_norm(tiny, w, 1e-30), fused_ops.rms_norm_ref(tiny, w, 1e-30))
+
+    tokens, heads, head_dim = 5, 3, 64
+    q = _rand(tokens, heads, head_dim, dtype=torch.bfloat16, seed=17)
+    q[1, 2, 3:40] = value  # both halves of a head
+    q[3] = (torch.randn(heads, head_dim) * 1e-37).bfloat16()  # products below the normals
+    angles = torch.arange(tokens)[:, None] * torch.rand(head_dim, generator=torch.Generator()
+                                                         .manual_seed(18))[None]
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    want = fused_ops.rope_ref(q, cos, sin)
+    fused_ops.rope_(q, cos, sin)
+    assert _same(q, want)
