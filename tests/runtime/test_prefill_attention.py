@@ -183,10 +183,11 @@ def _step(lens, news, heads=6, kv_heads=2, dim=64, bs=16, seed=3):
 
 @pytest.mark.parametrize("window", [None, 24])
 def test_the_backend_sends_plain_causal_bfloat16_chunks_to_it(monkeypatch, window):
-    """Fresh prompts and a long chunk over a cached prefix (the one SDPA would take) go to the
-    kernel where it runs, and match SDPA's own answer (the kernel off) within the bound; a
-    sliding window keeps SDPA everywhere."""
-    lens, news = [1, 33, 100, 600], [1, 33, 100, 300]
+    """Fresh prompts and chunks of 16+ rows over a cached prefix go to the kernel where it
+    runs (a long one SDPA would take, a short one the row-walking paged kernel would), and
+    match the answer with the kernel off within the bound; a 3-row chunk stays on the paged
+    kernel; a sliding window keeps the old paths everywhere."""
+    lens, news = [1, 33, 100, 600, 200, 50], [1, 33, 100, 300, 20, 3]
     calls = []
     real = pa.causal
     monkeypatch.setattr(pa, "causal", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -198,7 +199,7 @@ def test_the_backend_sends_plain_causal_bfloat16_chunks_to_it(monkeypatch, windo
         return backend.forward(q, k, v, k_cache, v_cache, meta)
 
     got = run()
-    assert sorted(calls) == ([] if window or not AMX else [1, 33, 100, 300])
+    assert sorted(calls) == ([] if window or not AMX else [1, 20, 33, 100, 300])
     monkeypatch.setenv("QUIRE_AMX_ATTENTION", "0")
     calls.clear()
     want = run()

@@ -72,6 +72,11 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
 # that way on the AVX2 EPYC before its tiles were GEMM-shaped. The tiled kernel takes every
 # chunk: 1.4-1.9x faster than SDPA there from 128 to 2,048 rows (benchmarks/HISTORY.md).
 EXTEND_SDPA_MIN_ROWS = 256
+# Where the AMX prefill kernel serves the layout, chunks of at least this many new tokens over a
+# cached prefix go to it (gathered K/V) instead: against the row-walking kernel on the 2-core
+# AMX Xeon (SmolLM2 heads, bfloat16), 0.21 / 0.20 / 0.25 / 0.51 ms against 0.23 / 0.36 / 0.67 /
+# 2.15 ms for 16 / 32 / 64 / 256 rows over 512 tokens, 2.0 against 11.4 ms for 256 over 2,048.
+AMX_EXTEND_MIN_ROWS = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -93,7 +98,8 @@ class TorchAttentionBackend(AttentionBackend):
         """Prefill chunks. Where the native kernel tiles this layout, all of them (fresh prompts
         and chunks over a cached prefix) run in one native call: it beats SDPA on both. Else
         the short chunks over a cached prefix run natively where the kernel serves q's dtype
-        and the cache's. With soft-capping or sinks (`eager`: SDPA can't) the kernel takes all
+        and the cache's (shorter than AMX_EXTEND_MIN_ROWS where the AMX prefill kernel takes
+        the rest, else than EXTEND_SDPA_MIN_ROWS). With soft-capping or sinks (`eager`: SDPA can't) the kernel takes all
         it serves. What is left gets per-sequence plans, returned to run. The split is made
         once per step, at its first layer."""
         split = meta.backend_state.get((self, "prefill_split", eager))
@@ -107,8 +113,11 @@ class TorchAttentionBackend(AttentionBackend):
                 fresh = [i for i in fresh if i in ahead]
                 extends = [i for i in extends if i in ahead]
             else:
+                tiles = (not eager and self._plain_causal(None)
+                         and prefill_attention.serves(q, k_cache.shape[2]))
+                most = AMX_EXTEND_MIN_ROWS if tiles else EXTEND_SDPA_MIN_ROWS
                 native = [i for i in extends if kernel and i not in ahead
-                          and rows[i + 1] - rows[i] < EXTEND_SDPA_MIN_ROWS]
+                          and rows[i + 1] - rows[i] < most]
                 extends = [i for i in extends if i not in native]
             split = meta.backend_state[self, "prefill_split", eager] = (
                 paged_extend.extend_rows(meta, native) if native else None,

@@ -46,10 +46,18 @@ def _rows(t: torch.Tensor) -> bool:  # [rows, heads, D] with each row's heads co
             and t.stride(2) == 1 and t.stride(1) == t.shape[2])
 
 
+def serves(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether the kernel takes chunks of q's kind: bfloat16 CPU rows [T, H, D] with D a
+    multiple of 32 up to 256 and H a multiple of num_kv_heads, on a build that runs it."""
+    heads, d = q.shape[-2:]
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and d % 32 == 0 and d <= 256
+            and num_kv_heads > 0 and heads % num_kv_heads == 0 and available())
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    d = q.shape[-1]
-    return (_rows(q) and _rows(k) and _rows(v) and k.shape == v.shape and d % 32 == 0 and d <= 256 and k.shape[-1] == d
-            and q.shape[1] % k.shape[1] == 0 and k.shape[0] >= q.shape[0] and available())
+    return (_rows(q) and _rows(k) and _rows(v) and k.shape == v.shape
+            and k.shape[-1] == q.shape[-1] and k.shape[0] >= q.shape[0]
+            and serves(q, k.shape[1]))
 
 
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
