@@ -267,10 +267,16 @@ int quire_prefill_attention(const void* q, const void* k, const void* v, void* o
   if (L <= 0) return 0;
   const int64_t keys = (ctx + 31) / 32 * 32, blocks = (L + kItemRows - 1) / kItemRows;
   const int64_t kv_size = int64_t(D / 2) * keys;  // uint32 pairs per head, K's and V's alike
-  // the caller's thread keeps the layouts' buffer from call to call: a fresh one (~0.4 MB at
-  // 512 tokens) cost its page faults and zeroing every layer (574 -> 507 us, 512 tokens)
-  static thread_local std::vector<uint32_t> layouts;
-  if (static_cast<int64_t>(layouts.size()) < 2 * Hk * kv_size) layouts.resize(2 * Hk * kv_size);
+  // the caller's thread keeps the layouts' buffer from call to call, up to kKeptLayout
+  // elements: a fresh one (~0.4 MB at 512 tokens) cost its page faults and zeroing every
+  // layer (574 -> 507 us, 512 tokens); a longer context's (the size of its K and V) is the
+  // call's own, so that one long prompt leaves nothing behind
+  constexpr int64_t kKeptLayout = int64_t(4) << 20;  // 16 MB
+  const int64_t need = 2 * Hk * kv_size;
+  static thread_local std::vector<uint32_t> kept;
+  std::vector<uint32_t> own;
+  std::vector<uint32_t>& layouts = need <= kKeptLayout ? kept : own;
+  if (static_cast<int64_t>(layouts.size()) < need) layouts.resize(need);
   uint32_t* const kt = layouts.data();
   uint32_t* const vv = kt + Hk * kv_size;
   const auto* qb = static_cast<const uint16_t*>(q);
