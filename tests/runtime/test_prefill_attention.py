@@ -210,3 +210,46 @@ def test_the_backend_sends_plain_causal_bfloat16_chunks_to_it(monkeypatch, windo
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     else:
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_bfloat16_engine_agrees_with_and_without_the_kernel(tmp_path, family, monkeypatch,
+                                                               smollm_tokenizer):
+    """A whole bfloat16 engine (heads of 32: the kernel's; Qwen3's q/k norms give K a tensor of
+    its own), prompts prefilled in 48-token chunks (later chunks over the cached earlier ones)
+    and a shared prefix cached: each prompt token's logprob within bfloat16 noise of the same
+    engine with the kernel off, the kernel taking every chunk where it runs, no block left."""
+    from quire import LLM, SamplingParams
+
+    from runtime_helpers import assert_no_blocks_in_use, save_tiny_model, tiny_config
+    config = tiny_config(family, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32)
+    path = save_tiny_model(str(tmp_path / family), config, smollm_tokenizer)
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 49152, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 40, 90)]
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
+    calls = []
+    real = pa.causal
+    monkeypatch.setattr(pa, "causal", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+
+    def run():
+        llm = LLM(path, dtype="bfloat16", max_num_batched_tokens=48, kv_cache_memory=8 << 20)
+        try:
+            llm.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix, cached
+            out = llm.generate(prompts, params, use_tqdm=False)
+            assert_no_blocks_in_use(llm)
+            return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+                    for o in out]
+        finally:
+            llm.engine.shutdown()
+
+    got = run()
+    assert bool(calls) == AMX
+    monkeypatch.setenv("QUIRE_AMX_ATTENTION", "0")
+    calls.clear()
+    want = run()
+    assert not calls
+    for a, b in zip(got, want):
+        assert len(a) == len(b)
+        assert max(abs(x - y) for x, y in zip(a, b)) < 0.1
