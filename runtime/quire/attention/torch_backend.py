@@ -99,9 +99,9 @@ class TorchAttentionBackend(AttentionBackend):
         and chunks over a cached prefix) run in one native call: it beats SDPA on both. Else
         the short chunks over a cached prefix run natively where the kernel serves q's dtype
         and the cache's (shorter than AMX_EXTEND_MIN_ROWS where the AMX prefill kernel takes
-        the rest, else than EXTEND_SDPA_MIN_ROWS). With soft-capping or sinks (`eager`: SDPA can't) the kernel takes all
-        it serves. What is left gets per-sequence plans, returned to run. The split is made
-        once per step, at its first layer."""
+        the rest, else than EXTEND_SDPA_MIN_ROWS). With soft-capping or sinks (`eager`: SDPA
+        can't) the kernel takes all it serves. What is left gets per-sequence plans, returned
+        to run. The split is made once per step, at its first layer."""
         split = meta.backend_state.get((self, "prefill_split", eager))
         if split is None:
             fresh, extends = meta.backend_state[self, "fresh"], meta.backend_state[self, "extends"]

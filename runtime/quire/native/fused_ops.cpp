@@ -173,7 +173,8 @@ void rope(T* x, const T* cos, const T* sin, int64_t tokens, int heads, int head_
           const __m512 a = load16(v + d), b = load16(v + d + half);
           __mmask16 odd = 0;
           const __m512 ac = widen(to_bf16(_mm512_mul_ps(a, load16(c + d)), odd));
-          const __m512 bs = widen(to_bf16(_mm512_mul_ps(_mm512_xor_ps(b, sign), load16(s + d)), odd));
+          const __m512 bs =
+              widen(to_bf16(_mm512_mul_ps(_mm512_xor_ps(b, sign), load16(s + d)), odd));
           const __m512 bc = widen(to_bf16(_mm512_mul_ps(b, load16(c + d + half)), odd));
           const __m512 as = widen(to_bf16(_mm512_mul_ps(a, load16(s + d + half)), odd));
           const __m256i lo = to_bf16(_mm512_add_ps(ac, bs), odd);
