@@ -79,8 +79,7 @@ inline uint32_t pair(uint16_t lo, uint16_t hi) { return lo | (uint32_t(hi) << 16
 //   d across).
 // Keys in [key0, key1) (multiples of 32), those past ctx zeros.
 void lay_out_kv(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int hk,
-                int D,
-                int64_t ctx, int64_t key0, int64_t key1, uint32_t* kt, uint32_t* vv) {
+                int D, int64_t ctx, int64_t key0, int64_t key1, uint32_t* kt, uint32_t* vv) {
   const uint16_t* kh = k + int64_t(hk) * D;
   const uint16_t* vh = v + int64_t(hk) * D;
   for (int64_t key = key0; key < key1; ++key) {
