@@ -39,6 +39,7 @@ def test_plot_flag_defaults_to_the_plots_folder():
 
 
 @pytest.mark.parametrize("script", ["serve", "throughput", "prefix_cache", "single_stream",
-                                    "memory", "llamacpp_compare", "cold_start"])
+                                    "memory", "llamacpp_compare", "cold_start",
+                                    "prefill_attention"])
 def test_each_benchmark_offers_plot(script):
     assert "add_plot_flag(" in (Path(plotting.PLOTS).parent / f"{script}.py").read_text()

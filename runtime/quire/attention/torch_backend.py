@@ -7,9 +7,10 @@ Otherwise, and for prefill chunks, K/V are gathered a whole block at a time (one
 views (no layout copies). Decodes are batched, grouped by length so short contexts don't pay
 for long ones. Prefill chunks that extend a cached prefix run together in one native call
 (paged_extend.py); fresh prefill chunks loop per sequence (few per step). On an AMX CPU a
-bfloat16 chunk whose mask is causal alone goes to the native tile kernel instead of SDPA
-(native/prefill_attention.py: ~1.9x SDPA at 512 tokens). Index and mask
-tensors are built once per step and reused by every layer. A chunk whose rows look ahead
+bfloat16 chunk whose mask is causal alone (16 rows or more over a cached prefix) goes to the
+native tile kernel instead (native/prefill_attention.py: 2.2x SDPA at 512 tokens,
+benchmarks/prefill_attention.py). Index and mask tensors are built once per step and reused
+by every layer. A chunk whose rows look ahead
 (base.py's key_limits: an image's run, Gemma 3) takes the per-sequence path with its mask
 built from the limits; the native kernels know only the causal mask.
 
@@ -226,7 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
                 kc = gather_blocks(k_cache, blocks, k_scale, q.dtype).view(-1, *k.shape[1:])[:ctx]
                 vc = gather_blocks(v_cache, blocks, v_scale, q.dtype).view(-1, *v.shape[1:])[:ctx]
             if causal and sinks is None and prefill_attention.supported(qc, kc, vc):
-                # bfloat16 on AMX: ~1.9x SDPA at 512 tokens (native/prefill_attention.cpp)
+                # bfloat16 on AMX: 2.2x SDPA at 512 tokens (benchmarks/prefill_attention.py)
                 prefill_attention.causal(qc, kc, vc, out[q0:q1], self.scale)
                 continue
             # (a sliding window's mask has the chunk's exact shape: no padding then)

@@ -5,7 +5,7 @@
 //
 // Why not torch's SDPA: on the 2-core AMX Xeon its CPU flash kernel ran a 512-token SmolLM2
 // layer (9 heads, 3 KV heads, head_dim 64) in ~1.0-1.3 ms, ~30% of a bfloat16 prefill; this
-// kernel takes ~0.55 ms (benchmarks/HISTORY.md, session 13). At head_dim 64 the products are
+// kernel takes ~0.5 ms (benchmarks/prefill_attention.py). At head_dim 64 the products are
 // short and the softmax's vector work is as large, so every vector operation here is full
 // width and the products stay in the tiles:
 // - work items are (head, 32 query rows); for each, the scores of every key it sees are
