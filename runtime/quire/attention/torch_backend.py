@@ -75,8 +75,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
 EXTEND_SDPA_MIN_ROWS = 256
 # Where the AMX prefill kernel serves the layout, chunks of at least this many new tokens over a
 # cached prefix go to it (gathered K/V) instead: against the row-walking kernel on the 2-core
-# AMX Xeon (SmolLM2 heads, bfloat16), 0.21 / 0.20 / 0.25 / 0.51 ms against 0.23 / 0.36 / 0.67 /
-# 2.15 ms for 16 / 32 / 64 / 256 rows over 512 tokens, 2.0 against 11.4 ms for 256 over 2,048.
+# AMX Xeon (SmolLM2 heads, bfloat16; benchmarks/prefill_attention.py), 0.64 / 0.82 / 1.68 ms
+# against 0.79 / 3.08 / 11.6 ms for 16 / 64 / 256 rows over 2,048 tokens.
 AMX_EXTEND_MIN_ROWS = 16
 
 
