@@ -152,6 +152,10 @@ def test_without_amx_there_is_no_kernel(monkeypatch):
     assert not pa.supported(q.float(), k.float(), v.float())
     monkeypatch.setenv("QUIRE_AMX_ATTENTION", "0")
     assert not pa.supported(q, k, v)
+    monkeypatch.setenv("QUIRE_AMX_ATTENTION", "off")
+    with pytest.raises(ValueError, match="QUIRE_AMX_ATTENTION must be 0 or 1, got 'off'"):
+        pa.supported(q, k, v)
+    monkeypatch.setenv("QUIRE_AMX_ATTENTION", "1")
     for march in loader.isa_builds():
         if march != "amx":
             assert pa._library(march) is None, march

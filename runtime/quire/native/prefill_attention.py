@@ -37,8 +37,12 @@ def _library(march: str = "native"):
 
 
 def available(march: str = "native") -> bool:
-    """Whether this build runs the kernel (AMX tiles the process may use) and it is not off."""
-    return os.environ.get("QUIRE_AMX_ATTENTION", "1") != "0" and _library(march) is not None
+    """Whether this build runs the kernel (AMX tiles the process may use) and it is not off
+    ($QUIRE_AMX_ATTENTION: `1`, the default, or `0`)."""
+    value = os.environ.get("QUIRE_AMX_ATTENTION", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"QUIRE_AMX_ATTENTION must be 0 or 1, got {value!r}")
+    return value == "1" and _library(march) is not None
 
 
 def _rows(t: torch.Tensor) -> bool:  # [rows, heads, D] with each row's heads contiguous
