@@ -108,6 +108,24 @@ def test_k_and_v_with_their_own_strides_and_a_strided_out():
     assert wide[:, 0].isnan().all() and wide[:, 5].isnan().all()  # nothing past its rows
 
 
+def test_rows_an_odd_number_of_values_apart():
+    """K and V rows whose stride is odd (a projection with one more column): the layout's
+    gathers read each pair of d from wherever its row starts; a chunk over a cached prefix
+    whose keys end mid-block."""
+    if not _kernel_here():
+        return
+    length, ctx, heads, kv_heads, dim = 40, 101, 4, 2, 64
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(ctx, (heads + 2 * kv_heads) * dim + 1, generator=g).bfloat16()
+    q = x[ctx - length:, :heads * dim].view(length, heads, dim)
+    k = x[:, heads * dim:(heads + kv_heads) * dim].view(ctx, kv_heads, dim)
+    v = x[:, (heads + kv_heads) * dim:-1].view(ctx, kv_heads, dim)
+    assert k.stride(0) % 2 == 1
+    out = torch.empty(length, heads, dim, dtype=torch.bfloat16)
+    pa.causal(q, k, v, out, 0.125)
+    _assert_as_close_as_sdpa(out, q, k, v, 0.125)
+
+
 def test_peaked_scores_and_long_rows_keep_their_weights():
     """Scores 30 apart (one key takes nearly everything), rows over many key tiles, scores
     far below the row's max (exp's lower end)."""
