@@ -8,7 +8,7 @@ views (no layout copies). Decodes are batched, grouped by length so short contex
 for long ones. Prefill chunks that extend a cached prefix run together in one native call
 (paged_extend.py); fresh prefill chunks loop per sequence (few per step). On an AMX CPU a
 bfloat16 chunk whose mask is causal alone (16 rows or more over a cached prefix) goes to the
-native tile kernel instead (native/prefill_attention.py: 2.2x SDPA at 512 tokens,
+native tile kernel instead (native/prefill_attention.py: ~2x SDPA at 512 tokens,
 benchmarks/prefill_attention.py). Index and mask tensors are built once per step and reused
 by every layer. A chunk whose rows look ahead
 (base.py's key_limits: an image's run, Gemma 3) takes the per-sequence path with its mask
@@ -75,8 +75,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scale: float,
 EXTEND_SDPA_MIN_ROWS = 256
 # Where the AMX prefill kernel serves the layout, chunks of at least this many new tokens over a
 # cached prefix go to it (gathered K/V) instead: against the row-walking kernel on the 2-core
-# AMX Xeon (SmolLM2 heads, bfloat16; benchmarks/prefill_attention.py), 0.64 / 0.82 / 1.68 ms
-# against 0.79 / 3.08 / 11.6 ms for 16 / 64 / 256 rows over 2,048 tokens.
+# AMX Xeon (SmolLM2 heads, bfloat16; benchmarks/prefill_attention.py), 0.65 / 0.88 / 1.94 ms
+# against 0.85 / 3.16 / 12.1 ms for 16 / 64 / 256 rows over 2,048 tokens.
 AMX_EXTEND_MIN_ROWS = 16
 
 
@@ -227,7 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
                 kc = gather_blocks(k_cache, blocks, k_scale, q.dtype).view(-1, *k.shape[1:])[:ctx]
                 vc = gather_blocks(v_cache, blocks, v_scale, q.dtype).view(-1, *v.shape[1:])[:ctx]
             if causal and sinks is None and prefill_attention.supported(qc, kc, vc):
-                # bfloat16 on AMX: 2.2x SDPA at 512 tokens (benchmarks/prefill_attention.py)
+                # bfloat16 on AMX: ~2x SDPA at 512 tokens (benchmarks/prefill_attention.py)
                 prefill_attention.causal(qc, kc, vc, out[q0:q1], self.scale)
                 continue
             # (a sliding window's mask has the chunk's exact shape: no padding then)
