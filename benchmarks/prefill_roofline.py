@@ -34,11 +34,14 @@ FORMATS = {  # name -> LLM keyword arguments
     "int4": {"dtype": "auto", "quantization": "int4"},
     "gguf": {"dtype": "auto", "quantization": "auto"},
     # the GGUF in bfloat16 with prefill on the matrix engine (native/matrix_engine.py:
-    # on an AMX build the library's tiles over dequantized weights, else oneDNN); every other
-    # format keeps the native kernels (QUIRE_MATRIX_ENGINE=0)
+    # on an AMX build the library's tiles over dequantized weights, else oneDNN)
     "gguf-matrix": {"dtype": "bfloat16", "quantization": "auto"},
 }
 MATRIX_FORMATS = {"gguf-matrix"}
+# $QUIRE_MATRIX_ENGINE by format: `gguf` is the exact per-group kernel (0), `gguf-matrix` the
+# matrix engine on any CPU (1); every other format runs as a server runs it (auto: on an AMX
+# build int8 / int4 prefill takes the dequantized tiles, a bfloat16 weight the tiles too)
+ENGINE = {"gguf": "0", "gguf-matrix": "1"}
 
 
 def gemm_rates(threads: int, shape: tuple[int, int, int]) -> dict[str, float]:
@@ -118,7 +121,7 @@ def child(args) -> None:
     rng = random.Random(0)
     spent = time_ops() if args.breakdown else None
     for name in args.formats:
-        os.environ["QUIRE_MATRIX_ENGINE"] = "1" if name in MATRIX_FORMATS else "0"
+        os.environ["QUIRE_MATRIX_ENGINE"] = ENGINE.get(name, "auto")
         llm = LLM(args.model, num_threads=args.threads, enable_prefix_caching=False,
                   kv_cache_memory=256 << 20, max_num_batched_tokens=args.prompt_len,
                   **FORMATS[name])

@@ -1,6 +1,6 @@
 """bf16 projections on CPU. A projection without bias runs the native kernel's own copy
-(quant_kernels.DenseBf16Kernel: decode rows at one weight read, prefill chunks through oneDNN
-where it has bf16 kernels, else the native expanded tiles); one with a bias runs oneDNN-packed
+(quant_kernels.DenseBf16Kernel: decode rows at one weight read, prefill chunks on the library's
+AMX tiles, else through oneDNN where it has bf16 kernels, else the native expanded tiles); one with a bias runs oneDNN-packed
 weights (the same numbers as F.linear, the same greedy tokens as a model that doesn't pack).
 The plain copies are freed. Where oneDNN has no bf16 kernels (AVX2 only: bf16 would be
 emulated), nothing is packed and F.linear serves biased projections: the tests check that
@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 from quire import LLM, SamplingParams
 from quire.layers import quant_kernels
-from quire.native import matrix_engine, packed_linear
+from quire.layers.linear import MergedColumnParallelLinear
+from quire.native import fused_ops, loader, matrix_engine, packed_linear
+from quire.native import quant_matmul as qm
 
 from runtime_helpers import assert_no_blocks_in_use, random_prompts
 
@@ -51,15 +53,78 @@ def test_native_bf16_kernel_within_the_float32_bound(rows):
     bound = 192 * 2.0 ** -24 * terms * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
     assert ((y.double() - want).abs() <= bound).all()
     if rows >= matrix_engine.MIN_ROWS and matrix_engine.onednn_bf16():
-        assert torch.equal(y, F.linear(x, weight))  # a prefill chunk: oneDNN's own numbers
+        if qm.amx_ready():  # a prefill chunk on the library's tiles: a row's bits whatever
+            # other prefill rows come with it
+            assert torch.equal(y, qm.dequantized_linear(x, kernel.packed))
+            assert torch.equal(y[:matrix_engine.MIN_ROWS], kernel(x[:matrix_engine.MIN_ROWS]))
+        else:
+            assert torch.equal(y, F.linear(x, weight))  # oneDNN's own numbers
     else:  # the native kernel: a row's bits whatever rows come with it
         assert torch.equal(y[:1], kernel(x[:1]))
 
 
+@pytest.mark.parametrize("march", ["native", *loader.isa_builds()])
+def test_a_bfloat16_weight_on_the_tiles_is_its_exact_products(march):
+    """dequantized_linear of a pack_bf16 weight (an AMX build: the weight's pairs only
+    interleaved in cache, no rounding): one-hot rows of x read the weight back bit for bit,
+    random rows keep the float32 bound above, the gated MLP's SiLU in the epilogue is
+    fused_ops.silu_and_mul of the plain product bit for bit; None elsewhere (the caller
+    then unblocks the weight for oneDNN). 100 output rows: a padded last block; a gate|up of
+    2 x 48 rows: a part past the 32 columns torch's silu vectorizes."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(100, 192, generator=gen).bfloat16()
+    packed = qm.pack_bf16(weight, _march=march)
+    x = (torch.randn(67, 192, generator=gen) * 8).bfloat16()
+    y = qm.dequantized_linear(x, packed, march)
+    if not qm.amx_ready(march):
+        assert y is None
+        return
+    one_hot = torch.eye(192)[torch.arange(67) * 5 % 192].bfloat16()
+    assert torch.equal(qm.dequantized_linear(one_hot, packed, march), one_hot @ weight.T)
+    want = x.double() @ weight.double().T
+    terms = x.double().abs() @ weight.double().abs().T
+    bound = 192 * 2.0 ** -24 * terms * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
+    assert ((y.double() - want).abs() <= bound).all()
+    for m in (1, 17, 33):  # rows of a pass past M: zeros, their outputs dropped
+        assert torch.equal(qm.dequantized_linear(x[:m], packed, march), y[:m])
+    gate_up = qm.pack_bf16(torch.randn(96, 192, generator=gen).bfloat16(), _march=march)
+    silu = fused_ops.bf16_silu_exp(48)
+    fused = qm.dequantized_linear(x, gate_up, march, silu=silu)
+    assert torch.equal(fused, fused_ops.silu_and_mul(qm.dequantized_linear(x, gate_up, march)))
+
+
+def test_a_dense_gated_mlp_fuses_its_activation_on_a_prefill_only(monkeypatch):
+    """MergedColumnParallelLinear.silu_and_mul over a bfloat16 float weight: a prefill
+    chunk's rows ask the native kernel for the fused road (taken where the library's tiles
+    run, the two steps' bits either way); decode rows never ask."""
+    layer = MergedColumnParallelLinear(192, [48, 48], quant_config=None, prefix="mlp.gate_up")
+    weight = torch.randn(96, 192, generator=torch.Generator().manual_seed(12)).bfloat16()
+    layer.native_kernel = quant_kernels.dense_bf16_kernel(weight)
+    layer.quant_method.apply = lambda lay, x, bias: lay.native_kernel(x)
+    asked = []
+    fused_road = quant_kernels.DenseBf16Kernel.silu_and_mul
+    monkeypatch.setattr(quant_kernels.DenseBf16Kernel, "silu_and_mul",
+                        lambda self, x: asked.append(len(x)) or fused_road(self, x))
+    x = torch.randn(matrix_engine.MIN_ROWS + 6, 192).bfloat16()
+    before = matrix_engine.calls
+    got = layer.silu_and_mul(x)
+    # one call on the matrix engine: the fused product, or the plain one of the two steps
+    assert matrix_engine.calls == before + matrix_engine.onednn_bf16()
+    assert torch.equal(got, fused_ops.silu_and_mul(layer.native_kernel(x)))
+    assert asked == [len(x)]
+    fused = qm.amx_ready() and fused_ops.bf16_exp16() is not None
+    assert (layer.native_kernel.silu_and_mul(x) is not None) == fused
+    few = x[:matrix_engine.MIN_ROWS - 1]
+    assert layer.native_kernel.silu_and_mul(few) is None
+    assert torch.equal(layer.silu_and_mul(few), fused_ops.silu_and_mul(layer.native_kernel(few)))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
 def test_bf16_engine_projections_match_plain(family, tiny_models, monkeypatch):
-    prompts = random_prompts(6, seed=3, vocab=1000)
+    # 100 and 150 tokens: prefill steps of MIN_ROWS rows or more (the matrix engine's road)
+    prompts = random_prompts(6, lengths=[1, 7, 17, 33, 100, 150], seed=3, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = matrix_engine.calls
     llm = LLM(tiny_models[family], dtype="bfloat16")
     layer = llm.engine.executor.model.layers[0]
     projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
@@ -74,6 +139,7 @@ def test_bf16_engine_projections_match_plain(family, tiny_models, monkeypatch):
             assert p.packed_weight is None and p.weight.numel() > 0
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert_no_blocks_in_use(llm)
+    assert (matrix_engine.calls > before) == matrix_engine.onednn_bf16()
     del llm
 
     monkeypatch.setattr(packed_linear, "pack", lambda weight: None)

@@ -134,7 +134,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(self(x)) for a gated MLP's [gate | up]: in one pass where the layer's
         kernel fuses the activation into its matmul (bit for bit the same), else two steps."""
-        fused = getattr(getattr(self, "quant_kernel", None), "silu_and_mul", None)
+        kernel = getattr(self, "quant_kernel", None) or getattr(self, "native_kernel", None)
+        fused = getattr(kernel, "silu_and_mul", None)
         if (fused is not None and self.lora is None and self.bias is None
                 and len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]):
             y = fused(x)

@@ -97,10 +97,13 @@ class DenseBf16Kernel(Kernel):
     """A bfloat16 float weight in the native kernel's layout (quant_matmul.pack_bf16), for a
     bfloat16 model on the CPU: decode and verification rows read it once through the vector
     units (oneDNN's bfloat16 GEMV read it at about a third of the bandwidth: issue 48's 30
-    tok/s against 151 quantized), and the decode stack can take the layer; prefill chunks
-    (64+ rows) are unblocked into a scratch for torch's F.linear where oneDNN has bfloat16
-    kernels (AMX, AVX512-BF16), else run the native kernel's expanded tiles (AVX2: torch's
-    bfloat16 matmul is emulated there). The weight is exact either way; one copy is kept."""
+    tok/s against 151 quantized), and the decode stack can take the layer. Prefill chunks
+    (64+ rows) go to matrix_engine.linear where oneDNN has bfloat16 kernels (AMX,
+    AVX512-BF16): on an AMX build the library's own tiles, which only interleave the weight's
+    pairs in cache (a gated MLP's gate|up with the SiLU in their epilogue: silu_and_mul),
+    elsewhere a scratch unblocked for torch's F.linear; without such kernels (AVX2: torch's
+    bfloat16 matmul is emulated there) the native kernel's expanded tiles. The weight is
+    exact on every road (bfloat16 products, float32 sums); one copy is kept."""
 
     name = "native-bf16"
     owns_weights = True
@@ -108,11 +111,17 @@ class DenseBf16Kernel(Kernel):
     def __init__(self, module, packed) -> None:
         self.module, self.packed = module, packed  # module: native/quant_matmul
 
+    def _prefill(self, x) -> bool:
+        return (x.dtype is torch.bfloat16 and x.dim() == 2
+                and x.shape[0] >= matrix_engine.MIN_ROWS and matrix_engine.onednn_bf16())
+
     def __call__(self, x):
-        if (x.dtype is torch.bfloat16 and x.dim() == 2
-                and x.shape[0] >= matrix_engine.MIN_ROWS and matrix_engine.onednn_bf16()):
+        if self._prefill(x):
             return matrix_engine.linear(x, self.packed)
         return self.module.bf16_linear(x, self.packed)
+
+    def silu_and_mul(self, x):
+        return matrix_engine.silu_and_mul(x, self.packed) if self._prefill(x) else None
 
     def dequantize(self):
         return self.module.dequantize(self.packed)

@@ -361,7 +361,7 @@ inline __m512i int8_pairs(const uint8_t* p) {
 // weight once from memory too.
 template <int Form>
 inline void fetch_next_block(const uint8_t* q, int64_t K, int64_t kp) {
-  constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : 1) * kRows;  // q bytes of a pair of k
+  constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : Form == kBf16 ? 4 : 1) * kRows;  // a pair of k
   if (kp * kPairBytes % 64 == 0)
     _mm_prefetch(reinterpret_cast<const char*>(q + weight_bytes(Form, K) * kRows +
                                                kp * kPairBytes),
@@ -1069,6 +1069,20 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
 template <int Form, typename S>
 void expand_dequantized(const Weight& w, int64_t block, uint32_t* pairs) {
   const int64_t K = w.K, G = w.G;
+  if constexpr (Form == kBf16) {  // a float model's weight: only the pairs' interleaving
+    alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                   6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                   12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_load_si512(order);
+    const uint8_t* q = w.q + block * weight_bytes(Form, K) * kRows;
+    for (int64_t kp = 0; kp < K / 2; ++kp) {  // rows k and k + 1: 64 contiguous bytes
+      fetch_next_block<Form>(q, K, kp);
+      _mm512_store_si512(pairs + kp * kRows,
+                         _mm512_permutexvar_epi16(interleave,
+                                                  _mm512_loadu_si512(q + 4 * kp * kRows)));
+    }
+    return;
+  }
   const Block<Form, S> here(w, block);
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
@@ -1374,9 +1388,9 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
 
 // y [M, N] = bfloat16 x [M, K] @ bfloat16(dequant(W))^T (quire_dequantize_bf16's values),
 // float32 sums, on the AMX tiles without a copy of the weight (linear_amx_dequantized): what
-// matrix_engine.py takes for prefill chunks where this build has the tiles. Returns 0, or 1
-// where it does not apply (no AMX here, float32 x, a bfloat16 weight, K not whole tiles): the
-// caller then dequantizes and calls torch.
+// matrix_engine.py takes for prefill chunks where this build has the tiles (a bfloat16
+// weight, form BF16, is only laid out as pairs). Returns 0, or 1 where it does not apply (no
+// AMX here, K not whole tiles): the caller then dequantizes and calls torch.
 // With `exp16` (Sleef_expf16_u10's address, see Glu; nullptr: the plain product), y [M, N / 2]
 // = silu(gate) * up of the gate|up product instead, fused_ops' silu_and_mul bit for bit
 // (`vec_end`: where torch's silu stops vectorizing a row); 1 also where N / 2 is not whole
@@ -1384,7 +1398,7 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
 int quire_quant_linear_dequantized(const void* x, void* y, int64_t M, int threads,
                                    const PackedArgs* w, const void* exp16, int64_t vec_end) {
 #if defined(__AMX_BF16__)
-  if (w->form < kInt8 || w->form >= kBf16 || w->K % kAmxK != 0 || w->G % 2 != 0 ||
+  if (w->form < kInt8 || w->form > kBf16 || w->K % kAmxK != 0 || w->G % 2 != 0 ||
       !amx_permitted() || (exp16 && w->N % (2 * kRows) != 0))
     return 1;
   if (M <= 0 || w->N <= 0) return 0;
@@ -1403,7 +1417,10 @@ int quire_quant_linear_dequantized(const void* x, void* y, int64_t M, int thread
     case kInt4Zero:
       dequantized_form<kInt4Zero>(xb, yb, M, threads, w->half, weight, fused);
       break;
-    default: dequantized_form<kInt4Min>(xb, yb, M, threads, w->half, weight, fused); break;
+    case kInt4Min:
+      dequantized_form<kInt4Min>(xb, yb, M, threads, w->half, weight, fused);
+      break;
+    default: dequantized_form<kBf16>(xb, yb, M, threads, w->half, weight, fused); break;
   }
   return 0;
 #else
