@@ -13,6 +13,7 @@ round in one process.
     python benchmarks/small_m.py --m 1 5 9 --plot
     python benchmarks/small_m.py --march avx2          # one ISA build (tests/runtime builds)
     python benchmarks/small_m.py --march avx512_bf16 amx --dtype bfloat16   # builds side by side
+    python benchmarks/small_m.py --weights bfloat16 --dtype bfloat16 --march avx512_bf16 amx
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ STEP_MATMULS = [(name, n, k) for name, n, k in SHAPES if name != "lm_head"] * LA
     ("lm_head", 49152, 576)]
 
 
-def make_step(qm, march: str):
+def make_step(qm, march: str, weights: str = "gguf"):
     """One step's packed weights: Q4_1 (float16 d, m; group 32) for the layers, Q8_0 for the
-    lm_head, as the default GGUF holds them."""
+    lm_head, as the default GGUF holds them; or (`bfloat16`) a float model's bfloat16
+    weights in the kernel's layout (pack_bf16: quant_kernels.DenseBf16Kernel's)."""
     g = torch.Generator().manual_seed(0)
     step = []
     for name, n, k in STEP_MATMULS:
+        if weights == "bfloat16":
+            w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+            step.append((qm.pack_bf16(w, _march=march), qm.bf16_linear))
+            continue
         if name == "lm_head":
             q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
             s = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
@@ -56,6 +62,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--weights", default="gguf", choices=["gguf", "bfloat16"],
+                    help="the GGUF's Q4_1 / Q8_0, or a float model's bfloat16 weights")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="default: torch's")
     ap.add_argument("--march", nargs="+", default=["native"],
@@ -68,7 +76,7 @@ def main() -> None:
         args.march = march
         qm = native_kernels(args)
     dtype = getattr(torch, args.dtype)
-    steps = {march: make_step(qm, march) for march in builds}
+    steps = {march: make_step(qm, march, args.weights) for march in builds}
     weight_mb = sum(p.nbytes() for p, _ in steps[builds[0]]) / 1e6
     flops_per_row = 2 * sum(n * k for _, n, k in STEP_MATMULS)
     print(f"CPU: {cpu_flags()}")
@@ -103,7 +111,8 @@ def main() -> None:
     print(f"steal: {steal.steal_percent}% of CPU time during the runs")
     if args.plot:
         print("plot:", line_panels(
-            args.plot, "one SmolLM2-135M step's quantized matmuls", "M (rows of x)",
+            args.plot, f"one SmolLM2-135M step's matmuls ({args.weights} weights)",
+            "M (rows of x)",
             [("ms per step", {qm.isa(b): (args.m, [best[b, m] * 1e3 for m in args.m])
                               for b in builds}),
              (f"x M={args.m[0]}", {qm.isa(b): (args.m, [best[b, m] / best[b, args.m[0]]

@@ -87,6 +87,20 @@ def test_a_bfloat16_weight_on_the_tiles_is_its_exact_products(march):
     assert ((y.double() - want).abs() <= bound).all()
     for m in (1, 17, 33):  # rows of a pass past M: zeros, their outputs dropped
         assert torch.equal(qm.dequantized_linear(x[:m], packed, march), y[:m])
+    # decode and verification rows (bf16_linear, any M) take the same tiles in the same order:
+    # a float model's row has one set of bits from one row to a prefill. x's +-2^24 at k = 100
+    # and 1200 (weight columns of ones) cancel, so y shows what each order rounded away in
+    # between (a float32 chain in k order parts from the tiles in every row)
+    wide = torch.randn(100, 1536, generator=gen)
+    wide[:, 100] = wide[:, 1200] = 1
+    wide = qm.pack_bf16(wide.bfloat16(), _march=march)
+    xw = torch.randn(67, 1536, generator=gen)
+    xw[:, 100], xw[:, 1200] = 2.0 ** 24, -(2.0 ** 24)
+    xw = xw.bfloat16()
+    prefill = qm.dequantized_linear(xw, wide, march)
+    for m in (1, 2, 3, 9, 16, 17, 33, 67):
+        assert torch.equal(qm.bf16_linear(xw[:m], wide), prefill[:m]), m
+        assert torch.equal(qm.bf16_linear(xw[-m:], wide), prefill[-m:]), m
     gate_up = qm.pack_bf16(torch.randn(96, 192, generator=gen).bfloat16(), _march=march)
     silu = fused_ops.bf16_silu_exp(48)
     fused = qm.dequantized_linear(x, gate_up, march, silu=silu)

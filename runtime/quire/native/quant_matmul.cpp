@@ -989,6 +989,44 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
     for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
 }
 
+// A bfloat16 weight (form BF16: one group of K, scale 1) needs no fold: mt rows of x against
+// row block `block` sum every k in one C tile, 32 k a product in k order, after the block's
+// pairs are interleaved kBf16Steps products at a time into `buffer` (a pair of rows is 64
+// contiguous bytes: one permute). The same products in the same order as
+// linear_amx_dequantized's C tiles, so a row has one set of bits from 3 rows up to a prefill.
+constexpr int kBf16Steps = 4;  // 32-k products unpacked ahead of the tiles (4 KiB of pairs)
+__attribute__((noinline)) void amx_rows_bf16(int mt, const uint16_t* x, const Weight& w,
+                                             int64_t block, uint32_t* buffer, float* out) {
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(order);
+  const int64_t K = w.K;
+  const uint8_t* q = w.q + block * weight_bytes(kBf16, K) * kRows;
+  const uint8_t* next = q + weight_bytes(kBf16, K) * kRows;  // (a prefetch never faults)
+  _tile_zero(0);
+  for (int64_t k0 = 0; k0 < K; k0 += kBf16Steps * kAmxK) {
+    const int steps = static_cast<int>(std::min<int64_t>(kBf16Steps, (K - k0) / kAmxK));
+    for (int64_t i = 0; i < steps * kAmxK / 2; ++i) {
+      const int64_t kp = k0 / 2 + i;
+      if (i % 4 == 0) {  // the next block's 256 bytes at this k, 64 a line
+        for (int l = 0; l < 4; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(next + 4 * kp * kRows + 64 * l),
+                       _MM_HINT_T0);
+      }
+      _mm512_store_si512(buffer + i * kRows,
+                         _mm512_permutexvar_epi16(interleave,
+                                                  _mm512_loadu_si512(q + 4 * kp * kRows)));
+    }
+    for (int j = 0; j < steps; ++j) {
+      _tile_loadd(4, x + k0 + j * kAmxK, K * sizeof(uint16_t));
+      _tile_loadd(6, buffer + j * kAmxK / 2 * kRows, 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+  }
+  _tile_stored(0, out, 64);
+}
+
 // Whether a bfloat16-x call runs on the tiles: a weight whose groups are whole tiles, and
 // kAmxMinRows rows of x or more. One or two rows (single-sequence decode) keep the
 // AVX512-BF16 chain's sums, which read them faster: each 32-k tile costs 16 vector stores of
@@ -1026,12 +1064,13 @@ template <int Form, typename S>
 void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dtype,
                 int threads, const Weight& w) {
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
-  const bool expand = M > kAmxStreamRows;
+  const bool expand = Form != kBf16 && M > kAmxStreamRows;  // (BF16: interleaving is cheap)
   const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
   {
     std::vector<float> scratch(expand ? w.K * kRows / 2 : 0);
-    std::vector<uint32_t> buffer(expand ? 0 : kAmxGroups * w.G / 2 * kRows + 16);
+    std::vector<uint32_t> buffer(
+        expand ? 0 : (Form == kBf16 ? kBf16Steps * kAmxK : kAmxGroups * w.G) / 2 * kRows + 16);
     uint32_t* aligned = reinterpret_cast<uint32_t*>(  // (64-byte stores)
         (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
     int configured = -1;
@@ -1043,10 +1082,13 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
       for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
         const int mt = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
         if (mt != configured) amx_configure(configured = mt);
-        (mt == kAmxRows ? amx_rows<Form, S, kAmxRows> : amx_rows<Form, S, 0>)(
-            mt, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
-            expand ? reinterpret_cast<const uint32_t*>(scratch.data()) : nullptr, aligned,
-            tile);
+        if constexpr (Form == kBf16)
+          amx_rows_bf16(mt, x + m0 * w.K, w, b, aligned, tile);
+        else
+          (mt == kAmxRows ? amx_rows<Form, S, kAmxRows> : amx_rows<Form, S, 0>)(
+              mt, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
+              expand ? reinterpret_cast<const uint32_t*>(scratch.data()) : nullptr, aligned,
+              tile);
         store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
       }
     }
@@ -1268,6 +1310,19 @@ inline const std::vector<float>& bf16_as_float(const uint16_t* xb, int64_t n) {
 template <int Form>
 void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
                  int dtype, int threads, bool half, const Weight& w) {
+#if defined(__AMX_BF16__)
+  // a float model's bfloat16 rows take the tiles from one row: with no fold, one row costs
+  // what the FMAs cost (the weight's read: a SmolLM2 step's 269 MB, 2-core AMX Xeon, medians
+  // of 15 alternated: 24.3 ms on the tiles, 24.9 on the FMAs; 9 rows 24.6 against 33.4, 32
+  // rows 34.2 against 78.7), and a row then has the prefill tiles' bits whatever its M
+  if (Form == kBf16 && dtype == 1 && w.G % kAmxK == 0 && amx_permitted()) {
+    if (half) linear_amx<kBf16, uint16_t>(static_cast<const uint16_t*>(x), nullptr, y, M, dtype,
+                                          threads, w);
+    else linear_amx<kBf16, float>(static_cast<const uint16_t*>(x), nullptr, y, M, dtype,
+                                  threads, w);
+    return;
+  }
+#endif
 #if defined(__AVX512BF16__)
   if (Form != kBf16 && dtype == 1 && bf16_direct(Form, w.G)) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
