@@ -32,7 +32,8 @@
 // an AMX build, streamed rows (decode) run float32 FMAs in the instruction's order instead,
 // for the same bits at twice its issue rate there (bf16_as_float). An
 // AMX build runs such calls of 3 rows or more on the tile unit (linear_amx: 16 rows of x per
-// tile product, for about the cost of one; prefill 3x the dot product). OpenMP over row blocks with the
+// tile product, for about the cost of one; prefill 3x the dot product), and a bfloat16
+// weight's rows from one row (amx_rows_bf16: nothing to fold). OpenMP over row blocks with the
 // thread count the caller passes (torch's: the same libgomp and pool once torch is loaded).
 // Plain C++ with a C ABI, called through ctypes.
 #include <algorithm>

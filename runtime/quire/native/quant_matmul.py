@@ -96,7 +96,9 @@ def isa(march: str = "native") -> str | None:
 # tiles (AMX_GROUP_MULTIPLE k); fewer rows keep the AVX512-BF16 dot product, faster for one or
 # two rows. The two sum a group in different orders, so QUIRE_AMX_MIN_ROWS=1 is the choice
 # for bfloat16 outputs that never depend on the rows beside them (speculative decoding's
-# verification rows then have exactly the bits of decode rows).
+# verification rows then have exactly the bits of decode rows). A float model's bfloat16
+# weights (pack_bf16) take the tiles from one row whatever it says: with no fold their one
+# row costs what the FMAs cost, and their rows then have the prefill tiles' bits at every M.
 AMX_MIN_ROWS, AMX_GROUP_MULTIPLE = 3, 32
 
 
