@@ -335,13 +335,23 @@ inline __m512i nibble_pairs(const uint8_t* p, __m512i table) {
   return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), table);
 }
 
-// int8 (8 significant bits: exact in bfloat16): k at p, k + 1 at p + kRows
-inline __m512i int8_pairs(const uint8_t* p) {
+// Words 0-15 (row r's k) and 16-31 (its k + 1) as pairs: word 2r = k, 2r + 1 = k + 1
+inline __m512i pair_order() {
   alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
                                                  6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
                                                  12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_load_si512(order);
+}
+
+// int8 (8 significant bits: exact in bfloat16): k at p, k + 1 at p + kRows
+inline __m512i int8_pairs(const uint8_t* p) {
   const __m512bh both = _mm512_cvtne2ps_pbh(load_int8(p + kRows).v, load_int8(p).v);
-  return _mm512_permutexvar_epi16(_mm512_load_si512(order), (__m512i)both);
+  return _mm512_permutexvar_epi16(pair_order(), (__m512i)both);
+}
+
+// bfloat16 (form BF16): k at p, k + 1 at p + 2 kRows bytes, 64 contiguous bytes
+inline __m512i bf16_pairs(const uint8_t* p, __m512i order) {
+  return _mm512_permutexvar_epi16(order, _mm512_loadu_si512(p));
 }
 #endif
 
@@ -362,7 +372,8 @@ inline __m512i int8_pairs(const uint8_t* p) {
 // weight once from memory too.
 template <int Form>
 inline void fetch_next_block(const uint8_t* q, int64_t K, int64_t kp) {
-  constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : Form == kBf16 ? 4 : 1) * kRows;  // a pair of k
+  // q bytes of a pair of k
+  constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : Form == kBf16 ? 4 : 1) * kRows;
   if (kp * kPairBytes % 64 == 0)
     _mm_prefetch(reinterpret_cast<const char*>(q + weight_bytes(Form, K) * kRows +
                                                kp * kPairBytes),
@@ -994,14 +1005,11 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
 // row block `block` sum every k in one C tile, 32 k a product in k order, after the block's
 // pairs are interleaved kBf16Steps products at a time into `buffer` (a pair of rows is 64
 // contiguous bytes: one permute). The same products in the same order as
-// linear_amx_dequantized's C tiles, so a row has one set of bits from 3 rows up to a prefill.
+// linear_amx_dequantized's C tiles, so a row has one set of bits from one row to a prefill.
 constexpr int kBf16Steps = 4;  // 32-k products unpacked ahead of the tiles (4 KiB of pairs)
 __attribute__((noinline)) void amx_rows_bf16(int mt, const uint16_t* x, const Weight& w,
                                              int64_t block, uint32_t* buffer, float* out) {
-  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                                 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
-                                                 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(order);
+  const __m512i order = pair_order();
   const int64_t K = w.K;
   const uint8_t* q = w.q + block * weight_bytes(kBf16, K) * kRows;
   const uint8_t* next = q + weight_bytes(kBf16, K) * kRows;  // (a prefetch never faults)
@@ -1015,9 +1023,7 @@ __attribute__((noinline)) void amx_rows_bf16(int mt, const uint16_t* x, const We
           _mm_prefetch(reinterpret_cast<const char*>(next + 4 * kp * kRows + 64 * l),
                        _MM_HINT_T0);
       }
-      _mm512_store_si512(buffer + i * kRows,
-                         _mm512_permutexvar_epi16(interleave,
-                                                  _mm512_loadu_si512(q + 4 * kp * kRows)));
+      _mm512_store_si512(buffer + i * kRows, bf16_pairs(q + 4 * kp * kRows, order));
     }
     for (int j = 0; j < steps; ++j) {
       _tile_loadd(4, x + k0 + j * kAmxK, K * sizeof(uint16_t));
@@ -1113,16 +1119,11 @@ template <int Form, typename S>
 void expand_dequantized(const Weight& w, int64_t block, uint32_t* pairs) {
   const int64_t K = w.K, G = w.G;
   if constexpr (Form == kBf16) {  // a float model's weight: only the pairs' interleaving
-    alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                                   6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
-                                                   12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_load_si512(order);
+    const __m512i order = pair_order();
     const uint8_t* q = w.q + block * weight_bytes(Form, K) * kRows;
-    for (int64_t kp = 0; kp < K / 2; ++kp) {  // rows k and k + 1: 64 contiguous bytes
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
       fetch_next_block<Form>(q, K, kp);
-      _mm512_store_si512(pairs + kp * kRows,
-                         _mm512_permutexvar_epi16(interleave,
-                                                  _mm512_loadu_si512(q + 4 * kp * kRows)));
+      _mm512_store_si512(pairs + kp * kRows, bf16_pairs(q + 4 * kp * kRows, order));
     }
     return;
   }
@@ -1314,8 +1315,9 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
 #if defined(__AMX_BF16__)
   // a float model's bfloat16 rows take the tiles from one row: with no fold, one row costs
   // what the FMAs cost (the weight's read: a SmolLM2 step's 269 MB, 2-core AMX Xeon, medians
-  // of 15 alternated: 24.3 ms on the tiles, 24.9 on the FMAs; 9 rows 24.6 against 33.4, 32
-  // rows 34.2 against 78.7), and a row then has the prefill tiles' bits whatever its M
+  // of 15 alternated: 24.3 ms on the tiles, 24.9 on the FMAs; small_m.py --weights bfloat16,
+  // 9 rows 26.8 against 34.9, 32 rows 36.8 against 80.2), and a row then has the prefill
+  // tiles' bits whatever its M
   if (Form == kBf16 && dtype == 1 && w.G % kAmxK == 0 && amx_permitted()) {
     if (half) linear_amx<kBf16, uint16_t>(static_cast<const uint16_t*>(x), nullptr, y, M, dtype,
                                           threads, w);
