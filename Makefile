@@ -31,7 +31,7 @@ test: lint
 	# byte-compiled first: the suite starts ~120 Python processes (servers, ranks, routers), and
 	# where PYTHONDONTWRITEBYTECODE is set each one compiled the tree's sources again (~0.5 s)
 	$(PY) -m compileall -q runtime operator tests
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 tests
 
 # one ruff config (pyproject.toml [tool.ruff]): lint rules and import order, over the tree
 lint: $(STAMP)
