@@ -1,7 +1,7 @@
 """bf16 projections on CPU. A projection without bias runs the native kernel's own copy
-(quant_kernels.DenseBf16Kernel: decode rows at one weight read, prefill chunks on the library's
-AMX tiles, else through oneDNN where it has bf16 kernels, else the native expanded tiles); one with a bias runs oneDNN-packed
-weights (the same numbers as F.linear, the same greedy tokens as a model that doesn't pack).
+(quant_kernels.DenseBf16Kernel: decode rows at one weight read, prefill chunks on the
+library's AMX tiles, else through oneDNN where it has bf16 kernels, else the native expanded
+tiles); one with a bias runs oneDNN-packed weights (the same numbers as F.linear, the same greedy tokens as a model that doesn't pack).
 The plain copies are freed. Where oneDNN has no bf16 kernels (AVX2 only: bf16 would be
 emulated), nothing is packed and F.linear serves biased projections: the tests check that
 fallback instead.

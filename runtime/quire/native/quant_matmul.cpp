@@ -1012,17 +1012,12 @@ __attribute__((noinline)) void amx_rows_bf16(int mt, const uint16_t* x, const We
   const __m512i order = pair_order();
   const int64_t K = w.K;
   const uint8_t* q = w.q + block * weight_bytes(kBf16, K) * kRows;
-  const uint8_t* next = q + weight_bytes(kBf16, K) * kRows;  // (a prefetch never faults)
   _tile_zero(0);
   for (int64_t k0 = 0; k0 < K; k0 += kBf16Steps * kAmxK) {
     const int steps = static_cast<int>(std::min<int64_t>(kBf16Steps, (K - k0) / kAmxK));
     for (int64_t i = 0; i < steps * kAmxK / 2; ++i) {
       const int64_t kp = k0 / 2 + i;
-      if (i % 4 == 0) {  // the next block's 256 bytes at this k, 64 a line
-        for (int l = 0; l < 4; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(next + 4 * kp * kRows + 64 * l),
-                       _MM_HINT_T0);
-      }
+      fetch_next_block<kBf16>(q, K, kp);
       _mm512_store_si512(buffer + i * kRows, bf16_pairs(q + 4 * kp * kRows, order));
     }
     for (int j = 0; j < steps; ++j) {
@@ -1032,6 +1027,15 @@ __attribute__((noinline)) void amx_rows_bf16(int mt, const uint16_t* x, const We
     }
   }
   _tile_stored(0, out, 64);
+}
+
+// Whether a bfloat16 weight's bfloat16 rows run on the tiles (amx_rows_bf16): from one row,
+// wherever K is whole tiles. With no fold, one row costs what the FMAs cost (the weight's read:
+// a SmolLM2 step's 269 MB, 2-core AMX Xeon, medians of 15 alternated: 24.3 ms on the tiles,
+// 24.9 on the FMAs; small_m.py --weights bfloat16, 9 rows 26.8 against 34.9, 32 rows 36.8
+// against 80.2), and a row then has the prefill tiles' bits whatever its M.
+inline bool bf16_weight_tiles(int form, int64_t G) {
+  return form == kBf16 && G % kAmxK == 0 && amx_permitted();
 }
 
 // Whether a bfloat16-x call runs on the tiles: a weight whose groups are whole tiles, and
@@ -1313,12 +1317,7 @@ template <int Form>
 void linear_form(const void* x, const float* xf, const float* xsum, void* y, int64_t M,
                  int dtype, int threads, bool half, const Weight& w) {
 #if defined(__AMX_BF16__)
-  // a float model's bfloat16 rows take the tiles from one row: with no fold, one row costs
-  // what the FMAs cost (the weight's read: a SmolLM2 step's 269 MB, 2-core AMX Xeon, medians
-  // of 15 alternated: 24.3 ms on the tiles, 24.9 on the FMAs; small_m.py --weights bfloat16,
-  // 9 rows 26.8 against 34.9, 32 rows 36.8 against 80.2), and a row then has the prefill
-  // tiles' bits whatever its M
-  if (Form == kBf16 && dtype == 1 && w.G % kAmxK == 0 && amx_permitted()) {
+  if (dtype == 1 && bf16_weight_tiles(Form, w.G)) {
     if (half) linear_amx<kBf16, uint16_t>(static_cast<const uint16_t*>(x), nullptr, y, M, dtype,
                                           threads, w);
     else linear_amx<kBf16, float>(static_cast<const uint16_t*>(x), nullptr, y, M, dtype,
@@ -1396,7 +1395,10 @@ int quire_quant_linear(const void* x, void* y, int64_t M, int dtype, int threads
   std::vector<float> copy, xsum;
   const float* xf = static_cast<const float*>(x);
   const uint16_t* xb = static_cast<const uint16_t*>(x);
-  const bool direct_bf16 = dtype == 1 && bf16_direct(form, G);
+  bool direct_bf16 = dtype == 1 && bf16_direct(form, G);
+#if defined(__AMX_BF16__)
+  direct_bf16 = direct_bf16 || (dtype == 1 && bf16_weight_tiles(form, G));  // (no copy)
+#endif
   if (dtype == 1 && !direct_bf16) {
     copy.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) copy[i] = bf16_to_float(xb[i]);
