@@ -12,6 +12,7 @@ nobody outside the scheduler changes its queues."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# parsed once per session (~1.5 s of the tree's sources): the tests only read the trees
+@functools.cache
 def sources() -> dict[str, ast.Module]:
     return {module_name(p): ast.parse(p.read_text(), str(p)) for p in ROOT.rglob("*.py")}
 
