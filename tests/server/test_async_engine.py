@@ -416,9 +416,14 @@ def test_a_servers_engine_moves_what_loading_made_out_of_the_collectors_reach(fr
         await ae.shutdown()
         return frozen
 
+    harness_froze = gc.get_freeze_count() > 0  # (tests/conftest.py freezes the modules)
     gc.unfreeze()
     try:
         frozen = asyncio.run(main())
         assert (frozen >= len(made)) if freeze else frozen == 0
     finally:
         gc.unfreeze()
+        made.clear()
+        if harness_froze:
+            gc.collect()
+            gc.freeze()
