@@ -28,6 +28,7 @@ BOOKKEEPING = ["block_pool", "kv_cache_manager", "scheduler", "scheduler_output"
 FLOORS = [
     # ground: plain helpers and the grammar library's wrapper
     ["quire.validation", "quire.writable_dirs", "quire.platform", "quire.cpu_threads",
+     "quire.collector",
      "quire.parallel_state", "quire.structured", "quire.version", "quire.priorities"],
     # what requests and steps are made of (values, no behaviour beyond validation)
     ["quire.sampling_params", "quire.outputs", "quire.step_batch", "quire.sampling_batch",

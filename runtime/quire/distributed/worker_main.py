@@ -96,6 +96,7 @@ def main(spec: WorkerSpec | RemoteRank, conn) -> None:
 
 def _serve(spec: WorkerSpec, conn) -> None:
     from quire import parallel_state as ps
+    from quire.collector import collector_paused
     from quire.worker.kv_cache import KVCache
     from quire.worker.model_builder import build_model, parameter_bytes
     from quire.worker.model_runner import ModelRunner
@@ -117,8 +118,9 @@ def _serve(spec: WorkerSpec, conn) -> None:
                           tp_size=spec.tp_size)
     cfg = spec.cfg
     tp_rank = spec.rank % spec.tp_size
-    model = build_model(spec.args, spec.source, cfg, spec.dtype, device, spec.max_model_len,
-                        tp_rank, spec.tp_size, spec.stage)
+    with collector_paused():  # (as the engine's own load: quire/collector.py)
+        model = build_model(spec.args, spec.source, cfg, spec.dtype, device,
+                            spec.max_model_len, tp_rank, spec.tp_size, spec.stage)
     kv_heads = ps.kv_heads_per_rank(cfg.num_kv_heads, spec.tp_size)
     conn.send(("loaded", parameter_bytes(model)))
 

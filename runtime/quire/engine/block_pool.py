@@ -23,8 +23,9 @@ forgets its hash at once: nothing outlives its owners.
 
 from __future__ import annotations
 
-import gc
 from collections import OrderedDict
+
+from quire.collector import collector_paused
 
 
 class KVBlock:
@@ -50,17 +51,12 @@ class BlockPool:
         # (the collector paused meanwhile: every few hundred new blocks started a collection
         # that walked the process's heap, torch's included: 1.3-2.0 s for a 4 GiB cache's
         # 350K blocks, 0.2 s without; each server and engine start paid it)
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with collector_paused():
             self.blocks = [KVBlock(i) for i in range(num_blocks)]
             # Front = next to hand out. Uncached blocks go to the front, cached ones to the
             # back, so a cached prefix survives as long as there is anything else to give.
             self._free: OrderedDict[int, KVBlock] = OrderedDict(
                 (b.block_id, b) for b in self.blocks)
-        finally:
-            if collecting:
-                gc.enable()
         self._cached: dict[bytes, KVBlock] = {}
         self.num_cached_free = 0  # free blocks that still hold a reusable prefix
         self.num_evictions = 0

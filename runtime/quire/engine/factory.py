@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from quire.collector import collector_paused
 from quire.config import EngineArgs
 
 
 def create_engine(args: EngineArgs, serving: bool = False):
+    """Built with the collector paused (quire/collector.py: ~1 s of a SmolLM2 load)."""
     from quire.engine.engine import LLMEngine
-    runner = engine_runner(args)
-    args = dataclasses.replace(args, runner=runner)  # build_model reads it, no second guess
-    if runner == "pooling":
-        from quire.pooling.engine import PoolingEngine
-        return PoolingEngine(args, serving)
-    return LLMEngine(args, serving)
+    with collector_paused():
+        runner = engine_runner(args)
+        args = dataclasses.replace(args, runner=runner)  # build_model reads it, no second guess
+        if runner == "pooling":
+            from quire.pooling.engine import PoolingEngine
+            return PoolingEngine(args, serving)
+        return LLMEngine(args, serving)
 
 
 def engine_runner(args: EngineArgs) -> str:
