@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,20 @@ def _flags(master: str, port: int, node_rank: int) -> list[str]:
     return ["--dtype", "float32", "--kv-cache-memory", "16M", "--num-threads", "1",
             "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node_rank),
             "--master-addr", master, "--master-port", str(port)]
+
+
+def _free_master_port() -> int:
+    """A free port whose step channel (rendezvous.step_port: the next one) is free too: node 0
+    binds both, and the next port was sometimes another process's (EADDRINUSE)."""
+    from quire.distributed.rendezvous import step_port
+    while True:
+        port = harness.free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", step_port(port)))
+            except OSError:
+                continue
+        return port
 
 
 def _log(name: str):
@@ -118,7 +133,7 @@ def test_two_nodes_serve_exactly_and_fail_fast_when_one_dies(two_nodes):
 
 def test_node_zero_names_the_ranks_that_never_arrive():
     model = harness.tiny_model()
-    port = harness.free_port()
+    port = _free_master_port()
     with _log("lonely-node0.log") as log:
         proc = subprocess.Popen(
             [*CLI, model, *_flags("127.0.0.1", port, 0), "--distributed-timeout", "3",
