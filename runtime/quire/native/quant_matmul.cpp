@@ -510,7 +510,6 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
                                            int64_t block0, float* out) {
   const int64_t K = w.K, G = w.G, groups = K / G;
   const int64_t block_bytes = weight_bytes(Form, K) * kRows;
-  [[maybe_unused]] const int64_t group_bytes = block_bytes / groups;
   const Block<Form, S> first(w, block0);  // the B blocks follow it
   const uint8_t* q = first.q;
   const S *scales = first.scales, *offsets = first.offsets;
@@ -518,17 +517,23 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
 #if defined(__AVX512BF16__)
   [[maybe_unused]] const __m512i table = nibble_table<Form>();
 #endif
+  // A decode step streams each weight once from memory: the same lines of the next B row
+  // blocks (this thread's next ones under the schedule's contiguous chunks) are fetched
+  // meanwhile, one as each line at byte `at` of block b is read (a prefetch past the last
+  // block is harmless: it never faults). (Every tile: on the AMX Xeon, 3-8 rows without it
+  // ran ~1.8x slower on every build. A group's lines fetched at once before its sums, as
+  // until ffdda8a: one SmolLM2 step's matmuls at one row 6.58-6.76 ms against 6.43-6.48,
+  // two rows 7.98-8.26 against 7.67-7.70, alternated in one process on the AMX Xeon.)
+  const auto fetch_ahead = [&](int b, int64_t at) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (at % 64 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(q + (B + b) * block_bytes + at), _MM_HINT_T0);
+#else
+    (void)b, (void)at;
+#endif
+  };
   for (int64_t g = 0; g < groups; ++g) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-    // a decode step streams each weight once from memory: fetch the same group of the next B
-    // row blocks (this thread's next ones under the schedule's contiguous chunks) meanwhile
-    // (a prefetch past the last block is harmless: it never faults)
-    // (every tile: on the AMX Xeon, 3-8 rows without it ran ~1.8x slower on every build)
-    for (int b = 0; b < B; ++b)
-      for (int64_t off = 0; off < group_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(q + (B + b) * block_bytes +
-                                                   g * group_bytes + off),
-                     _MM_HINT_T0);
     for (int b = 0; b < B; ++b)
       fetch_group_scales<Form>(scales, offsets, ((B + b) * groups + g) * kRows);
 #endif
@@ -540,6 +545,7 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
       if (Form == kBf16) {
         for (int64_t k = k0; k < k1; ++k)
           for (int b = 0; b < B; ++b) {
+            fetch_ahead(b, 2 * k * kRows);
             const V wk = load_bf16(q + b * block_bytes + 2 * k * kRows);
             for (int m = 0; m < MT; ++m)
               part[b][m] = vfma(vset(x[m * K + k]), wk, part[b][m]);
@@ -547,6 +553,7 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
       } else if (Form == kInt8 && w.odd_first) {  // (G even: bf16_as_float)
         for (int64_t k = k0; k < k1; k += 2)
           for (int b = 0; b < B; ++b) {
+            fetch_ahead(b, k * kRows);
             const V odd = load_int8(q + b * block_bytes + (k + 1) * kRows),
                     even = load_int8(q + b * block_bytes + k * kRows);
             for (int m = 0; m < MT; ++m) {
@@ -557,6 +564,7 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
       } else if (Form == kInt8) {
         for (int64_t k = k0; k < k1; ++k)
           for (int b = 0; b < B; ++b) {
+            fetch_ahead(b, k * kRows);
             const V wk = load_int8(q + b * block_bytes + k * kRows);
             for (int m = 0; m < MT; ++m)
               part[b][m] = vfma(vset(x[m * K + k]), wk, part[b][m]);
@@ -568,6 +576,7 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
           for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp)
             for (int b = 0; b < B; ++b) {
               V wk[2];  // [even k, odd k]
+              fetch_ahead(b, kp * kRows);
               const uint8_t* p = q + b * block_bytes + kp * kRows;
               if (Form == kInt4Min) load_int4(p, wk[0], wk[1]); else load_sint4(p, wk[0], wk[1]);
               for (int m = 0; m < MT; ++m) {
@@ -585,6 +594,7 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
         for (int m = 0; m < MT; ++m) sum[b][m] = _mm512_setzero_ps();
       for (int64_t k = k0; k < k1; k += 2)  // k0, k1 even (bf16_direct)
         for (int b = 0; b < B; ++b) {
+          fetch_ahead(b, Form == kInt8 ? k * kRows : k / 2 * kRows);
           const uint8_t* p = q + b * block_bytes;
           const __m512bh wk = (__m512bh)(Form == kInt8 ? int8_pairs(p + k * kRows)
                                                        : nibble_pairs(p + k / 2 * kRows, table));
