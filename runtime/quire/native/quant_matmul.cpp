@@ -632,24 +632,28 @@ __attribute__((noinline)) void stream_halves(const float* x, const float* xsum, 
   const S *scales = here.scales, *offsets = here.offsets;
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
   for (int i = 0; i < MT * kRows; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
-  [[maybe_unused]] const int64_t group_bytes = block_bytes / groups;
+  // the next block's line at byte `at` fetched as the first half reads this block's (as in
+  // stream_rows)
+  const auto fetch_ahead = [&](int h, int64_t at) {
+    if (h == 0 && at % 64 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + at), _MM_HINT_T0);
+  };
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k0 = g * G, k1 = k0 + G;
-    for (int64_t off = 0; off < group_bytes; off += 64)  // the next block's group meanwhile
-      _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + g * group_bytes + off),
-                   _MM_HINT_T0);
     fetch_group_scales<Form>(scales, offsets, (groups + g) * kRows);
     for (int h = 0; h < kRows; h += 8) {
       __m256 part[MT];
       for (int m = 0; m < MT; ++m) part[m] = _mm256_setzero_ps();
       if (Form == kBf16) {
         for (int64_t k = k0; k < k1; ++k) {
+          fetch_ahead(h, 2 * k * kRows);
           const __m256 wk = bf16x8(q + 2 * (k * kRows + h));
           for (int m = 0; m < MT; ++m)
             part[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k]), wk, part[m]);
         }
       } else if (Form == kInt8) {
         for (int64_t k = k0; k < k1; ++k) {
+          fetch_ahead(h, k * kRows);
           const __m256 wk = _mm256_cvtepi32_ps(bytes8(q + k * kRows + h, true));
           for (int m = 0; m < MT; ++m)
             part[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k]), wk, part[m]);
@@ -657,6 +661,7 @@ __attribute__((noinline)) void stream_halves(const float* x, const float* xsum, 
       } else {  // k0, k1 even (groups of 32, 64, 128)
         for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp) {
           __m256 even, odd;
+          fetch_ahead(h, kp * kRows);
           nibbles8(q + kp * kRows + h, Form != kInt4Min, even, odd);
           for (int m = 0; m < MT; ++m) {
             part[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + 2 * kp]), even, part[m]);
