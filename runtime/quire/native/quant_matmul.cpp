@@ -366,18 +366,27 @@ inline __m512i bf16_pairs(const uint8_t* p, __m512i order) {
 // FMA latency at M = 1 come from B row blocks side by side, never from splitting a row's sum
 // into partial sums (that made a row's bits depend on the rows beside it).
 
+// Every path that reads packed weights as it goes fetches the line at byte `at` of a later
+// block (`ahead`) as it reads that byte of this one, once a line: one prefetch at a time
+// spread over the work, not a group's or a batch's lines at once before it (that burst left
+// the weights' read and the work adding up instead of overlapping: amx_rows, stream_rows).
+inline void fetch_line(const uint8_t* ahead, int64_t at) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if (at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+#else
+  (void)ahead, (void)at;
+#endif
+}
+
 #if defined(__AVX512BF16__)
 // While pair kp of k of row block q is unpacked, the same line of the next row block (this
-// thread's next, mostly) is fetched, once a line: batched decode and prefill read each
-// weight once from memory too.
+// thread's next, mostly) is fetched: batched decode and prefill read each weight once from
+// memory too.
 template <int Form>
 inline void fetch_next_block(const uint8_t* q, int64_t K, int64_t kp) {
   // q bytes of a pair of k
   constexpr int64_t kPairBytes = (Form == kInt8 ? 2 : Form == kBf16 ? 4 : 1) * kRows;
-  if (kp * kPairBytes % 64 == 0)
-    _mm_prefetch(reinterpret_cast<const char*>(q + weight_bytes(Form, K) * kRows +
-                                               kp * kPairBytes),
-                 _MM_HINT_T0);
+  fetch_line(q + weight_bytes(Form, K) * kRows, kp * kPairBytes);
 }
 #endif
 
@@ -519,18 +528,13 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
 #endif
   // A decode step streams each weight once from memory: the same lines of the next B row
   // blocks (this thread's next ones under the schedule's contiguous chunks) are fetched
-  // meanwhile, one as each line at byte `at` of block b is read (a prefetch past the last
-  // block is harmless: it never faults). (Every tile: on the AMX Xeon, 3-8 rows without it
-  // ran ~1.8x slower on every build. A group's lines fetched at once before its sums, as
-  // until ffdda8a: one SmolLM2 step's matmuls at one row 6.58-6.76 ms against 6.43-6.48,
-  // two rows 7.98-8.26 against 7.67-7.70, alternated in one process on the AMX Xeon.)
+  // meanwhile, as block b's are read (a prefetch past the last block is harmless: it never
+  // faults). (Every tile: on the AMX Xeon, 3-8 rows without it ran ~1.8x slower on every
+  // build. Fetching a group's lines all at once before its sums, as this did before, one
+  // SmolLM2 step's matmuls took 7.52 ms at one row against 7.18 and 8.99 at two against
+  // 8.13, the two alternated in one process on the AMX Xeon.)
   const auto fetch_ahead = [&](int b, int64_t at) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-    if (at % 64 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(q + (B + b) * block_bytes + at), _MM_HINT_T0);
-#else
-    (void)b, (void)at;
-#endif
+    fetch_line(q + (B + b) * block_bytes, at);
   };
   for (int64_t g = 0; g < groups; ++g) {
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -632,11 +636,9 @@ __attribute__((noinline)) void stream_halves(const float* x, const float* xsum, 
   const S *scales = here.scales, *offsets = here.offsets;
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
   for (int i = 0; i < MT * kRows; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
-  // the next block's line at byte `at` fetched as the first half reads this block's (as in
-  // stream_rows)
+  // the next block's line at byte `at` fetched as the first half reads this block's
   const auto fetch_ahead = [&](int h, int64_t at) {
-    if (h == 0 && at % 64 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + at), _MM_HINT_T0);
+    if (h == 0) fetch_line(q + block_bytes, at);
   };
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k0 = g * G, k1 = k0 + G;
@@ -975,7 +977,7 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
       // meanwhile, one with each line unpacked: each weight comes once from memory (a
       // prefetch past the end never faults). The batch's 16 lines fetched at once, before
       // its unpacking, left the read and the tiles' work adding up instead of overlapping:
-      // one SmolLM2 step's matmuls at 9 rows 12.2 -> 10.5 ms (2-core AMX Xeon, alternated
+      // one SmolLM2 step's matmuls at 9 rows 11.95 -> 10.60 ms (2-core AMX Xeon, alternated
       // in one process; a C++ probe of the unpacking alone from memory: 56-59 -> 47-49 ns a
       // 16 x 32 block, against 15 hot and 34-36 for the read alone)
       for (int j = 0; j < n; ++j)
