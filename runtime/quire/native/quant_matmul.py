@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from quire.native import loader
+from quire.native import huge_pages, loader
 
 ROWS = 16  # output rows per block: quant_matmul.cpp's kRows
 INT4_GROUPS = (32, 64, 128)
@@ -160,22 +160,55 @@ class PackedWeight:
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
         self.bits = {INT8: 8, BF16: 16}.get(form, 4)
-        self.qweight, self.scales, self.offsets = qweight, scales, offsets
-        self._struct = _PackedArgs(form, scales.dtype == torch.float16, qweight.data_ptr(),
-                                   scales.data_ptr(),
-                                   offsets.data_ptr() if offsets is not None else None,
-                                   n, k, group)
+        self._struct = _PackedArgs(form, scales.dtype == torch.float16, 0, 0, None, n, k, group)
         self._address = ctypes.addressof(self._struct)  # what each call passes
+        self._hold(qweight, scales, offsets)
         lib = _library(march)
         self._fn = lib.quire_quant_linear_packed if lib is not None else None
 
+    def _hold(self, qweight, scales, offsets) -> None:
+        """Keep these tensors (the same values, perhaps moved: move_to_huge_pages) and point
+        the struct every call passes, so everything that holds its address, at them."""
+        self.qweight, self.scales, self.offsets = qweight, scales, offsets
+        self._struct.q, self._struct.scales = qweight.data_ptr(), scales.data_ptr()
+        self._struct.offsets = offsets.data_ptr() if offsets is not None else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight, self.scales, self.offsets) if t is not None]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.qweight, self.scales, self.offsets) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def __repr__(self) -> str:
         return (f"PackedWeight(form={self.form}, n={self.n}, k={self.k}, group={self.group}, "
                 f"scales {self.scales.dtype})")
+
+
+def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:
+    """The model's native packed weights (each layer's quant_kernel or native_kernel's),
+    each once."""
+    found: dict[int, PackedWeight] = {}
+    for module in model.modules():
+        for name in ("quant_kernel", "native_kernel"):
+            packed = getattr(getattr(module, name, None), "packed", None)
+            if isinstance(packed, PackedWeight):
+                found.setdefault(id(packed), packed)
+    return list(found.values())
+
+
+def move_to_huge_pages(packs: list[PackedWeight]) -> int:
+    """Moves the packed weights into one huge-page mapping (native/huge_pages.py: a decode
+    step streams them all), each original dropped as its copy is made. Returns the bytes
+    moved: 0 where huge pages are not available."""
+    arena = huge_pages.arena(huge_pages.footprint([t for p in packs for t in p.tensors()]))
+    if arena is None:
+        return 0
+    moved = 0
+    for p in packs:
+        p._hold(*(None if t is None else arena.copy(t)
+                  for t in (p.qweight, p.scales, p.offsets)))
+        moved += p.nbytes()
+    return moved
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int]) -> None:

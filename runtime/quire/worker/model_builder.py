@@ -15,6 +15,7 @@ from quire.models import registry
 from quire.models.config import ModelConfig
 from quire.models.loader import ModelSource, default_dtype, iter_weights, quant_config
 from quire.models.param_counts import ParameterCount
+from quire.native import quant_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
     counts = ParameterCount()  # from the checkpoint's shapes: the whole model's
     model.load_weights(counts.counted(iter_weights(source, cfg, args.quantization)))
     model.pack_weights()
+    if device.type == "cpu":  # decode streams every packed weight: on huge pages
+        moved = quant_matmul.move_to_huge_pages(quant_matmul.packed_weights(model))
+        if moved and rank == 0 and stage.is_first:
+            logger.info("packed weights on huge pages: %.1f MB", moved / 1e6)
     model.parameter_count = counts
     if rank == 0 and stage.is_first:
         logger.info("model: %s", counts.describe(model))
