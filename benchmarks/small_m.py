@@ -33,7 +33,8 @@ STEP_MATMULS = [(name, n, k) for name, n, k in SHAPES if name != "lm_head"] * LA
 def make_step(qm, march: str, weights: str = "gguf"):
     """One step's packed weights: Q4_1 (float16 d, m; group 32) for the layers, Q8_0 for the
     lm_head, as the default GGUF holds them; or (`bfloat16`) a float model's bfloat16
-    weights in the kernel's layout (pack_bf16: quant_kernels.DenseBf16Kernel's)."""
+    weights in the kernel's layout (pack_bf16: quant_kernels.DenseBf16Kernel's). On huge
+    pages, as an engine holds them (QUIRE_HUGE_PAGES=0: where torch put them)."""
     g = torch.Generator().manual_seed(0)
     step = []
     for name, n, k in STEP_MATMULS:
@@ -50,6 +51,7 @@ def make_step(qm, march: str, weights: str = "gguf"):
         d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
         m = -(torch.rand(n, k // 32, generator=g) * 0.1).half().float()
         step.append((qm.pack_int4(q, d, m + 8 * d, 32, _march=march), qm.int4_linear))
+    qm.move_to_huge_pages([p for p, _ in step])  # where an engine keeps them (huge_pages.py)
     return step
 
 

@@ -4,9 +4,10 @@ At batch 1 a decode step reads every weight once (the default SmolLM2: 96 MB a t
 packed weights). On 4 KiB pages that is ~24,000 pages a step, far past the TLB's reach, and
 each step's stream also pushes out the page-table entries of everything else the step touches
 (the interpreter's objects, the KV cache), so their next accesses walk cold tables too. On
-2 MiB pages the whole model is ~50 TLB entries. Moved here, SmolLM2's decode step went from
-8.06 to 6.95 ms (median of 6 alternated fresh processes, bfloat16, 2 threads, AMX Xeon:
-benchmarks/README.md has the same-run figures).
+2 MiB pages the whole model is ~50 TLB entries. On the AMX Xeon (2 threads, bfloat16) a
+batch-1 decode step went from 6.59 to 5.79 ms (benchmarks/decode_profile.py --baseline,
+alternated fresh processes) and decode from 81% to 93% of the read roofline
+(benchmarks/README.md).
 
 torch's allocator madvises nothing by default (THP_MEM_ALLOC_ENABLE, read once before any
 allocation, is too late to set from here), and most packed weights are below 2 MiB each, so
