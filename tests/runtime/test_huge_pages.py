@@ -14,6 +14,7 @@ import torch
 from quire import LLM, SamplingParams
 from quire.native import huge_pages, quant_matmul
 
+from moe_helpers import save_tiny_moe, tiny_moe_config
 from runtime_helpers import assert_no_blocks_in_use, random_prompts, save_tiny_model, tiny_config
 
 
@@ -130,5 +131,27 @@ def test_an_engine_keeps_its_packed_weights_on_huge_pages(tmp_path, smollm_token
                        for p in quant_matmul.packed_weights(plain.engine.executor.model))
         assert [o.outputs[0].token_ids
                 for o in plain.generate(prompts, params, use_tqdm=False)] == out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_moe_engine_moves_its_experts_too(tmp_path, smollm_tokenizer):
+    path = save_tiny_moe(str(tmp_path / "moe"), tiny_moe_config("mixtral"), smollm_tokenizer)
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(path, quantization="int8", dtype="float32", kv_cache_memory=4 << 20)
+        model = llm.engine.executor.model
+        experts = [k.packed for m in model.modules()
+                   for ks in (getattr(m, "expert_kernels", None) or {}).values() for k in ks]
+        assert len(experts) == 3 * 2 * 8  # 3 layers x (w13, w2) x 8 experts
+        packs = quant_matmul.packed_weights(model)
+        assert {id(p) for p in experts} <= {id(p) for p in packs}
+        on_huge = [_madvised_huge(p.qweight.data_ptr()) for p in packs]
+        assert all(on_huge) if huge_pages.available() else not any(on_huge)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8
+        assert_no_blocks_in_use(llm)
     finally:
         torch.set_num_threads(threads)

@@ -185,12 +185,16 @@ class PackedWeight:
 
 
 def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:
-    """The model's native packed weights (each layer's quant_kernel or native_kernel's),
-    each once."""
+    """The model's native packed weights (each layer's quant_kernel or native_kernel's, and
+    an MoE layer's per-expert kernels'), each once."""
     found: dict[int, PackedWeight] = {}
     for module in model.modules():
-        for name in ("quant_kernel", "native_kernel"):
-            packed = getattr(getattr(module, name, None), "packed", None)
+        kernels = [getattr(module, name, None) for name in ("quant_kernel", "native_kernel")]
+        experts = getattr(module, "expert_kernels", None)  # {proj: [one per expert]}
+        if isinstance(experts, dict):
+            kernels += [k for per_expert in experts.values() for k in per_expert]
+        for kernel in kernels:
+            packed = getattr(kernel, "packed", None)
             if isinstance(packed, PackedWeight):
                 found.setdefault(id(packed), packed)
     return list(found.values())
