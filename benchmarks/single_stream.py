@@ -107,9 +107,14 @@ def run(args, llm=None, note: str = "") -> SingleStream:
                                            args.prefill_len, args.repeats)
     e = llm.engine
     quant = getattr(e.args, "quantization", None)
+    try:  # (an older tree's runtime, through PYTHONPATH, has no huge pages)
+        from quire.native import huge_pages
+        pages = ", packed weights on huge pages" if huge_pages.available() else ""
+    except ImportError:
+        pages = ""
     desc = (f"quire ({str(e.dtype).removeprefix('torch.')}"
             f"{', quantization ' + str(quant) if quant else ''}, attention "
-            f"{e.attention_backend})")
+            f"{e.attention_backend}{pages})")
     return SingleStream(prefill, rate, p50, p90, torch.get_num_threads(),
                         desc + (f"; {note}" if note else ""), itl)
 
