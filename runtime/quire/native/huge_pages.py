@@ -19,14 +19,11 @@ every result is the same."""
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 
 import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor's start, as torch's allocator aligns them
