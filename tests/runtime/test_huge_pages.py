@@ -10,11 +10,11 @@ import weakref
 
 import pytest
 import torch
+from moe_helpers import save_tiny_moe, tiny_moe_config
 
 from quire import LLM, SamplingParams
 from quire.native import huge_pages, quant_matmul
 
-from moe_helpers import save_tiny_moe, tiny_moe_config
 from runtime_helpers import assert_no_blocks_in_use, random_prompts, save_tiny_model, tiny_config
 
 
