@@ -42,6 +42,25 @@ def test_the_machine_offers_what_the_module_says():
     assert huge_pages.available() == (_thp_mode() != "never")
 
 
+@pytest.mark.parametrize("mode,expected", [("always [madvise] never", True),
+                                           ("[always] madvise never", True),
+                                           ("always madvise [never]", False)])
+def test_the_kernels_mode_decides(tmp_path, monkeypatch, mode, expected):
+    fake = tmp_path / "enabled"
+    fake.write_text(mode + "\n")
+    monkeypatch.setattr(huge_pages, "_THP_MODE", str(fake))
+    assert huge_pages.available() is expected
+    assert (huge_pages.arena(1 << 20) is None) is not expected
+    monkeypatch.setattr(huge_pages, "_THP_MODE", str(tmp_path / "absent"))  # no THP at all
+    assert not huge_pages.available()
+
+
+def test_without_madvise_nothing_moves(monkeypatch):
+    import mmap
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE")
+    assert not huge_pages.available() and huge_pages.arena(1 << 20) is None
+
+
 def test_arena_copies_are_equal_aligned_and_madvised():
     tensors = [torch.randn(3, 5), torch.randint(0, 255, (7,), dtype=torch.uint8),
                torch.randn(16, 33).bfloat16(), torch.empty(0, dtype=torch.float16)]
