@@ -138,3 +138,69 @@ def test_bfloat16_edge_values_keep_torchs_bits(special):
     want = fused_ops.rope_ref(q, cos, sin)
     fused_ops.rope_(q, cos, sin)
     assert _same(q, want)
+
+
+def _argmax_cases():
+    """[rows, n] logits with what a greedy pick must get right: ties, NaNs, infinities, rows
+    of -inf, signed zeros, and lengths around the kernel's 64-element steps."""
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for n in (1, 5, 16, 17, 63, 64, 65, 100, 49152, 49157):
+        x = torch.randn(8, n, generator=g)
+        x[1] = (x[1] * 2).round()  # many ties
+        x[2, torch.randint(0, n, (2,), generator=g)] = float("nan")
+        x[3] = float("-inf")
+        x[4, torch.randint(0, n, (1,), generator=g)] = float("inf")
+        x[5] = 0.0
+        x[5, n // 2] = -0.0
+        x[6] = -0.0
+        x[6, n - 1] = 0.0
+        x[7] = 3.0  # every element the maximum
+        cases.append(x)
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_is_torchs_first_maximum(dtype):
+    for x in _argmax_cases():
+        x = x.to(dtype)
+        assert fused_ops.argmax_rows(x) == x.max(dim=-1).indices.tolist()
+        view = torch.cat([x, x], dim=1)[:, 1:x.shape[1] + 1]  # rows 2n apart
+        assert fused_ops.argmax_rows(view) == view.max(dim=-1).indices.tolist()
+
+
+def test_argmax_rows_on_every_build_this_cpu_runs():
+    # GCC's vector types compile to AVX-512, AVX2 halves or plain code: each build agrees
+    import ctypes
+
+    from quire.native import loader
+    builds = loader.isa_builds()
+    assert builds  # an x86 CPU runs at least the plain build
+    for march in builds:
+        lib = loader.load_library("fused_ops.cpp", march)
+        assert lib is not None, march
+        fn = lib.quire_argmax_rows
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_void_p]
+        for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1)):
+            for x in _argmax_cases():
+                x = x.to(dtype)
+                out = torch.empty(x.shape[0], dtype=torch.int64)
+                assert fn(code, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                          out.data_ptr()) == 0
+                assert out.tolist() == x.max(dim=-1).indices.tolist(), (march, dtype)
+
+
+def test_the_greedy_sampler_picks_with_it(monkeypatch):
+    from quire.worker import sampler as sampler_module
+    calls = []
+    real = fused_ops.argmax_rows
+    monkeypatch.setattr(fused_ops, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
+    logits = _rand(3, 49152, dtype=torch.bfloat16, seed=12)
+    # what the greedy path reads of a SamplingBatch
+    batch = type("Batch", (), {"spec_groups": None, "bitmask": None, "greedy": [True] * 3,
+                               "logprobs": [None] * 3, "penalized": [False] * 3,
+                               "banned_token_ids": [[]] * 3, "__len__": lambda self: 3})()
+    out = sampler_module.Sampler(49152, torch.device("cpu"), 0)(logits, batch)
+    assert calls == [(3, 49152)]
+    assert out.token_ids == logits.max(dim=-1).indices.tolist()

@@ -64,6 +64,7 @@ def _native():
     lib.quire_rms_norm.argtypes = [_INT, _INT, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F]
     lib.quire_rope.argtypes = [_INT, _P, _P, _P, _I64, _INT, _INT, _I64, _I64]
     lib.quire_silu_and_mul.argtypes = [_INT, _INT, _P, _P, _I64, _I64, _I64, _I64, _P]
+    lib.quire_argmax_rows.argtypes = [_INT, _P, _I64, _I64, _I64, _P]
     # (no exp: silu keeps the torch path; the others do not need it)
     return lib, width, _torch_function(exp_name)
 
@@ -170,3 +171,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
                               out.data_ptr(), rows, n, gate_up.stride(0), n, exp_fn):
         return silu_and_mul_ref(gate_up)  # a row too long for the kernel's stack buffer
     return out
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """logits.max(dim=-1).indices.tolist() for [rows, vocab] logits: each row's first maximum
+    (a NaN's index where the row has one), by the native kernel where it runs."""
+    if logits.dim() != 2 or not _usable(logits) or not logits.shape[1]:
+        return logits.max(dim=-1).indices.tolist()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _native()[0].quire_argmax_rows(_DTYPE_CODES[logits.dtype], logits.data_ptr(),
+                                   logits.shape[0], logits.shape[1], logits.stride(0),
+                                   out.data_ptr())
+    return out.tolist()
