@@ -219,17 +219,12 @@ void vector_exp(const void* fn, const float* in, float* out) {
 #endif
 }
 
-// out = silu(gate) * up per row (gate and up are the two halves of each gate_up row). torch's
-// silu vectorizes each row's first multiple of 2 vectors of T (2 * 64 bytes / sizeof T
-// elements) with Sleef's exp and does the rest with std::exp; the silu result is rounded to
-// the dtype before the multiply. In passes over a row buffer, so that the compiler vectorizes
-// all but the exp calls.
 // The greedy pick: the index of a row's first maximum, as torch's max(dim=-1).indices gives it
 // (a NaN counts as the maximum: the first NaN's index; ties: the first; a row of -inf: 0).
 // 16 lanes (GCC's vector types: AVX-512, two AVX2 halves or scalar code, whatever the build)
 // keep a running maximum and the index where each lane first reached it (`>`: a tie keeps
 // the earlier one); the first maximum is the least index among the lanes that hold the row's
-// maximum. Torch's bfloat16 reduction takes ~50 us a 49152-token row on the AMX Xeon.
+// maximum. A 49152-token bfloat16 row: ~11 us against torch max()'s ~44 (AMX Xeon, hot).
 using Floats16 = float __attribute__((vector_size(64)));
 using Ints16 = int32_t __attribute__((vector_size(64)));
 using Halves16 = uint16_t __attribute__((vector_size(32)));
@@ -289,6 +284,11 @@ int64_t first_max(const T* x, int64_t n) {
   return index;
 }
 
+// out = silu(gate) * up per row (gate and up are the two halves of each gate_up row). torch's
+// silu vectorizes each row's first multiple of 2 vectors of T (2 * 64 bytes / sizeof T
+// elements) with Sleef's exp and does the rest with std::exp; the silu result is rounded to
+// the dtype before the multiply. In passes over a row buffer, so that the compiler vectorizes
+// all but the exp calls.
 constexpr int64_t kMaxSiluRow = 16384;
 
 template <typename T, int W>
