@@ -71,23 +71,16 @@ struct QuireStackModel {
   // where non-null, seconds spent per phase are added here (benchmarks/decode_profile.py):
   // input norm, qkv, rope, kv write, attention, o, post norm, gate_up, silu_and_mul, down
   double* timings;
-  // the model's final norm weight and its LM head (PackedArgs), or null: a call that asks
-  // for logits then gets them instead of the hidden states (the Python path's
-  // compute_logits: the same norm and matmul kernels)
-  const void* final_norm;
-  const void* lm_head;
 };
 
 // x [T, hidden]: the embeddings in, the last layer's MLP output out; residual [T, hidden]:
 // the running sum (their sum is the stack's output, as in the Python path). Every token is a
 // decode: token t belongs to sequence t, is written at cache slot slots[t] and attends to its
-// sequence's first seq_lens[t] tokens. With `logits` (and the model's head): residual += x,
-// and logits [T, vocab] = lm_head(final_norm(residual)). Returns 0, or the failing step's
-// number.
+// sequence's first seq_lens[t] tokens. Returns 0, or the failing step's number.
 int quire_decode_stack(const QuireStackModel* m, void* x, void* residual, const void* cos,
                        const void* sin, int64_t cs_stride, const int64_t* slots,
                        const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
-                       int64_t tokens, int threads, void* logits) {
+                       int64_t tokens, int threads) {
   const int64_t es = m->dtype == 0 ? 4 : 2;
   const int64_t h = m->hidden, d = m->head_dim, q_size = m->num_heads * d,
                 kv_size = m->num_kv_heads * d, qkv_width = q_size + 2 * kv_size,
@@ -177,11 +170,6 @@ int quire_decode_stack(const QuireStackModel* m, void* x, void* residual, const 
     if (m->linear(act, x, tokens, dt, threads, L.down)) return 11;
     lap(9);
   }
-  if (logits == nullptr) return 0;
-  if (m->final_norm == nullptr || m->lm_head == nullptr) return 12;
-  if (m->rms_norm(dt, width, x, residual, m->final_norm, normed, tokens, h, h, h, h, m->eps))
-    return 13;
-  if (m->linear(normed, logits, tokens, dt, threads, m->lm_head)) return 14;
   return 0;
 }
 

@@ -38,7 +38,7 @@ class _Model(ctypes.Structure):
                 ("intermediate", _I64), ("block_size", _I64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("layers", _P), ("rms_norm", _P), ("rope", _P),
                 ("silu_and_mul", _P), ("paged_decode", _P), ("linear", _P), ("exp_fn", _P),
-                ("timings", _P), ("final_norm", _P), ("lm_head", _P)]
+                ("timings", _P)]
 
 
 PHASES = ("input norm", "qkv_proj", "rope", "kv write", "attention", "o_proj",
@@ -52,7 +52,7 @@ def _library():
         return None
     fn = lib.quire_decode_stack
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _I64, ctypes.c_int, _P]
+    fn.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _I64, ctypes.c_int]
     return fn
 
 
@@ -77,16 +77,13 @@ class DecodeStack:
     """Built once the weights are packed and the KV cache is allocated; `run` serves every
     decode-only step it `accepts`."""
 
-    def __init__(self, model, fn, refs, struct, head: quant_matmul.PackedWeight | None = None
-                 ) -> None:
+    def __init__(self, model, fn, refs, struct) -> None:
         self.model, self.fn = model, fn
         self._refs = refs          # what the struct points into (weights, KV cache): kept alive
         self._struct = struct
         self._address = ctypes.addressof(struct)
         self.dtype = model.layers[0].input_layernorm.weight.dtype
         self._timings: torch.Tensor | None = None
-        # the LM head the stack can finish with (final norm, then this matmul), or None
-        self.head = head
 
     def profile(self, on: bool = True) -> None:
         """Start (from zero) or stop adding each phase's seconds up (`timings`)."""
@@ -152,20 +149,14 @@ class DecodeStack:
             _address(lib.quire_rope), _address(lib.quire_silu_and_mul), _address(decode_lib),
             _address(parts[0]._fn), exp_fn, None)
         refs.append(layers)
-        head = _head(model, first)
-        if head is not None:
-            refs += [model.norm.weight, head]
-            struct.final_norm, struct.lm_head = model.norm.weight.data_ptr(), head._address
-        logger.info("decode steps run their %d decoder layers%s in one native call",
-                    len(model.layers), " and the LM head" if head is not None else "")
-        return cls(model, fn, refs, struct, head)
+        logger.info("decode steps run their %d decoder layers in one native call",
+                    len(model.layers))
+        return cls(model, fn, refs, struct)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                 rope_seq_lens: torch.Tensor | None = None, logits: bool = False
-                 ) -> torch.Tensor | None:
+                 rope_seq_lens: torch.Tensor | None = None) -> torch.Tensor | None:
         """LlamaForCausalLM.forward's result for a decode-only step (before the final norm),
-        or None where this step is not one it serves (the caller runs the model then). With
-        `logits` (where `head` is set): compute_logits of that result, every row."""
+        or None where this step is not one it serves (the caller runs the model then)."""
         if not meta.num_decodes == input_ids.shape[0] > 0:
             return None
         cos, sin = self.model.rope.cos_sin(positions, rope_seq_lens)
@@ -178,40 +169,10 @@ class DecodeStack:
         residual = torch.empty_like(x)
         slots = meta.slot_mapping.contiguous()
         seq_lens = meta.seq_lens.contiguous()
-        out = (torch.empty((x.shape[0], self.head.n), dtype=x.dtype)
-               if logits and self.head is not None else None)
         rc = self.fn(self._address, x.data_ptr(), residual.data_ptr(), cos.data_ptr(),
                      sin.data_ptr(), cos.stride(0), slots.data_ptr(),
                      meta.block_tables.data_ptr(), meta.block_tables.stride(0),
-                     seq_lens.data_ptr(), x.shape[0], torch.get_num_threads(),
-                     None if out is None else out.data_ptr())
+                     seq_lens.data_ptr(), x.shape[0], torch.get_num_threads())
         if rc:
             raise RuntimeError(f"decode_stack: native step {rc} failed")
-        return out if out is not None else residual.add_(x)
-
-
-def _head(model, first) -> quant_matmul.PackedWeight | None:
-    """The LM head the stack can run after the layers: a native packed weight (quantized, or
-    a bf16 float weight's) on one rank, behind the layers' kind of norm with their eps, with
-    no logit scaling; else None (compute_logits runs it)."""
-    norm, lm_head = getattr(model, "norm", None), getattr(model, "lm_head", None)
-    kernel = (getattr(lm_head, "quant_kernel", None) or getattr(lm_head, "native_kernel", None)
-              if lm_head is not None else None)
-    packed = getattr(kernel, "packed", None)
-    if (not isinstance(packed, quant_matmul.PackedWeight) or packed._fn is None
-            or getattr(lm_head, "tp_size", 1) != 1 or getattr(lm_head, "bias", None) is not None
-            or getattr(lm_head, "lora", None) is not None
-            or not _leaves_logits(model)
-            or type(norm) is not type(first.input_layernorm)
-            or norm.eps != first.input_layernorm.eps
-            or norm.weight.dtype != first.input_layernorm.weight.dtype
-            or not norm.weight.is_contiguous()):
-        return None
-    return packed
-
-
-def _leaves_logits(model) -> bool:
-    """Whether the model's scale_logits hands logits back as they are (no scaling or
-    soft-capping): the same tensor comes back."""
-    probe = torch.zeros(1, 1)
-    return model.scale_logits(probe) is probe
+        return residual.add_(x)

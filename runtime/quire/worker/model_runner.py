@@ -16,7 +16,6 @@ import torch
 from quire.attention.base import AttentionMetadata
 from quire.distributed.pipeline import split_micro_batches, wait_all
 from quire.multimodal.image_attention import key_limits
-from quire.native import matrix_engine
 from quire.step_batch import PromptLogprobsResult, SequenceChunk, StepBatch
 from quire.worker.kv_cache import KVCache
 from quire.worker.multimodal_runner import MultiModalRunner
@@ -197,14 +196,8 @@ class ModelRunner:
         if hidden is None and embeds is None:
             batch = self._to_device(host)
             if self.decode_stack is not None:
-                # every row samples, in order: the stack ends with the final norm and the LM
-                # head (the same kernels compute_logits calls), and its result is the logits
-                head = self._stack_head(host)
                 hidden = self.decode_stack(batch.input_ids, batch.positions, batch.meta,
-                                           batch.rope_seq_lens, logits=head)
-                if hidden is not None and head:
-                    self.kv_cache.offload_blocks(inputs.kv_store)
-                    return hidden
+                                           batch.rope_seq_lens)
         if hidden is None:
             self.model.prepare(batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, batch.meta,
@@ -217,15 +210,6 @@ class ModelRunner:
         if host.num_pooled_rows:  # the pooling runner: final hidden states, no LM head
             return self.model.norm(hidden[logits_indices])
         return self.model.compute_logits(hidden[logits_indices])
-
-    def _stack_head(self, host: HostBatch) -> bool:
-        """Whether the decode stack can return this step's logits itself: it has the model's
-        head, every row samples once and in order (no pooling, no repeated rows), and the
-        rows are fewer than the matrix engine takes (compute_logits' kernel stays the same)."""
-        rows = len(host.input_ids)
-        return (self.decode_stack.head is not None and not host.num_pooled_rows
-                and rows < matrix_engine.MIN_ROWS and len(host.logits_indices) == rows
-                and bool((host.logits_indices == np.arange(rows)).all()))
 
     def _run_stage(self, micro_batches: list[HostBatch]) -> list[torch.Tensor | None] | None:
         """This pipeline stage's part of each micro-batch, in order; on rank 0, the rows to
