@@ -280,7 +280,7 @@ int64_t first_max(const T* x, int64_t n) {
         if (top[c][j] == best && at[c][j] < index) index = at[c][j];
   }
   for (int64_t i = full; i < n; ++i)  // the tail: later than every lane's index
-    if (const float v = load(x + i); v > best || (i == 0 && v == best)) best = v, index = i;
+    if (const float v = load(x + i); v > best) best = v, index = i;
   return index;
 }
 

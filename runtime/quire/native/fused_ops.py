@@ -175,7 +175,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """logits.max(dim=-1).indices.tolist() for [rows, vocab] logits: each row's first maximum
-    (a NaN's index where the row has one), by the native kernel where it runs."""
+    (a NaN's index where the row has one), by the native kernel where it runs (CPU tensors),
+    else by torch."""
     if logits.dim() != 2 or not _usable(logits) or not logits.shape[1]:
         return logits.max(dim=-1).indices.tolist()
     out = torch.empty(logits.shape[0], dtype=torch.int64)

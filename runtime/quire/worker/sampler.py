@@ -49,11 +49,9 @@ class Sampler:
         if (all(batch.greedy) and all(k is None for k in want_logprobs)
                 and not any(batch.penalized) and not any(batch.banned_token_ids)):
             # the first maximum is the same in any float dtype: skip widening [rows, vocab]
-            # (fused_ops.argmax_rows: max().indices' first maximum, ~15x faster on the CPU;
-            # torch's argmax is slower still)
-            if logits.is_cpu:
-                return SamplerOutput(fused_ops.argmax_rows(logits), [None] * len(batch))
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(batch))
+            # (fused_ops.argmax_rows: max().indices' first maximum, natively on the CPU, torch's
+            # elsewhere; torch's argmax is slower still)
+            return SamplerOutput(fused_ops.argmax_rows(logits), [None] * len(batch))
         logits = logits.float()
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
