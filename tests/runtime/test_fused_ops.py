@@ -142,10 +142,11 @@ def test_bfloat16_edge_values_keep_torchs_bits(special):
 
 def _argmax_cases():
     """[rows, n] logits with what a greedy pick must get right: ties, NaNs, infinities, rows
-    of -inf, signed zeros, and lengths around the kernel's 64-element steps."""
+    of -inf, signed zeros, and lengths around each build's steps (4 chains of one register's
+    lanes: 16 elements on SSE2, 32 on AVX2, 64 on AVX-512)."""
     g = torch.Generator().manual_seed(11)
     cases = []
-    for n in (1, 5, 16, 17, 63, 64, 65, 100, 49152, 49157):
+    for n in (1, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 49152, 49157):
         x = torch.randn(8, n, generator=g)
         x[1] = (x[1] * 2).round()  # many ties
         x[2, torch.randint(0, n, (2,), generator=g)] = float("nan")
@@ -170,7 +171,7 @@ def test_argmax_rows_is_torchs_first_maximum(dtype):
 
 
 def test_argmax_rows_on_every_build_this_cpu_runs():
-    # GCC's vector types compile to AVX-512, AVX2 halves or plain code: each build agrees
+    # one register of lanes per build (AVX-512 16, AVX2 8, SSE2 4): each build agrees
     import ctypes
 
     from quire.native import loader
