@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--no-profile", action="store_true", help="speed only")
+    ap.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
+                    help="the engine's --activation-quantization")
     ap.add_argument("--baseline", default=None,
                     help="a git revision: compare this engine's step cost with that one's")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (--baseline)")
@@ -148,7 +150,7 @@ def main() -> None:
     for case in args.cases.split(","):
         dtype, batch = CASES[case]
         kw = {"num_threads": args.num_threads} if args.num_threads else {}
-        llm = LLM(dtype=dtype, **kw)
+        llm = LLM(dtype=dtype, activation_quantization=args.activation_quantization, **kw)
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         with StealMeter() as steal:
             step_s, overhead_s, steps = decode_speed(llm, batch, args)

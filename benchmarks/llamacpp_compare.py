@@ -16,6 +16,11 @@ threads) is the ceiling tok/s; each engine's decode is shown as a % of it.
     python benchmarks/llamacpp_compare.py --num-threads 2 --rounds 3 --llama-bench PATH
     python benchmarks/llamacpp_compare.py --quick
     python benchmarks/llamacpp_compare.py --plot     # and plots/llamacpp_compare.png
+    python benchmarks/llamacpp_compare.py --with-int8-activations
+
+`--with-int8-activations` adds a second Quire engine with `--activation-quantization int8`
+(its int4 kernels round x to int8 per 32 values, as llama.cpp's Q8 activations do) to the
+rounds, beside the default one: the two arithmetics, and llama.cpp's, in one run.
 """
 
 from __future__ import annotations
@@ -144,6 +149,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternating rounds; llama-bench runs -r --llama-reps in each")
     ap.add_argument("--llama-reps", type=int, default=1)
+    ap.add_argument("--with-int8-activations", action="store_true",
+                    help="also a Quire engine with --activation-quantization int8")
     args = ap.parse_args()
     single_stream.apply_quick(args)
     if args.quick:
@@ -165,26 +172,36 @@ def main() -> None:
         print(f"llama-bench not found (looked at --llama-bench, {DEFAULT_LLAMA_BENCH}, PATH): "
               "run ../shared/anchors/build_llamacpp.sh; Quire only")
 
-    llm, note = single_stream.load_llm(args)
-    if note:
-        print(note)
-    quire_runs, llama_runs = [], []
+    engines = {"quire": single_stream.load_llm(args)}
+    if args.with_int8_activations:
+        engines["quire int8"] = single_stream.load_llm(
+            argparse.Namespace(**{**vars(args), "activation_quantization": "int8"}))
+    for _, note in engines.values():
+        if note:
+            print(note)
+    llm = engines["quire"][0]
+    runs = {name: [] for name in engines}
+    llama_runs = []
     with StealMeter() as steal:
         for rnd in range(args.rounds):
-            order = ("llama", "quire") if rnd % 2 == 0 else ("quire", "llama")
+            order = ["llama", *engines] if rnd % 2 == 0 else [*engines, "llama"]
             for who in order:
-                if who == "quire":
-                    quire_runs.append(single_stream.run(args, llm, note))
+                if who in engines:
+                    runs[who].append(single_stream.run(args, *engines[who]))
                 elif binary is not None:
                     llama_runs.append(llama_bench(binary, gguf, threads, args.prefill_len,
                                                   args.decode_tokens, args.llama_reps))
-            print(f"round {rnd + 1}/{args.rounds}: quire decode "
-                  f"{quire_runs[-1].decode_tok_s:.1f} tok/s"
+            print(f"round {rnd + 1}/{args.rounds}: "
+                  + ", ".join(f"{name} decode {r[-1].decode_tok_s:.1f} tok/s"
+                              for name, r in runs.items())
                   + (f", llama.cpp decode {llama_runs[-1].get('decode', 0):.1f} tok/s"
                      if llama_runs else ""), flush=True)
         bandwidth = read_bandwidth(threads)
-    q = {"prefill": statistics.median(r.prefill_tok_s for r in quire_runs),
-         "decode": statistics.median(r.decode_tok_s for r in quire_runs)}
+    quire_runs = runs["quire"]
+    medians = {name: {"prefill": statistics.median(x.prefill_tok_s for x in r),
+                      "decode": statistics.median(x.decode_tok_s for x in r)}
+               for name, r in runs.items()}
+    q = medians["quire"]
     ll = ({k: statistics.median(r[k] for r in llama_runs) for k in ("prefill", "decode")}
           if llama_runs else None)
 
@@ -196,13 +213,17 @@ def main() -> None:
     file_bytes, unread_embd = gguf_weight_bytes(gguf)
     llama_bytes = file_bytes - unread_embd + kv_bytes_per_token(cfg, args.decode_tokens / 2, 2)
 
-    print(f"\n{quire_runs[-1].engine_note}; llama.cpp {binary or '(not run)'}; "
+    notes = "; ".join(r[-1].engine_note for r in runs.values())
+    print(f"\n{notes}; llama.cpp {binary or '(not run)'}; "
           f"{threads} threads each; {args.rounds} alternating rounds, medians; {steal}")
     print(f"| | prefill {args.prefill_len} tok/s | decode tok/s | bytes/token | "
           f"roofline tok/s | % of roofline |")
     print("|---|---|---|---|---|---|")
     bars = {}
-    for name, fig, nbytes in (("Quire", q, quire_bytes), ("llama.cpp", ll, llama_bytes)):
+    rows = [("Quire", q, quire_bytes)]
+    if "quire int8" in medians:
+        rows.append(("Quire, int8 activations", medians["quire int8"], quire_bytes))
+    for name, fig, nbytes in (*rows, ("llama.cpp", ll, llama_bytes)):
         ceiling = bandwidth / nbytes
         if fig is not None:
             bars[name] = [fig["decode"], ceiling]
@@ -212,8 +233,9 @@ def main() -> None:
         print(f"| {name} | {fig['prefill']:.1f} | {fig['decode']:.1f} | {nbytes / 1e6:.1f} MB "
               f"| {ceiling:.0f} | {100 * fig['decode'] / ceiling:.0f}% |")
     if ll:
-        print(f"Quire / llama.cpp: prefill {q['prefill'] / ll['prefill']:.2f}x, decode "
-              f"{q['decode'] / ll['decode']:.2f}x")
+        for name, fig, _ in rows:
+            print(f"{name} / llama.cpp: prefill {fig['prefill'] / ll['prefill']:.2f}x, decode "
+                  f"{fig['decode'] / ll['decode']:.2f}x")
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({threads} threads, 1 GiB float32 sum, "
           f"best of 5); Quire ITL p50 {quire_runs[-1].itl_p50_ms:.1f} ms, p90 "
           f"{quire_runs[-1].itl_p90_ms:.1f} ms; llama.cpp tg starts from an empty context, "

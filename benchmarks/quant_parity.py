@@ -5,9 +5,11 @@ output beside transformers' on Quire's dequantized weights written back into its
 Both sides then hold the same fp32 weights; what differs is only the kernels' order of
 summation (and, for int8/int4 quantized on load, whichever kernel ran), so the figures say
 how often that flips a greedy token. Agreement as in fp8_kv.py: sequences identical end to
-end and the mean position of the first divergence.
+end and the mean position of the first divergence. With `--activation-quantization int8` the
+int4 weights' kernels round x to int8 (the engine's option): what that costs in agreement.
 
     python benchmarks/quant_parity.py --num-prompts 16 --max-tokens 32
+    python benchmarks/quant_parity.py --quantizations auto --activation-quantization none int8
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main() -> None:
     ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4", "auto"])
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--activation-quantization", nargs="+", default=["none"],
+                    choices=["none", "int8"])
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM
@@ -42,10 +46,10 @@ def main() -> None:
     chats = prompts(args.num_prompts, args.seed)
     folder, name = os.path.split(default_model_path())
     print(f"SmolLM2-135M GGUF, {args.num_prompts} chat prompts, {args.max_tokens} greedy "
-          f"tokens, float32 activations")
-    for q in args.quantizations:
+          f"tokens, float32 model")
+    for q, act in [(q, a) for q in args.quantizations for a in args.activation_quantization]:
         llm = LLM(dtype="float32", quantization=q, quantization_group_size=args.group_size,
-                  kv_cache_memory=128 << 20)
+                  activation_quantization=act, kv_cache_memory=128 << 20)
         tok = llm.tokenizer
         ids = [tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False).input_ids for c in chats]
@@ -65,7 +69,8 @@ def main() -> None:
                                   min_new_tokens=args.max_tokens)
                 want.append(out[0, len(p):].tolist())
         identical, first = agreement(want, got)
-        print(f"{q:>5} (kernel {kernel}): {identical}/{len(ids)} sequences identical, "
+        print(f"{q:>5} (kernel {kernel}, activations {act}): {identical}/{len(ids)} "
+              f"sequences identical, "
               f"mean first divergence {first:.1f}/{args.max_tokens}")
         del llm, hf
 

@@ -26,7 +26,7 @@ quick=${QUICK:-0}
 dry=${DRY_RUN:-0}
 DEFAULT_STEPS="throughput_f32 throughput_bf16 llamacpp prefix_cache memory"
 ALL_STEPS="$DEFAULT_STEPS single_stream decode_profile prefix_cache_bound block_hashing
-    capacity fp8_kv quant_parity int8_activations quant_kernels quant_matmul quantized_memory
+    capacity fp8_kv quant_parity int8_activations llamacpp_int8 quant_kernels quant_matmul quantized_memory
     soak serve spec_decode router structured grammar_backends tensor_parallel lora moe
     step_cost kv_tiering embeddings embeddings_512 priority pipeline_parallel vision
     prefill_roofline prefill_attention small_m cold_start"
@@ -49,8 +49,9 @@ args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     capacity)         echo capacity.py $([ "$q" = 1 ] && echo --num-requests 50) ;;
     fp8_kv)           echo fp8_kv.py --num-prompts $([ "$q" = 1 ] && echo 2 --max-tokens 8 || echo 32 --max-tokens 64) ;;
     quant_parity)     echo quant_parity.py --num-prompts $([ "$q" = 1 ] && echo 2 --max-tokens 8 || echo 16 --max-tokens 32) ;;
-    int8_activations) if [ "$q" = 1 ]; then echo int8_activations.py --part agreement --num-prompts 2 --max-tokens 8
-                      else echo int8_activations.py --part both; fi ;;
+    int8_activations) if [ "$q" = 1 ]; then echo quant_parity.py --quantizations auto --activation-quantization int8 --num-prompts 2 --max-tokens 8
+                      else echo quant_parity.py --quantizations auto --activation-quantization none int8 --num-prompts 16 --max-tokens 32; fi ;;
+    llamacpp_int8)    echo llamacpp_compare.py --with-int8-activations --rounds $([ "$q" = 1 ] && echo 1 --quick || echo 5) ;;
     quant_kernels)    echo quant_kernels.py --m $([ "$q" = 1 ] && echo 1 || echo 1 8 32 512) ;;
     quant_matmul)     echo quant_matmul.py $([ "$q" = 1 ] && echo --m 1 --trials 3) ;;
     quantized_memory) echo quantized_memory.py $([ "$q" = 1 ] && echo --size small) ;;

@@ -46,6 +46,8 @@ def engine_kwargs(args) -> tuple[dict, str]:
         else:
             note = (f"--quantization {args.quantization} ignored: this Quire has no "
                     f"quantization option yet (float weights)")
+    if getattr(args, "activation_quantization", None) is not None:
+        kw["activation_quantization"] = args.activation_quantization
     return {k: v for k, v in kw.items() if v is not None}, note
 
 
@@ -107,6 +109,8 @@ def run(args, llm=None, note: str = "") -> SingleStream:
                                            args.prefill_len, args.repeats)
     e = llm.engine
     quant = getattr(e.args, "quantization", None)
+    if getattr(e.args, "activation_quantization", "none") != "none":
+        quant = f"{quant}, activations {e.args.activation_quantization}"
     try:  # (an older tree's runtime, through PYTHONPATH, has no huge pages)
         from quire.native import huge_pages
         pages = ", packed weights on huge pages" if huge_pages.available() else ""
@@ -124,6 +128,9 @@ def add_common_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default=None, help="Quire's dtype (default: auto)")
     ap.add_argument("--quantization", default=None,
                     help="none/int8/int4/auto, passed to LLM() where Quire has the option")
+    ap.add_argument("--activation-quantization", default=None, choices=["none", "int8"],
+                    help="Quire's --activation-quantization (int8: int4 weights' kernels "
+                         "round x to int8, as llama.cpp does)")
     ap.add_argument("--num-threads", type=int, default=None,
                     help="torch threads (default: the CPU quota, as Quire picks)")
     ap.add_argument("--prompt-len", type=int, default=128)

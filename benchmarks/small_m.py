@@ -14,6 +14,10 @@ round in one process.
     python benchmarks/small_m.py --march avx2          # one ISA build (tests/runtime builds)
     python benchmarks/small_m.py --march avx512_bf16 amx --dtype bfloat16   # builds side by side
     python benchmarks/small_m.py --weights bfloat16 --dtype bfloat16 --march avx512_bf16 amx
+    python benchmarks/small_m.py --activations float int8   # --activation-quantization's two
+
+`--activations int8` rounds x to int8 in the int4 layers' calls (the engine's
+--activation-quantization int8); the Q8_0 lm_head keeps float x either way.
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ def make_step(qm, march: str, weights: str = "gguf"):
     return step
 
 
+def use_activations(step, activations: str) -> None:
+    """int8: the int4 layers round x to int8 (PackedWeight.use_int8_activations)."""
+    for packed, _ in step:
+        packed.use_int8_activations(activations == "int8")
+
+
 def run_step(step, xs) -> None:
     for packed, fn in step:
         fn(xs[packed.k], packed)
@@ -70,15 +80,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="default: torch's")
     ap.add_argument("--march", nargs="+", default=["native"],
                     help="kernel builds (loader.ISA_BUILDS), alternated call by call")
+    ap.add_argument("--activations", nargs="+", default=["float"], choices=["float", "int8"],
+                    help="x as it is, or rounded to int8 in the int4 layers (alternated)")
     add_plot_flag(ap, "small_m")
     args = ap.parse_args()
-    builds = args.march
+    marches = args.march
     qm = None
-    for march in builds:
+    for march in marches:
         args.march = march
         qm = native_kernels(args)
     dtype = getattr(torch, args.dtype)
-    steps = {march: make_step(qm, march, args.weights) for march in builds}
+    by_march = {march: make_step(qm, march, args.weights) for march in marches}
+    # each (build, activations) variant: the build's packed weights, rounding x or not
+    builds = [(march, act) for march in marches for act in args.activations]
+    steps = {b: by_march[b[0]] for b in builds}
+
+    def name(b) -> str:
+        return qm.isa(b[0]) + (", int8 activations" if b[1] == "int8" else "")
     weight_mb = sum(p.nbytes() for p, _ in steps[builds[0]]) / 1e6
     flops_per_row = 2 * sum(n * k for _, n, k in STEP_MATMULS)
     print(f"CPU: {cpu_flags()}")
@@ -89,17 +107,19 @@ def main() -> None:
     with StealMeter() as steal:
         for b in builds:
             for m in args.m:
+                use_activations(steps[b], b[1])
                 run_step(steps[b], inputs[m])  # warm-up: scratch, threads
         for _ in range(args.trials):
             for m in args.m:
                 for b in builds:
+                    use_activations(steps[b], b[1])
                     start = time.perf_counter()
                     run_step(steps[b], inputs[m])
                     best[b, m] = min(best[b, m], time.perf_counter() - start)
     for b in builds:
         base = best[b, args.m[0]]
-        peak = fma_peak_gflops(torch.get_num_threads(), b)
-        print(f"\nkernel path {qm.isa(b)} (build {b}); float32 FMA peak of this build: "
+        peak = fma_peak_gflops(torch.get_num_threads(), b[0])
+        print(f"\nkernel path {name(b)} (build {b[0]}); float32 FMA peak of this build: "
               + (f"{peak:.0f} GFLOP/s" if peak else "n/a"))
         print(f"{'M':>4} {'ms/step':>8} {'x M=' + str(args.m[0]):>7} {'GB/s':>6} "
               f"{'GFLOP/s':>8} {'of peak':>8} {'floor x M=1':>12}")
@@ -115,10 +135,10 @@ def main() -> None:
         print("plot:", line_panels(
             args.plot, f"one SmolLM2-135M step's matmuls ({args.weights} weights)",
             "M (rows of x)",
-            [("ms per step", {qm.isa(b): (args.m, [best[b, m] * 1e3 for m in args.m])
+            [("ms per step", {name(b): (args.m, [best[b, m] * 1e3 for m in args.m])
                               for b in builds}),
-             (f"x M={args.m[0]}", {qm.isa(b): (args.m, [best[b, m] / best[b, args.m[0]]
-                                                        for m in args.m]) for b in builds})],
+             (f"x M={args.m[0]}", {name(b): (args.m, [best[b, m] / best[b, args.m[0]]
+                                                      for m in args.m]) for b in builds})],
             caption=cpu_flags()))
 
 

@@ -24,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # the last four name pre-quantized checkpoint formats (auto follows the checkpoint anyway)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "compressed-tensors", "gptq", "awq", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass
@@ -49,6 +50,13 @@ class EngineArgs:
     quantization_group_size: int = field(default=32, metadata={
         "help": "input values per int4 scale/zero (--quantization int4)",
         "choices": QUANT_GROUP_SIZES})
+    activation_quantization: str = field(default="none", metadata={
+        "help": "int8: the CPU kernels of int4 weights (a GGUF's Q4_0/Q4_1, --quantization "
+                "int4, GPTQ/AWQ/compressed-tensors int4) round each input row to int8 per 32 "
+                "values, as llama.cpp does: faster decode on AVX2, but greedy output no "
+                "longer equals transformers' token for token (benchmarks/README.md gives the "
+                "bound); none: activations stay in the model dtype",
+        "choices": ACTIVATION_QUANTIZATIONS})
     seed: int = field(default=0, metadata={"help": "seed for requests that carry none"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output; default: the model's context length"})
@@ -174,6 +182,8 @@ class EngineArgs:
                 "quantization_group_size", f"quantization_group_size must be one of "
                 f"{', '.join(map(str, QUANT_GROUP_SIZES))}; got {self.quantization_group_size!r}",
                 self.quantization_group_size)
+        _choice("activation_quantization", self.activation_quantization,
+                ACTIVATION_QUANTIZATIONS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)

@@ -892,6 +892,8 @@ void linear(const X* x, const float* xsum, void* y, int64_t M, int dtype, int th
   }
 }
 
+#include "int8_activations.h"  // (the opt-in int8-activation path: linear_q8)
+
 // Whether bfloat16 x goes to the AVX512-BF16 dot product as it is: int4 always, int8 where
 // G is even (pairs of k never straddle a group); everything else runs on float32 rows. Never
 // on M: a row's path, and so its bits, must not depend on the rows beside it.
@@ -1462,10 +1464,23 @@ struct PackedArgs {
   const void* scales;
   const void* offsets;
   int64_t N, K, G;
+  int32_t activations;  // 1: round x to int8 where q8_applies (int8_activations.h), else 0
 };
 
 int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int threads,
                               const PackedArgs* w) {
+  if (w->activations == 1 && q8_applies(w->form, w->K, w->G) && (dtype == 0 || dtype == 1)) {
+    if (M <= 0 || w->N <= 0) return 0;
+    const Weight weight{static_cast<const uint8_t*>(w->q), w->scales, w->offsets, w->N, w->K,
+                        w->G};
+    threads = std::max(1, threads);
+    switch (w->form) {
+      case kInt4Symmetric: q8_form<kInt4Symmetric>(x, M, dtype, threads, w->half, weight, y); break;
+      case kInt4Zero: q8_form<kInt4Zero>(x, M, dtype, threads, w->half, weight, y); break;
+      default: q8_form<kInt4Min>(x, M, dtype, threads, w->half, weight, y); break;
+    }
+    return 0;
+  }
   return quire_quant_linear(x, y, M, dtype, threads, w->form, w->half, w->q, w->scales,
                             w->offsets, w->N, w->K, w->G);
 }

@@ -142,7 +142,8 @@ INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN, BF16 = 0, 1, 2, 3, 4
 class _PackedArgs(ctypes.Structure):  # quant_matmul.cpp's PackedArgs
     _fields_ = [("form", ctypes.c_int32), ("half", ctypes.c_int32), ("q", ctypes.c_void_p),
                 ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("activations", ctypes.c_int32)]
 
 
 class PackedWeight:
@@ -173,6 +174,17 @@ class PackedWeight:
         self._struct.q, self._struct.scales = qweight.data_ptr(), scales.data_ptr()
         self._struct.offsets = offsets.data_ptr() if offsets is not None else None
 
+    @property
+    def int8_activations(self) -> bool:
+        """Whether calls round x to int8 per 32 values (native/int8_activations.h)."""
+        return bool(self._struct.activations)
+
+    def use_int8_activations(self, on: bool = True) -> bool:
+        """Rounds x to int8 per 32 values of k in every call from now on, where the weight
+        takes it (int4 forms, groups of whole 32-k blocks). Returns whether it does."""
+        self._struct.activations = int(on and int8_activations_apply(self.form, self.k, self.group))
+        return self.int8_activations
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qweight, self.scales, self.offsets) if t is not None]
 
@@ -182,6 +194,11 @@ class PackedWeight:
     def __repr__(self) -> str:
         return (f"PackedWeight(form={self.form}, n={self.n}, k={self.k}, group={self.group}, "
                 f"scales {self.scales.dtype})")
+
+
+def int8_activations_apply(form: int, k: int, group: int) -> bool:
+    """Whether a weight of this form and shape can take int8 activations (q8_applies)."""
+    return form in (INT4_SYMMETRIC, INT4_ZERO, INT4_MIN) and k % 32 == 0 and group % 32 == 0
 
 
 def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:

@@ -43,7 +43,13 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
     model.load_weights(counts.counted(iter_weights(source, cfg, args.quantization)))
     model.pack_weights()
     if device.type == "cpu":  # decode streams every packed weight: on huge pages
-        moved = quant_matmul.move_to_huge_pages(quant_matmul.packed_weights(model))
+        packs = quant_matmul.packed_weights(model)
+        if args.activation_quantization == "int8":
+            rounded = sum(p.use_int8_activations() for p in packs)
+            if rank == 0 and stage.is_first:
+                logger.info("int8 activations for %d of %d packed weights (int4 ones)",
+                            rounded, len(packs))
+        moved = quant_matmul.move_to_huge_pages(packs)
         if moved and rank == 0 and stage.is_first:
             logger.info("packed weights on huge pages: %.1f MB", moved / 1e6)
     model.parameter_count = counts

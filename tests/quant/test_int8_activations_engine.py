@@ -1,0 +1,42 @@
+"""An engine with `--activation-quantization int8` (native/int8_activations.h; the kernel's
+own tests: tests/runtime/test_int8_activations.py) on a tiny random Llama quantized to int4 on
+load."""
+
+from __future__ import annotations
+
+from quire import LLM, SamplingParams
+from quire.native import quant_matmul as qm
+
+from runtime_helpers import assert_no_blocks_in_use, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _greedy(llm, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_an_engine_rounds_its_int4_layers_and_keeps_one_answer_per_prompt(tiny_llama):
+    """Quantized on load to int4, with int8 activations: every int4 layer takes them, the
+    output is the same alone, batched or in small prefill chunks (one order per row at any
+    M), close to the float-activation engine's, and every KV block comes back."""
+    kw = dict(dtype="float32", quantization="int4", kv_cache_memory=32 << 20)
+    llm = LLM(tiny_llama, activation_quantization="int8", **kw)
+    packs = qm.packed_weights(llm.engine.executor.model)
+    int4 = [p for p in packs if p.bits == 4]
+    assert int4 and all(p.int8_activations for p in int4)
+    prompts = random_prompts(lengths=[1, 7, 16, 17, 33, 100])
+    together = _greedy(llm, prompts)
+    alone = [_greedy(llm, [p])[0] for p in prompts]
+    assert together == alone
+    assert_no_blocks_in_use(llm)
+    chunked = LLM(tiny_llama, activation_quantization="int8", max_num_batched_tokens=16,
+                  enable_prefix_caching=False, **kw)
+    assert _greedy(chunked, prompts) == together
+    assert_no_blocks_in_use(chunked)
+    exact = LLM(tiny_llama, **kw)
+    assert not any(p.int8_activations for p in qm.packed_weights(exact.engine.executor.model))
+    # random tiny models have few near-ties: the first tokens agree with float activations
+    reference = _greedy(exact, prompts)
+    assert sum(g[0] == r[0] for g, r in zip(together, reference)) >= len(prompts) - 1
