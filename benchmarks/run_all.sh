@@ -51,7 +51,7 @@ args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     quant_parity)     echo quant_parity.py --num-prompts $([ "$q" = 1 ] && echo 2 --max-tokens 8 || echo 16 --max-tokens 32) ;;
     int8_activations) if [ "$q" = 1 ]; then echo quant_parity.py --quantizations auto --activation-quantization int8 --num-prompts 2 --max-tokens 8
                       else echo quant_parity.py --quantizations auto --activation-quantization none int8 --num-prompts 16 --max-tokens 32; fi ;;
-    llamacpp_int8)    echo llamacpp_compare.py --with-int8-activations --rounds $([ "$q" = 1 ] && echo 1 --quick || echo 5) ;;
+    llamacpp_int8)    echo llamacpp_compare.py --with-int8-activations --rounds $([ "$q" = 1 ] && echo 1 || echo 5) ;;
     quant_kernels)    echo quant_kernels.py --m $([ "$q" = 1 ] && echo 1 || echo 1 8 32 512) ;;
     quant_matmul)     echo quant_matmul.py $([ "$q" = 1 ] && echo --m 1 --trials 3) ;;
     quantized_memory) echo quantized_memory.py $([ "$q" = 1 ] && echo --size small) ;;
