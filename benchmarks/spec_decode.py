@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--llama-bench", default=None, help="default: /tmp/llamabuild's, or PATH's")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
+                    help="both Quire engines' --activation-quantization")
     add_plot_flag(ap, "spec_decode")
     args = ap.parse_args()
     if args.quick:
@@ -115,8 +117,9 @@ def main() -> None:
     threads = args.num_threads or detect_quota().cpus
     print(describe_machine(threads))
     spec = json.loads(args.spec_config)
-    engines = {"Quire": LLM(num_threads=threads),
-               "Quire + n-gram": LLM(num_threads=threads, speculative_config=spec)}
+    act = {"activation_quantization": args.activation_quantization}
+    engines = {"Quire": LLM(num_threads=threads, **act),
+               "Quire + n-gram": LLM(num_threads=threads, speculative_config=spec, **act)}
     tokenizer = engines["Quire"].engine.tokenizer
     prompts = {name: chat_prompt(tokenizer, text) for name, text in PROMPTS.items()}
     servers = {}
@@ -161,7 +164,8 @@ def main() -> None:
         for proc, _ in servers.values():
             stop(proc)
     print(f"\n{threads} threads; {args.rounds} alternating rounds, medians; greedy, up to "
-          f"{args.max_tokens} tokens; Quire {args.spec_config}; llama-server {args.llama_spec}; "
+          f"{args.max_tokens} tokens; Quire {args.spec_config}, activations "
+          f"{args.activation_quantization}; llama-server {args.llama_spec}; "
           f"{steal}")
     print("| prompt | engine | decode tok/s | tokens | acceptance | vs the same engine without |")
     print("|---|---|---|---|---|---|")

@@ -4,6 +4,8 @@ load."""
 
 from __future__ import annotations
 
+from moe_helpers import save_tiny_moe, tiny_moe_config
+
 from quire import LLM, SamplingParams
 from quire.native import quant_matmul as qm
 
@@ -40,3 +42,19 @@ def test_an_engine_rounds_its_int4_layers_and_keeps_one_answer_per_prompt(tiny_l
     # random tiny models have few near-ties: the first tokens agree with float activations
     reference = _greedy(exact, prompts)
     assert sum(g[0] == r[0] for g, r in zip(together, reference)) >= len(prompts) - 1
+
+
+def test_an_moe_engine_rounds_for_its_int4_experts(tmp_path, smollm_tokenizer):
+    """MoE experts are packed weights too: an int4 MoE's experts take int8 activations, the
+    answer does not depend on the batch, and every block comes back."""
+    path = save_tiny_moe(str(tmp_path / "moe"), tiny_moe_config("mixtral"), smollm_tokenizer)
+    llm = LLM(path, quantization="int4", dtype="float32", activation_quantization="int8",
+              kv_cache_memory=4 << 20)
+    model = llm.engine.executor.model
+    experts = [k.packed for m in model.modules()
+               for ks in (getattr(m, "expert_kernels", None) or {}).values() for k in ks]
+    assert len(experts) == 3 * 2 * 8 and all(p.int8_activations for p in experts)
+    prompts = random_prompts(lengths=[3, 9, 20])
+    together = _greedy(llm, prompts)
+    assert together == [_greedy(llm, [p])[0] for p in prompts]
+    assert_no_blocks_in_use(llm)

@@ -8,7 +8,8 @@ with AMX leaves on the table: issue 48 measured torch's bfloat16 GEMM (oneDNN on
 many rows of bfloat16 x (a prefill chunk, a large batch) dequantizes its weight to bfloat16
 and multiplies by that, the dequantize-to-bfloat16 road (IPEX's and vLLM's CPU path), taken
 rather than int8 AMX because it keeps float activations (int8 activations cost agreement with
-transformers: benchmarks/int8_activations.py). Where the library has AMX tiles
+transformers: benchmarks/quant_parity.py --activation-quantization int8; an opt-in,
+native/int8_activations.h). Where the library has AMX tiles
 (`quant_matmul.dequantized_linear`) each pair of row blocks is dequantized in cache and
 multiplied there, whole rows of K summed in the tiles: a SmolLM2 step's matmuls at 512 rows
 in 126 ms against 268 through a bfloat16 copy and oneDNN and 284 on the native kernel's
