@@ -47,11 +47,15 @@ def build_model(args: EngineArgs, source: ModelSource, cfg: ModelConfig, dtype: 
         if args.activation_quantization == "int8":
             rounded = sum(p.use_int8_activations() for p in packs)
             if rank == 0 and stage.is_first:
-                logger.info("int8 activations for %d of %d packed weights (int4 ones)",
-                            rounded, len(packs))
+                (logger.info if rounded else logger.warning)(
+                    "int8 activations for %d of %d packed weights (only int4 ones take them)",
+                    rounded, len(packs))
         moved = quant_matmul.move_to_huge_pages(packs)
         if moved and rank == 0 and stage.is_first:
             logger.info("packed weights on huge pages: %.1f MB", moved / 1e6)
+    elif args.activation_quantization == "int8" and rank == 0 and stage.is_first:
+        logger.warning("--activation-quantization int8 is for the CPU's int4 kernels: the %s "
+                       "kernels keep activations in %s", device.type, dtype)
     model.parameter_count = counts
     if rank == 0 and stage.is_first:
         logger.info("model: %s", counts.describe(model))
