@@ -3,8 +3,8 @@
 // stream_span, inside its anonymous namespace.
 //
 // What llama.cpp does with Q8 activations, on the kernel's own int4 layout: each row of x is
-// rounded per 32 values of k to int8 (d = max|x| / 127, xq = round-to-even(x * 127 / max|x|),
-// so x ~ d * xq), and a weight's unsigned nibbles u (0..15) meet xq in vpmaddubsw, 32 products
+// rounded per 32 values of k to int8 (d = max|x| / 127 and xq = round-half-even(x * r) with
+// r = 127 / max|x|, both quotients float32; so x ~ d * xq), and a weight's unsigned nibbles u (0..15) meet xq in vpmaddubsw, 32 products
 // an instruction, summed exactly in integers. w = u * s + o per group (o = m for GGUF's Q4_1;
 // (u - 8) * s + z, stored XOR 8, for the zero and symmetric forms: o = z - 8 s, or -8 s), so
 //   y = sum over groups of  s * part + o * xs,   part = sum over its 32-k blocks of d * isum,
