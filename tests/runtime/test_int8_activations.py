@@ -21,6 +21,7 @@ import torch
 from test_quant_matmul import BUILDS, INT4_FLAVOURS, U32, _int4_case, _int4_exact, _x
 
 from quire.config import EngineArgs
+from quire.native import loader
 from quire.native import quant_matmul as qm
 from quire.validation import QuireValidationError
 
@@ -154,3 +155,19 @@ def test_turning_it_off_gives_the_float_path_back():
 def test_a_wrong_value_names_the_field():
     with pytest.raises(QuireValidationError, match="activation_quantization"):
         EngineArgs(activation_quantization="int4")
+
+
+def test_without_the_library_nothing_takes_it(monkeypatch):
+    """The torch path keeps float x, so a weight packed without the library says it does."""
+    qweight, scales, zeros = _int4_case(40, 128, 32, seed=8)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setenv("QUIRE_CPU_KERNELS", "0")
+            qm._library.cache_clear()
+            loader.load_library.cache_clear()
+            packed = qm.pack_int4(qweight, scales, zeros, 32)
+            assert not packed.use_int8_activations() and not packed.int8_activations
+    finally:
+        qm._library.cache_clear()
+        loader.load_library.cache_clear()
+    assert qm.available()

@@ -181,8 +181,10 @@ class PackedWeight:
 
     def use_int8_activations(self, on: bool = True) -> bool:
         """Rounds x to int8 per 32 values of k in every call from now on, where the weight
-        takes it (int4 forms, groups of whole 32-k blocks). Returns whether it does."""
-        self._struct.activations = int(on and int8_activations_apply(self.form, self.k, self.group))
+        takes it (int4 forms, groups of whole 32-k blocks) and the library is there (the
+        torch path keeps float x). Returns whether it does."""
+        self._struct.activations = int(on and self._fn is not None
+                                       and int8_activations_apply(self.form, self.k, self.group))
         return self.int8_activations
 
     def tensors(self) -> list[torch.Tensor]:
