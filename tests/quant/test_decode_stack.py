@@ -6,6 +6,8 @@ biases, fp8 KV, LoRA, turned off) the Python path runs. Engines free every KV bl
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from quire import LLM, SamplingParams
@@ -117,6 +119,22 @@ def test_biases_keep_the_python_path(tmp_path, smollm_tokenizer):
     llm = LLM(path, dtype="bfloat16", quantization="int8", kv_cache_memory=32 << 20)
     assert llm.engine.executor.runner.decode_stack is None  # q/k/v biases
     assert len(_run(llm, random_prompts(lengths=[9]))[0][0]) == PARAMS.max_tokens
+
+
+def test_partial_rotary_keeps_the_python_path(tmp_path, smollm_tokenizer, monkeypatch):
+    """Phi-3 rotates 3/4 of each head (partial_rotary_factor): the stack, which rotates all of
+    it, once read past each row of the cos / sin table (NaN logits, batch-dependent tokens).
+    It is left to the Python path, which gives each prompt one answer, batched or alone."""
+    path = save_tiny_model(str(tmp_path / "phi3"), tiny_config("phi3"), smollm_tokenizer)
+    llm = LLM(path, dtype="float32", quantization="int4", kv_cache_memory=32 << 20)
+    assert llm.engine.executor.model.rope.rotary_dim < llm.engine.executor.model.cfg.head_dim
+    assert llm.engine.executor.runner.decode_stack is None
+    prompts = random_prompts(lengths=[5, 40, 70])  # 70: past LongRoPE's switch at 64
+    together = _run(llm, prompts)
+    # (tokens: a logprob's last bit may follow the batch's shape, log_softmax's own split)
+    assert [t for t, _ in together] == [_run(llm, [p])[0][0] for p in prompts]
+    assert all(not math.isnan(v.logprob) for _, logprobs in together for d in logprobs
+               for v in d.values())
 
 
 def test_turned_off_by_the_environment(tiny_llama, monkeypatch):

@@ -23,8 +23,8 @@ def _greedy(llm, prompts):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_engine_rounds_its_int4_layers_and_keeps_one_answer_per_prompt(tiny_llama, dtype):
     """Quantized on load to int4, with int8 activations: every int4 layer takes them, the
-    output is the same alone or batched (one order per row at any M), close to itself in
-    small prefill chunks and to the float-activation engine, and every KV block comes back."""
+    output is the same alone or batched (one order per row at any M), near itself in small
+    prefill chunks and near the float-activation engine, and every KV block comes back."""
     kw = dict(dtype=dtype, quantization="int4", kv_cache_memory=32 << 20)
     llm = LLM(tiny_llama, activation_quantization="int8", **kw)
     packs = qm.packed_weights(llm.engine.executor.model)
@@ -38,18 +38,36 @@ def test_an_engine_rounds_its_int4_layers_and_keeps_one_answer_per_prompt(tiny_l
     # Prefill chunks, verification rows and decode rows run different attention kernels,
     # whose results differ in their last bits with float x too (prompt logprobs against
     # decode logprobs, in float32); rounding x to int8 can turn one such bit into a step of
-    # its grid, and the difference then grows to the rounding's own size. So chunked prefill
-    # is held to the float-x engine's bound below, not to token-for-token equality.
+    # its grid, and the difference then grows to the rounding's own size. A tiny random
+    # model's next-token distribution is nearly flat (top logprobs ~0.001-0.01 apart), so
+    # such noise flips its greedy picks: chunked prefill, and the float-x engine, are held to
+    # a bound on the first pick instead, its logprob under the other engine within
+    # PICK_MARGIN of that engine's best (a random token lands ~2 below).
     chunked = LLM(tiny_llama, activation_quantization="int8", max_num_batched_tokens=16,
                   enable_prefix_caching=False, **kw)
-    in_chunks = _greedy(chunked, prompts)
-    assert sum(c[0] == t[0] for c, t in zip(in_chunks, together)) >= len(prompts) - 1
+    _assert_picks_near_the_best(chunked, llm, prompts, PICK_MARGIN[dtype])
     assert_no_blocks_in_use(chunked)
     exact = LLM(tiny_llama, **kw)
     assert not any(p.int8_activations for p in qm.packed_weights(exact.engine.executor.model))
-    # random tiny models have few near-ties: the first tokens agree with float activations
-    reference = _greedy(exact, prompts)
-    assert sum(g[0] == r[0] for g, r in zip(together, reference)) >= len(prompts) - 1
+    _assert_picks_near_the_best(llm, exact, prompts, PICK_MARGIN[dtype])
+
+
+# int8 rounding moves a tiny model's logprobs by ~0.01 (0.0085 measured for one token); in
+# bfloat16 the logits themselves are ~0.016-0.03 apart (an ulp at 2-4), and one gap measured
+# 0.0156
+PICK_MARGIN = {"float32": 0.05, "bfloat16": 0.15}
+FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+
+
+def _assert_picks_near_the_best(llm, reference, prompts, margin):
+    """llm's greedy first token, for each prompt, is among reference's top 20 with a logprob
+    within `margin` of reference's best."""
+    ask = [{"prompt_token_ids": p} for p in prompts]
+    picks = [o.outputs[0].token_ids[0] for o in llm.generate(ask, FIRST, use_tqdm=False)]
+    for pick, out in zip(picks, reference.generate(ask, FIRST, use_tqdm=False)):
+        top = out.outputs[0].logprobs[0]
+        best = max(v.logprob for v in top.values())
+        assert pick in top and best - top[pick].logprob <= margin, (pick, best)
 
 
 def test_an_moe_engine_rounds_for_its_int4_experts(tmp_path, smollm_tokenizer):

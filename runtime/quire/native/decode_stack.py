@@ -6,8 +6,8 @@ runs a native kernel (quantized: GGUF `auto`, int8, int4; or a bfloat16 float we
 KV cache holds the model's dtype and the fused element-wise kernels are built, `DecodeStack.run` calls the same kernels
 in the same order from C++: the output is bit-identical to the Python path (the test checks
 it), only the orchestration moved. Anything else (float32 weights, LoRA, tensor parallelism,
-biases, fp8 KV, attention soft-capping or sinks, a step with prefill tokens, dynamic RoPE on a
-long sequence) keeps the Python path. QUIRE_DECODE_STACK=0 turns it off.
+biases, fp8 KV, attention soft-capping or sinks, partial rotary or per-layer RoPE kinds, a step
+with prefill tokens, dynamic RoPE on a long sequence) keeps the Python path. QUIRE_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ class DecodeStack:
         dtype = first.input_layernorm.weight.dtype
         if (dtype not in (torch.float32, torch.bfloat16) or cfg.hidden_size > 8192
                 or cfg.intermediate_size > 16384 or len(model.layers) != len(kv_caches)):
+            return None
+        # the native stack rotates every head dim with one table: no partial rotary (Phi-3's
+        # partial_rotary_factor read past each row of the table) and no per-layer RoPE kinds
+        ropes = getattr(model, "ropes", None) or {"global": model.rope}
+        if any(r is not model.rope for r in ropes.values()) \
+                or model.rope.rotary_dim != first.head_dim:
             return None
         # the native stack passes no soft-capping and no sinks to the attention kernel
         if any(b.name != "torch" or b.logit_softcap is not None for b in model.backends.values()) \
