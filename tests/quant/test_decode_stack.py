@@ -13,6 +13,8 @@ import pytest
 from quire import LLM, SamplingParams
 
 from runtime_helpers import (
+    MODEL_FAMILIES,
+    NEW_FAMILIES,
     assert_no_blocks_in_use,
     random_prompts,
     save_tiny_model,
@@ -135,6 +137,20 @@ def test_partial_rotary_keeps_the_python_path(tmp_path, smollm_tokenizer, monkey
     assert [t for t, _ in together] == [_run(llm, [p])[0][0] for p in prompts]
     assert all(not math.isnan(v.logprob) for _, logprobs in together for d in logprobs
                for v in d.values())
+
+
+@pytest.mark.parametrize("family", MODEL_FAMILIES + NEW_FAMILIES)
+def test_every_family_decodes_the_same_with_or_without_the_stack(
+        family, tmp_path, smollm_tokenizer, monkeypatch):
+    """Whatever a family's layers hold (biases, q/k norms, windows, soft-capping, partial or
+    per-layer RoPE), an int4 model's greedy tokens are the same whether the stack takes its
+    decode steps or refuses them (Phi-3's partial rotary once got garbage from it)."""
+    path = save_tiny_model(str(tmp_path / family), tiny_config(family), smollm_tokenizer)
+    prompts = random_prompts(lengths=[5, 40, 70])
+    kw = dict(dtype="float32", quantization="int4", kv_cache_memory=16 << 20)
+    with_stack = [t for t, _ in _run(LLM(path, **kw), prompts)]
+    monkeypatch.setenv("QUIRE_DECODE_STACK", "0")
+    assert with_stack == [t for t, _ in _run(LLM(path, **kw), prompts)]
 
 
 def test_turned_off_by_the_environment(tiny_llama, monkeypatch):
