@@ -284,3 +284,79 @@ def test_decode_rows_sharing_a_prefix_with_soft_capping_and_sinks(option, march)
                                  seq_lens[:1], head_dim ** -0.5, None, opts["softcap"],
                                  opts["sinks"], _march=march)
         assert not torch.equal(out[:1], alone)
+
+
+# lengths around the parts' edges (paged_decode.cpp's kPartTokens = 128 on the AVX2 build)
+_LONG_LENS = [127, 128, 129, 256, 257, 300, 511, 640]
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (1, 8, 128), (2, 1, 64)])
+@pytest.mark.parametrize("option", [None, *OPTIONS])
+def test_long_contexts_summed_in_parts_match_eager_attention(dtype, kv_heads, group, head_dim,
+                                                             option, march):
+    """Contexts past one part (the AVX2 build sums them in parts of 128 tokens, merged by
+    log-sum-exp; the others in one item) give transformers' eager attention: with windows
+    that start inside a part or on its edge, soft-capping, and sinks that join once."""
+    from types import SimpleNamespace
+    torch.manual_seed(5)
+    bs, num_blocks = 16, 48
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    lens = _LONG_LENS
+    tables = torch.stack([torch.randperm(num_blocks)[:40] for _ in lens]).int()
+    q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
+    opts = options(option, kv_heads * group) if option else dict(softcap=None, sinks=None,
+                                                                 window=None)
+    if opts["window"]:
+        # float32: from inside the first part or the second to the end; bfloat16 (whose
+        # tolerance needs the window to move the output more) a few keys across an edge
+        opts["window"] = 200 if dtype == torch.float32 else 12
+    if opts["sinks"] is not None:
+        opts["sinks"] = opts["sinks"] + 4.0  # comparable to sums of exp over ~600 keys
+    out = torch.full_like(q, float("nan"))
+    paged_attention.paged_decode(q, k_cache, v_cache, out, tables,
+                                 torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5,
+                                 opts["window"], opts["softcap"], opts["sinks"], _march=march)
+    meta = SimpleNamespace(query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=lens,
+                           block_tables=tables)
+    check(out, q, k_cache, v_cache, meta, head_dim ** -0.5,
+          1e-5 if dtype == torch.float32 else 1e-2, **opts)
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extras", [False, True])
+def test_a_long_sequence_has_the_same_bits_alone_in_a_batch_or_on_one_thread(dtype, extras,
+                                                                             march):
+    """The parts end at fixed multiples of 128 tokens of the row's own context and merge in
+    order, so a row's bits depend on nothing else in the call, nor on the thread count: one
+    sequence alone (whose parts spread over the threads), the same in a batch of eight, and
+    the batch on one thread all agree exactly, short rows (one part) among them."""
+    torch.manual_seed(6)
+    bs, num_blocks, kv_heads, group, head_dim = 16, 64, 3, 3, 64
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
+    lens = torch.tensor([600, 1, 129, 90, 257, 128, 384, 33], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:40] for _ in range(8)]).int()
+    q = torch.randn(8, kv_heads * group, head_dim, dtype=dtype)
+    kw = {"softcap": 30.0, "sinks": torch.randn(kv_heads * group)} if extras else {}
+    window = 300 if extras else None
+
+    def run(rows):
+        out = torch.full_like(q[rows], float("nan"))
+        paged_attention.paged_decode(q[rows], k_cache, v_cache, out, tables[rows], lens[rows],
+                                     head_dim ** -0.5, window, _march=march, **kw)
+        return out
+
+    batch = run(slice(None))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run(slice(None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, batch)
+    for i in range(8):
+        assert torch.equal(run(slice(i, i + 1))[0], batch[i]), f"sequence {i}"

@@ -1,7 +1,8 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place through
 // the block table (no gathered copy), GQA-aware (each K/V row is loaded once and serves its
 // whole group of query heads), online softmax in float32. One work item per (sequence, KV
-// head), over OpenMP threads (the same runtime, and thread count, as torch's).
+// head), over OpenMP threads (the same runtime, and thread count, as torch's); on the AVX2
+// build one per (128-token part of a sequence's context, KV head), merged (decode_in_parts).
 //
 // Plain C++ with a C ABI, no torch headers: it compiles in about a second and is called
 // through ctypes with tensor data pointers. dtype codes: 0 = float32, 1 = bfloat16.
@@ -483,9 +484,10 @@ inline void widen_rows(const T* src, int64_t row_stride, int n, float* dst) {
 // query heads and their accumulators stay in registers, scores are per-key dot products.
 // lse, where not null: each head's log-sum-exp of its scores (lse[g]), for merging this
 // part of the context with another (a shared prefix's, see cascade below). sinks, where not
-// null: this KV head's query heads' sinks (a part's caller leaves them to the merge).
-template <typename T, int G, int C>
-void decode_item8_lse(const T* q, const T* k_cache, const T* v_cache, T* out,
+// null: this KV head's query heads' sinks (a part's caller leaves them to the merge). O: the
+// output's type (float for a part that is merged later, whatever T is).
+template <typename T, int G, int C, typename O = T>
+void decode_item8_lse(const T* q, const T* k_cache, const T* v_cache, O* out,
                       const int32_t* table, int len, int lo, int64_t block_stride,
                       int64_t row_stride, int64_t q_head_stride, float scale, float softcap,
                       const float* sinks, float* lse) {
@@ -756,6 +758,141 @@ TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
   });
 }
 
+// Decode rows in parts. A row's context [lo, len) is summed in parts that end at fixed
+// multiples of kPartTokens (counted from the sequence's first token, so they depend on the row
+// alone, not on the batch or the threads), each KV head's part a work item of its own: one
+// sequence with a long context keeps every thread busy (its 3 KV heads, SmolLM2's, left one of
+// two threads idle half the time, and a KV head's slice of each row is a third of the row, so
+// one thread read it at ~7 GB/s). The parts merge by their log-sum-exps, in order, sinks
+// joining the denominator there. A row of one part (len <= kPartTokens) is summed as before,
+// straight into `out`.
+//
+// shared (cascade, or null): tokens of each row already summed by tiles, whose outputs and
+// log-sum-exps (prefix_out [row][head][d], prefix_lse [row][head]) come first in its merge;
+// `tiles` work items, run by run_tile(work), go ahead of the parts in the same loop.
+// Returns false, having done nothing, where the layout has no fixed shape or no row (and no
+// tile) needs a merge: the caller's one-item-per-row path then gives the same bits.
+constexpr int kPartTokens = 128;
+constexpr int kMaxHeadDim = 128;  // the fixed shapes' largest head_dim
+
+template <typename T>
+using ItemPartFn = void (*)(const T*, const T*, const T*, float*, const int32_t*, int, int,
+                            int64_t, int64_t, int64_t, float, float, const float*, float*);
+
+template <typename T>
+ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemPartFn<T> {
+    return decode_item8_lse<T, decltype(g)::value, decltype(c)::value, float>;
+  });
+}
+
+template <typename T, typename RunTile>
+bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
+                     const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
+                     int num_heads, int num_kv_heads, int head_dim, int64_t q_stride,
+                     int64_t out_stride, int64_t bt_stride, float scale, int window,
+                     float softcap, const float* sinks, int64_t block_stride,
+                     int64_t row_stride, const int32_t* shared, const float* prefix_out,
+                     const float* prefix_lse, int64_t tiles, RunTile run_tile) {
+  const int group = num_heads / num_kv_heads;
+  const ItemFn<T> whole = fixed_shape_item<T>(group, head_dim, 16);
+  const ItemPartFn<T> part = fixed_shape_item_part<T>(group, head_dim, 16);
+  if (!whole || !part) return false;
+  // parts [first[i], first[i + 1]) are row i's, in order; row_of[p]: part p's row
+  static thread_local std::vector<int64_t> first_part;
+  static thread_local std::vector<int32_t> part_row;
+  first_part.resize(num_seqs + 1);
+  part_row.clear();
+  bool merges = tiles > 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int len = seq_lens[i];
+    const int lo = std::max(window > 0 ? std::max(0, len - window) : 0, shared ? shared[i] : 0);
+    const int n = len > lo ? (len - 1) / kPartTokens - lo / kPartTokens + 1 : 1;
+    first_part[i] = int64_t(part_row.size());
+    part_row.insert(part_row.end(), n, int32_t(i));
+    merges = merges || n > 1;
+  }
+  first_part[num_seqs] = int64_t(part_row.size());
+  if (!merges) return false;
+  const int64_t parts = first_part[num_seqs], width = int64_t(num_heads) * head_dim;
+  static thread_local std::vector<float> parts_out, parts_lse;
+  parts_out.resize(parts * width);
+  parts_lse.resize(parts * num_heads);
+  // raw pointers: the parallel region's other threads would see their own thread_locals
+  float* const po = parts_out.data();
+  float* const pl = parts_lse.data();
+  const int64_t* const first = first_part.data();
+  const int32_t* const row_of = part_row.data();
+  const int64_t items = tiles + parts * num_kv_heads;
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t work = 0; work < items; ++work) {
+      if (work < tiles) {
+        run_tile(work);
+        continue;
+      }
+      const int64_t p = (work - tiles) / num_kv_heads;
+      const int kv_head = int((work - tiles) % num_kv_heads);
+      const int64_t i = row_of[p];
+      const int len = seq_lens[i];
+      const int lo = std::max(window > 0 ? std::max(0, len - window) : 0, shared ? shared[i] : 0);
+      const int64_t head = int64_t(kv_head) * group * head_dim;
+      const T* qh = q + i * q_stride + head;
+      const T* kc = k_cache + int64_t(kv_head) * head_dim;
+      const T* vc = v_cache + int64_t(kv_head) * head_dim;
+      const int32_t* table = block_tables + i * bt_stride;
+      const bool alone = first[i + 1] - first[i] == 1 && !(shared && shared[i]);
+      if (alone) {  // the whole context, straight into out, as the one-item path sums it
+        whole(qh, kc, vc, out + i * out_stride + head, table, len, lo, block_stride, row_stride,
+              head_dim, scale, softcap, sinks ? sinks + kv_head * group : nullptr);
+        continue;
+      }
+      const int begin = (lo / kPartTokens + int(p - first[i])) * kPartTokens;
+      part(qh, kc, vc, po + p * width + head, table, std::min(len, begin + kPartTokens),
+           std::max(lo, begin), block_stride, row_stride, head_dim, scale, softcap, nullptr,
+           pl + p * num_heads + kv_head * group);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const bool prefix = shared && shared[i];
+      if (first[i + 1] - first[i] == 1 && !prefix) continue;
+      for (int h = 0; h < num_heads; ++h) {
+        // weights relative to the largest log-sum-exp (or sink), summed in the parts' order
+        float top = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+        if (prefix) top = std::max(top, prefix_lse[i * num_heads + h]);
+        for (int64_t p = first[i]; p < first[i + 1]; ++p) top = std::max(top, pl[p * num_heads + h]);
+        float acc[kMaxHeadDim], total = sinks ? std::exp(sinks[h] - top) : 0.f;
+        std::fill(acc, acc + head_dim, 0.f);
+        auto add = [&](const float* o, float lse) {
+          const float w = std::exp(lse - top);
+          total += w;
+          for (int d = 0; d < head_dim; ++d) acc[d] += w * o[d];
+        };
+        if (prefix) add(prefix_out + i * width + int64_t(h) * head_dim, prefix_lse[i * num_heads + h]);
+        for (int64_t p = first[i]; p < first[i + 1]; ++p)
+          add(po + p * width + int64_t(h) * head_dim, pl[p * num_heads + h]);
+        const float inv = 1.f / total;
+        T* dst = out + i * out_stride + int64_t(h) * head_dim;
+        for (int d = 0; d < head_dim; ++d) store_scalar(dst + d, acc[d] * inv);
+      }
+    }
+  }
+  return true;
+}
+
+template <typename T>
+bool split_decode(const T* q, const T* k_cache, const T* v_cache, T* out,
+                  const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
+                  int num_heads, int num_kv_heads, int head_dim, int64_t q_stride,
+                  int64_t out_stride, int64_t bt_stride, float scale, int window, float softcap,
+                  const float* sinks, int64_t block_stride, int64_t row_stride) {
+  return decode_in_parts<T>(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs,
+                            num_heads, num_kv_heads, head_dim, q_stride, out_stride, bt_stride,
+                            scale, window, softcap, sinks, block_stride, row_stride, nullptr,
+                            nullptr, nullptr, 0, [](int64_t) {});
+}
+
 // Cascade decode. Rows whose block tables start with the same physical blocks (a cached
 // prefix that several requests share, e.g. one system prompt) read that prefix once for all
 // of them, in GEMM-shaped tiles of up to kTileRows rows: each K/V block then feeds count * G
@@ -842,61 +979,30 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
     }
   if (tile_start.empty()) return false;
   tile_start.push_back(int64_t(tile_rows.size()));
-  // the prefix part's outputs and both parts' log-sum-exps, kept for the next call
-  static thread_local std::vector<float> prefix_out, prefix_lse, tail_lse;
+  // the prefix part's outputs and log-sum-exps (raw pointers: the parallel region's other
+  // threads would see their own thread_locals), kept for the next call
+  static thread_local std::vector<float> prefix_out, prefix_lse;
   const int64_t width = int64_t(num_heads) * head_dim;
   prefix_out.resize(num_seqs * width);
   prefix_lse.resize(num_seqs * num_heads);
-  tail_lse.resize(num_seqs * num_heads);
-  // raw pointers: the parallel region's other threads would see their own thread_locals
   float* const part_out = prefix_out.data();
   float* const part_lse = prefix_lse.data();
-  float* const tail_part_lse = tail_lse.data();
   const int64_t tiles = int64_t(tile_start.size() - 1) * num_kv_heads;
-  const int64_t work_items = tiles + num_seqs * num_kv_heads;
-#pragma omp parallel
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t work = 0; work < work_items; ++work) {
-      if (work < tiles) {  // a tile of the shared prefix
-        const int64_t t = work / num_kv_heads;
-        const int kv_head = int(work % num_kv_heads);
-        const int64_t head = int64_t(kv_head) * group * head_dim;
-        const int32_t* members = tile_rows.data() + tile_start[t];
-        tile(q + head, k_cache + int64_t(kv_head) * head_dim,
-             v_cache + int64_t(kv_head) * head_dim, part_out + head,
-             block_tables + int64_t(members[0]) * bt_stride, members,
-             tile_lens.data() + tile_start[t], int(tile_start[t + 1] - tile_start[t]), 0,
-             block_stride, row_stride, q_stride, width, head_dim, scale, softcap, nullptr,
-             part_lse + kv_head * group, num_heads);
-      } else {  // a row's own tail after its shared prefix (all of it for other rows)
-        const int64_t i = (work - tiles) / num_kv_heads;
-        const int kv_head = int((work - tiles) % num_kv_heads);
-        const int64_t head = int64_t(kv_head) * group * head_dim;
-        item(q + i * q_stride + head, k_cache + int64_t(kv_head) * head_dim,
-             v_cache + int64_t(kv_head) * head_dim, out + i * out_stride + head,
-             block_tables + i * bt_stride, seq_lens[i], shared_of[i], block_stride, row_stride,
-             head_dim, scale, softcap,
-             shared_of[i] || !sinks ? nullptr : sinks + kv_head * group,
-             shared_of[i] ? tail_part_lse + i * num_heads + kv_head * group : nullptr);
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < num_seqs; ++i) {
-      if (!shared_of[i]) continue;
-      for (int h = 0; h < num_heads; ++h) {
-        const float a = part_lse[i * num_heads + h], b = tail_part_lse[i * num_heads + h];
-        const float sink = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
-        const float top = std::max(std::max(a, b), sink);
-        const float wa = std::exp(a - top), wb = std::exp(b - top);
-        const float inv = 1.f / (wa + wb + (sinks ? std::exp(sink - top) : 0.f));
-        const float* pa = part_out + i * width + int64_t(h) * head_dim;
-        float* pb = out + i * out_stride + int64_t(h) * head_dim;
-        for (int d = 0; d < head_dim; ++d) pb[d] = (pa[d] * wa + pb[d] * wb) * inv;
-      }
-    }
-  }
-  return true;
+  auto run_tile = [&](int64_t work) {  // a tile of the shared prefix
+    const int64_t t = work / num_kv_heads;
+    const int kv_head = int(work % num_kv_heads);
+    const int64_t head = int64_t(kv_head) * group * head_dim;
+    const int32_t* members = tile_rows.data() + tile_start[t];
+    tile(q + head, k_cache + int64_t(kv_head) * head_dim, v_cache + int64_t(kv_head) * head_dim,
+         part_out + head, block_tables + int64_t(members[0]) * bt_stride, members,
+         tile_lens.data() + tile_start[t], int(tile_start[t + 1] - tile_start[t]), 0,
+         block_stride, row_stride, q_stride, width, head_dim, scale, softcap, nullptr,
+         part_lse + kv_head * group, num_heads);
+  };
+  return decode_in_parts<float>(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs,
+                                num_heads, num_kv_heads, head_dim, q_stride, out_stride,
+                                bt_stride, scale, 0, softcap, sinks, block_stride, row_stride,
+                                shared_of.data(), part_out, part_lse, tiles, run_tile);
 }
 #define QUIRE_EXTEND_TILES 1
 #endif
@@ -922,6 +1028,11 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                        num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
                        sinks, block_stride, row_stride))
       return;
+  if (rows == nullptr && block_size == 16 &&
+      split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
+                   num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, window,
+                   softcap, sinks, block_stride, row_stride))
+    return;
   if (rows != nullptr)
     if (const TileFn<T> tile = fixed_shape_tile<T>(group, head_dim, block_size)) {
       // tiles: runs of at most kTileRows rows of one sequence at consecutive positions
