@@ -4,6 +4,7 @@ process itself is killed."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -53,6 +54,42 @@ def test_killing_a_worker_mid_run_fails_the_engine_within_a_bounded_time(tp_mode
         with pytest.raises(TensorParallelError):  # and it stays dead
             engine.step()
         assert not alive(worker)
+    finally:
+        engine.shutdown()
+
+
+def test_a_channel_closed_by_both_threads_still_leaves_the_error_naming_the_rank(tp_models):
+    """The death watcher and a failing step both close the workers' channels, maybe at once,
+    and the loser's close of the fd fails (EBADF). That must not replace the error naming
+    the dead rank: once, under load, the two-node test's stream ended with "model step
+    failed: [Errno 9] Bad file descriptor" instead. The race is made certain here: the
+    channel's close closes it, then fails as the loser's would."""
+    engine = _engine(tp_models["llama"])
+    try:
+        workers = engine.executor.workers
+        [worker] = workers.pids
+        [conn] = workers.conns.values()
+        close = conn.close
+
+        def close_raced():
+            close()
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+        conn.close = close_raced
+        engine.add_request("0", list(range(3, 40)),
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + DEATH_NOTICED_S
+        while workers.dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # what run_step does when a send or a collective fails mid-step
+        error = workers._failed(ConnectionResetError("the peer closed the connection"))
+        assert isinstance(error, TensorParallelError)
+        assert f"rank 1 (pid {worker}) died" in str(error)
+        assert conn.closed and workers.closed
+        with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {worker}\) died"):
+            engine.step()
     finally:
         engine.shutdown()
 

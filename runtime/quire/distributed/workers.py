@@ -137,6 +137,9 @@ class Workers:
                                            self._tmp, [])
         self.dead: str | None = None
         self.closed = False
+        # the death watcher and the engine thread both close channels, maybe at once: a
+        # Connection's close is not thread-safe (two closes of one fd: EBADF in the loser)
+        self._channels_lock = threading.Lock()
         self.on_death = None  # callable(), from the watcher thread: the server fails fast
         self.worker_param_bytes: dict[int, int] = {}
         self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
@@ -252,7 +255,10 @@ class Workers:
             time.sleep(0.05)  # a killed peer fails gloo a moment before its sentinel fires
         reason = self.dead or f"a parallel step failed: {type(error).__name__}: {error}"
         logger.error("%s; stopping the other workers", reason)
-        self.shutdown()
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the reason above is the error, whatever this is
+            logger.exception("stopping the workers after %s", reason)
         self.dead = reason
         return TensorParallelError(reason)
 
@@ -269,8 +275,7 @@ class Workers:
                          f"channel closed); the engine cannot go on without it")
         logger.error("%s; stopping the other workers", self.dead)
         _kill(self.procs.values())
-        for conn in self.remote.values():
-            conn.close()
+        self._close_channels(self.remote.values())
         if self.on_death is not None:
             self.on_death()
 
@@ -288,6 +293,16 @@ class Workers:
                 pass  # already gone (or closed by the death watcher)
         for p in self.procs.values():
             p.join(SHUTDOWN_GRACE_S)
-        for conn in self.conns.values():
-            conn.close()
+        self._close_channels(self.conns.values())
         self._finalizer()  # kills the stragglers, leaves the group
+
+    def _close_channels(self, conns) -> None:
+        """Closes each channel once, whichever thread gets here first (a closed one's close
+        is a no-op); an error closing one (the peer's end already gone) does not stop the
+        others."""
+        with self._channels_lock:
+            for conn in list(conns):
+                try:
+                    conn.close()
+                except OSError:
+                    pass
