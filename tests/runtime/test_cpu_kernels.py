@@ -360,3 +360,26 @@ def test_a_long_sequence_has_the_same_bits_alone_in_a_batch_or_on_one_thread(dty
     assert torch.equal(one_thread, batch)
     for i in range(8):
         assert torch.equal(run(slice(i, i + 1))[0], batch[i]), f"sequence {i}"
+
+
+def test_long_contexts_in_parts_keep_transformers_greedy_tokens(tmp_path, smollm_tokenizer):
+    """End to end through the engine (the decode stack's attention is the same kernel): a
+    model of the kernel's fixed shape (head_dim 64, two query heads per KV head) with a
+    sliding window of 200, prompts whose decode rows run past one, two and three parts of
+    128 tokens, the window starting inside a part: transformers' greedy tokens, batched or
+    alone, and no block left in use."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime_helpers import hf_greedy, save_tiny_model, tiny_config
+    config = tiny_config("mistral", head_dim=64, sliding_window=200)
+    path = save_tiny_model(str(tmp_path / "mistral64"), config, smollm_tokenizer)
+    prompts = random_prompts(3, lengths=[120, 250, 390], seed=11)
+    want = hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompts,
+                     24)
+    llm = LLM(path, dtype="float32", kv_cache_memory=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert batched == want
+    assert alone == want
+    assert_no_blocks_in_use(llm)
