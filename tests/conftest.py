@@ -54,6 +54,16 @@ def pytest_collection_finish(session):
     gc.set_threshold(10_000, 10, 10)
 
 
+def _own_resource_tracker() -> set[int]:
+    """multiprocessing's resource tracker of this very process, started by the first spawn
+    (a tensor-parallel engine's workers) when the tests run without xdist: it ends when this
+    process does (it reads its pipe to the end), so it is no survivor. Run without -n, a
+    file of such tests otherwise waited 30 s here and failed."""
+    from multiprocessing import resource_tracker
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_sessionfinish(session, exitstatus):
     from child_processes import stop_shared
@@ -64,10 +74,11 @@ def pytest_sessionfinish(session, exitstatus):
     from child_processes import SESSION_MARK, describe, survivors
     mark = os.environ.get(SESSION_MARK)
     deadline = time.monotonic() + SURVIVOR_GRACE_S
-    left = survivors(mark, {os.getpid()})
+    ours = {os.getpid(), *_own_resource_tracker()}
+    left = survivors(mark, ours)
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
-        left = survivors(mark, {os.getpid()})
+        left = survivors(mark, ours)
     if not left:
         return
     lines = [f"{len(left)} process(es) started by this test run outlived it "
