@@ -123,7 +123,7 @@ def test_biases_keep_the_python_path(tmp_path, smollm_tokenizer):
     assert len(_run(llm, random_prompts(lengths=[9]))[0][0]) == PARAMS.max_tokens
 
 
-def test_partial_rotary_keeps_the_python_path(tmp_path, smollm_tokenizer, monkeypatch):
+def test_partial_rotary_keeps_the_python_path(tmp_path, smollm_tokenizer):
     """Phi-3 rotates 3/4 of each head (partial_rotary_factor): the stack, which rotates all of
     it, once read past each row of the cos / sin table (NaN logits, batch-dependent tokens).
     It is left to the Python path, which gives each prompt one answer, batched or alone."""

@@ -737,19 +737,9 @@ ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
 }
 
 template <typename T>
-using ItemLseFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                           int64_t, int64_t, float, float, const float*, float*);
-template <typename T>
 using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
                         const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                         float, float, const float*, float*, int64_t);
-
-template <typename T>
-ItemLseFn<T> fixed_shape_item_lse(int group, int head_dim, int block_size) {
-  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemLseFn<T> {
-    return decode_item8_lse<T, decltype(g)::value, decltype(c)::value>;
-  });
-}
 
 template <typename T>
 TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
@@ -801,12 +791,15 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
   // parts [first[i], first[i + 1]) are row i's, in order; row_of[p]: part p's row
   static thread_local std::vector<int64_t> first_part;
   static thread_local std::vector<int32_t> part_row;
+  auto first_key = [&](int64_t i) {  // row i's first token to sum here
+    const int len = seq_lens[i];
+    return std::max(window > 0 ? std::max(0, len - window) : 0, shared ? shared[i] : 0);
+  };
   first_part.resize(num_seqs + 1);
   part_row.clear();
   bool merges = tiles > 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int len = seq_lens[i];
-    const int lo = std::max(window > 0 ? std::max(0, len - window) : 0, shared ? shared[i] : 0);
+    const int len = seq_lens[i], lo = first_key(i);
     const int n = len > lo ? (len - 1) / kPartTokens - lo / kPartTokens + 1 : 1;
     first_part[i] = int64_t(part_row.size());
     part_row.insert(part_row.end(), n, int32_t(i));
@@ -835,8 +828,7 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
       const int64_t p = (work - tiles) / num_kv_heads;
       const int kv_head = int((work - tiles) % num_kv_heads);
       const int64_t i = row_of[p];
-      const int len = seq_lens[i];
-      const int lo = std::max(window > 0 ? std::max(0, len - window) : 0, shared ? shared[i] : 0);
+      const int len = seq_lens[i], lo = first_key(i);
       const int64_t head = int64_t(kv_head) * group * head_dim;
       const T* qh = q + i * q_stride + head;
       const T* kc = k_cache + int64_t(kv_head) * head_dim;
@@ -911,8 +903,7 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
                            int64_t row_stride) {
   const int group = num_heads / num_kv_heads;
   const TileFn<float> tile = fixed_shape_tile<float>(group, head_dim, 16);
-  const ItemLseFn<float> item = fixed_shape_item_lse<float>(group, head_dim, 16);
-  if (!tile || !item || num_seqs < kCascadeMinRows) return false;
+  if (!tile || num_seqs < kCascadeMinRows) return false;  // (its tails: the same shapes)
   // candidate rows (those with at least kCascadeMinBlocks blocks before their last token),
   // sorted by their block tables, so that rows sharing a prefix lie side by side and a run of
   // rows shares the least common prefix of its neighbouring pairs
