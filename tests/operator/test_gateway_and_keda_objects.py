@@ -45,6 +45,10 @@ def runtime_args(cluster):
     return container["args"]
 
 
+def deleted_messages(cluster):
+    return [e["message"] for e in cluster.events("chat") if e["reason"] == "Deleted"]
+
+
 def change_spec(cluster, spec):
     cluster.patch(LLMD_API, names.PLURAL, "chat", {"spec": spec})
 
@@ -92,9 +96,9 @@ def test_the_pool_and_route_follow_the_spec_until_turned_off(cluster):
                  what="the ext_proc port to go")
         (router,) = cluster.deployment("chat-router")["spec"]["template"]["spec"]["containers"]
         assert "--ext-proc-port" not in router["args"]
-        deleted = [e["message"] for e in cluster.events("chat") if e["reason"] == "Deleted"]
-        assert any("HTTPRoute chat deleted" in m for m in deleted)
-        assert any("InferencePool chat deleted" in m for m in deleted)
+        # (each event is posted just after its delete)
+        wait_for(lambda: {"HTTPRoute chat deleted", "InferencePool chat deleted"} <= {
+            m.split(":")[0] for m in deleted_messages(cluster)}, what="the two Deleted events")
 
 
 def objective(cluster, name):
@@ -116,7 +120,8 @@ def test_objectives_are_written_changed_and_pruned_as_the_spec_lists_them(cluste
                  what="interactive's new priority")
         wait_for(lambda: "interactive=5" in cluster.deployment("chat-router")["spec"]["template"]["spec"]
                  ["containers"][0]["args"], what="the router's --objective flag")
-        assert any("InferenceObjective batch deleted" in e["message"] for e in cluster.events("chat"))
+        wait_for(lambda: any("InferenceObjective batch deleted" in m for m in deleted_messages(cluster)),
+                 what="batch's Deleted event")
 
 
 def test_the_scaled_object_follows_the_spec_and_keda_scales_through_scale(cluster):

@@ -258,7 +258,9 @@ def test_the_operator_writes_an_owned_lws_that_follows_replicas_and_repairs_drif
         # Someone shrinks the groups by hand: the watch event puts the spec back.
         cluster.patch(LWS, "leaderworkersets", "chat", {"spec": {"leaderWorkerTemplate": {"size": 5}}})
         wait_for(lambda: lws(cluster)["spec"]["leaderWorkerTemplate"]["size"] == 2, what="the size restored")
-        assert any(e["reason"] == "DriftCorrected" for e in cluster.events("chat"))
+        # (the event is posted just after the write that restores it)
+        wait_for(lambda: any(e["reason"] == "DriftCorrected" for e in cluster.events("chat")),
+                 what="the DriftCorrected event")
 
         # The LWS controller reports its groups: the LLMDeployment's status follows.
         cluster.patch(LWS, "leaderworkersets", "chat", {"status": {
@@ -288,9 +290,10 @@ def test_switching_nodes_replaces_the_workload_and_never_keeps_two(cluster):
         wait_for(lambda: cluster.deployment("chat") and lws(cluster) is None, what="the Deployment back")
         wait_for(lambda: cluster.service("chat")["spec"]["selector"] == {names.SELECTOR_LABEL: "chat"},
                  what="the Service selecting every pod again")
-        reasons = [e["message"] for e in cluster.events("chat") if e["reason"] == "Deleted"]
-        assert any(m.startswith("Deployment chat deleted") for m in reasons)
-        assert any(m.startswith("LeaderWorkerSet chat deleted") for m in reasons)
+        # (each event is posted just after its delete)
+        wait_for(lambda: all(any(e["reason"] == "Deleted" and e["message"].startswith(kind + " chat deleted")
+                                 for e in cluster.events("chat")) for kind in ("Deployment", "LeaderWorkerSet")),
+                 what="the two Deleted events")
 
 
 def uninstall_lws(cluster):

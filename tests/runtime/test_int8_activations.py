@@ -94,7 +94,7 @@ def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m():
     for march in BUILDS:
         packed, _ = _packed(70, 576, 32, "min16", march)
         whole = qm.int4_linear(x, packed)
-        for rows in (1, 2, 3, 5):  # tiles of every size, alone and beside others
+        for rows in (1, 2, 3, 4, 5, 6, 9):  # tiles of every size (1-4), alone, beside others and past one tile
             parts = torch.cat([qm.int4_linear(x[i:i + rows], packed)
                                for i in range(0, x.shape[0], rows)])
             assert torch.equal(parts, whole), (march, rows)
