@@ -1,6 +1,7 @@
 """The native kernels' builder and loader (quire.native.loader): a damaged cached build is
 rebuilt, the build cache lives where QUIRE_CACHE_DIR says, and a kernel outside its folder
-builds with the headers the kernels share."""
+builds with the headers the kernels share; processes that build one source at once compile
+it once."""
 
 from __future__ import annotations
 
@@ -101,3 +102,34 @@ def test_quire_cpu_isa_builds_every_kernel_for_that_isa():
                               env=env, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip() == quant_matmul.isa(build)
+
+
+def test_processes_that_build_one_source_at_once_compile_it_once(tmp_path):
+    """Three processes load a source none has built (the suite's workers, or a node's pods on
+    a shared cache, on a cold cache): one compiles, the others wait for its library. The
+    compiler is a wrapper that logs each call and takes a second, so without the lock all
+    three would compile beside each other."""
+    import subprocess
+    import sys
+    import textwrap
+    source = tmp_path / "slow_build.cpp"
+    source.write_text('extern "C" int quire_test_answer() { return 42; }\n')
+    calls = tmp_path / "calls.log"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$*" in *--version*) exec g++ "$@";; esac
+        echo "$$" >> {calls}
+        sleep 1
+        exec g++ "$@"
+        """))
+    wrapper.chmod(0o755)
+    probe = ("import sys; from quire.native import loader; "
+             f"lib = loader.load_library({str(source)!r}); "
+             "sys.exit(0 if lib is not None and lib.quire_test_answer() == 42 else 1)")
+    env = {**os.environ, "QUIRE_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(wrapper)}
+    env.pop("QUIRE_CPU_KERNELS", None)
+    procs = [subprocess.Popen([sys.executable, "-c", probe], env=env) for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert len(calls.read_text().split()) == 1, "the source was compiled more than once"
+    assert len(glob.glob(str(tmp_path / "cache" / "kernels" / "slow_build-*.so"))) == 1
