@@ -1,8 +1,8 @@
-"""Suite-wide settings. `make test` runs the suite on two pytest-xdist workers: most tests are
-tiny models, live servers and emulators that wait more than they compute, so two workers
-overlap the waits; each worker's engines then take one CPU thread (QUIRE_NUM_THREADS, torch's
-pool), so two workers on two cores never ask for more threads than there are CPUs. A test that
-sets its own threads keeps them. Each test process freezes the modules its collection imported
+"""Suite-wide settings. `make test` runs the suite on four pytest-xdist workers: most tests are
+tiny models, live servers and emulators that wait more than they compute, so the workers
+overlap the waits; each worker's engines take one CPU thread (QUIRE_NUM_THREADS, torch's pool),
+so while all four compute they share the two cores rather than each spinning up a pool of its
+own. A test that sets its own threads keeps them. Each test process freezes the modules its collection imported
 out of the garbage collector's walk (pytest_collection_finish).
 
 No process outlives the run: the session marks its environment (child_processes.SESSION_MARK,
