@@ -2,8 +2,8 @@
 tiny models, live servers and emulators that wait more than they compute, so the workers
 overlap the waits; each worker's engines take one CPU thread (QUIRE_NUM_THREADS, torch's pool),
 so while all four compute they share the two cores rather than each spinning up a pool of its
-own. A test that sets its own threads keeps them. Each test process freezes the modules its collection imported
-out of the garbage collector's walk (pytest_collection_finish).
+own. A test that sets its own threads keeps them. Each test process freezes the modules its
+collection imported out of the garbage collector's walk (pytest_collection_finish).
 
 No process outlives the run: the session marks its environment (child_processes.SESSION_MARK,
 inherited by the workers and everything they start); each worker stops the shared servers it
