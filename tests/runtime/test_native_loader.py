@@ -11,6 +11,8 @@ import os
 
 from quire.native import loader
 
+ONE_LINE_SOURCE = 'extern "C" int quire_test_answer() { return 42; }\n'
+
 
 def test_a_cached_build_that_does_not_load_is_built_again(tmp_path):
     """A kernel library cut short in the cache (a partial copy of a shared cache, a full
@@ -20,7 +22,7 @@ def test_a_cached_build_that_does_not_load_is_built_again(tmp_path):
     import subprocess
     import sys
     source = tmp_path / "small_kernel.cpp"  # any source: a kernel's own takes seconds to build
-    source.write_text('extern "C" int quire_test_answer() { return 42; }\n')
+    source.write_text(ONE_LINE_SOURCE)
     probe = ("import logging, sys; logging.basicConfig(level=logging.WARNING); "
              "from quire.native import loader; "
              f"sys.exit(loader.load_library({str(source)!r}) is None)")
@@ -108,14 +110,17 @@ def test_quire_cpu_isa_builds_every_kernel_for_that_isa():
 
 def test_processes_that_build_one_source_at_once_compile_it_once(tmp_path):
     """Two processes load a source neither has built (the suite's workers, or a node's pods on
-    a shared cache, on a cold cache): one compiles, the other waits for its library. The
-    compiler is a wrapper that logs each call and takes a second, so without the lock both
-    would compile beside each other."""
+    a shared cache, on a cold cache): one compiles, the other waits for its library. The two
+    meet at a barrier before they load (their imports take seconds, and unevenly on a busy
+    host), and the compiler is a wrapper that logs each call and takes a second, so without
+    the lock both would compile beside each other."""
     import subprocess
     import sys
     import textwrap
     source = tmp_path / "slow_build.cpp"
-    source.write_text('extern "C" int quire_test_answer() { return 42; }\n')
+    source.write_text(ONE_LINE_SOURCE)
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
     calls = tmp_path / "calls.log"
     wrapper = tmp_path / "cxx"
     wrapper.write_text(textwrap.dedent(f"""\
@@ -126,9 +131,15 @@ def test_processes_that_build_one_source_at_once_compile_it_once(tmp_path):
         exec g++ "$@"
         """))
     wrapper.chmod(0o755)
-    probe = ("import sys; from quire.native import loader; "
-             f"lib = loader.load_library({str(source)!r}); "
-             "sys.exit(0 if lib is not None and lib.quire_test_answer() == 42 else 1)")
+    probe = textwrap.dedent(f"""\
+        import os, sys, time
+        from quire.native import loader
+        open(os.path.join({str(barrier)!r}, str(os.getpid())), "w").close()
+        while len(os.listdir({str(barrier)!r})) < 2:
+            time.sleep(0.01)
+        lib = loader.load_library({str(source)!r})
+        sys.exit(0 if lib is not None and lib.quire_test_answer() == 42 else 1)
+        """)
     env = {**os.environ, "QUIRE_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(wrapper)}
     env.pop("QUIRE_CPU_KERNELS", None)
     procs = [subprocess.Popen([sys.executable, "-c", probe], env=env) for _ in range(2)]
