@@ -59,10 +59,20 @@ def replicas(tiny, names_hosts, *extra):
 
 
 def streaming_replica(r, procs):
-    """The replica the router has the one open request on."""
+    """The replica (of `procs`) the router has the one open request on."""
+    urls = {p.url for p in procs}
     busy = wait_until(lambda: [b["url"] for b in router_state(r)["backends"]
-                               if b["in_flight"] == 1], 30, "the request to be open")
+                               if b["in_flight"] == 1 and b["url"] in urls], 30,
+                      "the request to be open")
     return next(p for p in procs if p.url == busy[0])
+
+
+def wait_idle(r) -> None:
+    """Until the router holds no request open. A migrated stream's [DONE] reaches the client
+    before the router closes its two legs (the dead replica's and the continuation's), so the
+    next request's replica is told apart only once those counts are back to 0."""
+    wait_until(lambda: all(b["in_flight"] == 0 for b in router_state(r)["backends"]), 30,
+               "the last request's legs to close")
 
 
 def read_events(lines, until: int | None = None) -> list:
@@ -124,6 +134,7 @@ def test_sigkill_mid_request_streamed_and_whole_then_no_replica_left(tiny, refer
             assert metric(r, "quire_router:migrations_total", reason="connection_lost") == 1
 
             # Whole: SIGKILL the replica while it computes; the request is sent again.
+            wait_idle(r)
             answer = {}
             worker = threading.Thread(target=lambda: answer.update(r=requests.post(
                 r.url + "/v1/completions", json=body, timeout=300)))
@@ -137,6 +148,7 @@ def test_sigkill_mid_request_streamed_and_whole_then_no_replica_left(tiny, refer
             assert answer["r"].json()["usage"]["completion_tokens"] == MAX_TOKENS
 
             # The last replica dies mid-stream: nowhere to go, a clear error event.
+            wait_idle(r)
             last = next(p for p in procs if p not in (victim, second))
             response = requests.post(r.url + "/v1/completions", stream=True, timeout=300,
                                      json={**body, "stream": True})
@@ -197,6 +209,7 @@ def test_sigterm_drain_past_its_timeout_continues_elsewhere(tiny, reference):
             # Whole: the drained replica's aborted answer is not passed on; it is sent again.
             whole = {**chat, "stream": False, "return_token_ids": False}
             whole.pop("stream_options")
+            wait_idle(r)
             answer = {}
             worker = threading.Thread(target=lambda: answer.update(r=requests.post(
                 r.url + "/v1/chat/completions", json=whole, timeout=300)))
