@@ -29,7 +29,7 @@ ALL_STEPS="$DEFAULT_STEPS single_stream decode_profile prefix_cache_bound block_
     capacity fp8_kv quant_parity int8_activations llamacpp_int8 quant_kernels quant_matmul quantized_memory
     soak serve spec_decode router structured grammar_backends tensor_parallel lora moe
     step_cost kv_tiering embeddings embeddings_512 priority pipeline_parallel vision
-    prefill_roofline prefill_attention small_m cold_start"
+    prefill_roofline prefill_attention small_m cold_start worker_start"
 
 args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     local q=$quick
@@ -77,6 +77,7 @@ args_for() {  # name -> the script and its arguments (QUICK=1: tiny settings)
     pipeline_parallel) echo pipeline_parallel.py $([ "$q" = 1 ] && echo --num-requests 2 --input-len 32 --output-len 4 || echo --plot) ;;
     prefill_roofline) echo prefill_roofline.py $([ "$q" = 1 ] && echo --prompt-len 32 --formats gguf || echo --plot) ;;
     prefill_attention) echo prefill_attention.py $([ "$q" = 1 ] && echo --fresh 64 --extend 16 --context 256 --rounds 1 || echo --plot) ;;
+    worker_start)     echo worker_start.py $([ "$q" = 1 ] && echo --rounds 1 --engines 2 || echo --plot) ;;
     small_m)          echo small_m.py $([ "$q" = 1 ] && echo --m 1 9 --trials 1 || echo --plot) ;;
     cold_start)       echo cold_start.py $([ "$q" = 1 ] && echo --rounds 1 || echo --rounds 3 --plot) ;;
     vision)           echo vision.py $([ "$q" = 1 ] && echo --quick --num-requests 4 --output-len 4 || echo --plot) ;;

@@ -54,14 +54,15 @@ def pytest_collection_finish(session):
     gc.set_threshold(10_000, 10, 10)
 
 
-def _own_resource_tracker() -> set[int]:
-    """multiprocessing's resource tracker of this very process, started by the first spawn
-    (a tensor-parallel engine's workers) when the tests run without xdist: it ends when this
-    process does (it reads its pipe to the end), so it is no survivor. Run without -n, a
+def _own_helpers() -> set[int]:
+    """multiprocessing's resource tracker and fork server of this very process, started by the
+    first tensor-parallel engine's workers when the tests run without xdist: they end when this
+    process does (each reads its pipe to the end), so they are no survivors. Run without -n, a
     file of such tests otherwise waited 30 s here and failed."""
-    from multiprocessing import resource_tracker
-    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return {pid} if pid else set()
+    from multiprocessing import forkserver, resource_tracker
+    pids = (getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None))
+    return {pid for pid in pids if pid}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -74,7 +75,7 @@ def pytest_sessionfinish(session, exitstatus):
     from child_processes import SESSION_MARK, describe, survivors
     mark = os.environ.get(SESSION_MARK)
     deadline = time.monotonic() + SURVIVOR_GRACE_S
-    ours = {os.getpid(), *_own_resource_tracker()}
+    ours = {os.getpid(), *_own_helpers()}
     left = survivors(mark, ours)
     while left and time.monotonic() < deadline:
         time.sleep(0.5)

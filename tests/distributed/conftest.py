@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tp_helpers import FAMILIES, spawned_children, wait_gone
+from tp_helpers import FAMILIES, wait_gone, worker_processes
 from tp_helpers import runtime_helpers as rh
 
 
@@ -27,5 +27,5 @@ def tp_models(tmp_path_factory, smollm_tokenizer):
 def no_workers_left_behind():
     """Every test ends with no worker process of this test process still running."""
     yield
-    left = wait_gone(spawned_children(os.getpid()), timeout=30)
+    left = wait_gone(worker_processes(os.getpid()), timeout=30)
     assert not left, f"worker processes left behind: {left}"

@@ -19,7 +19,7 @@ import time
 import pytest
 from netns import LoopbackNodes, TwoNodes, unavailable_reason
 
-from tp_helpers import ROOT, _load, spawned_children, wait_gone
+from tp_helpers import ROOT, _load, wait_gone, worker_processes
 
 harness = _load("server_harness", ROOT / "tests" / "server" / "server_harness.py")
 
@@ -92,7 +92,7 @@ def test_two_nodes_serve_exactly_and_fail_fast_when_one_dies(two_nodes):
             assert leader.poll() is None, _tail(leader_log)
             assert time.monotonic() < deadline, _tail(leader_log) + _tail(worker_log)
             time.sleep(0.5)
-        ranks = spawned_children(worker.pid)  # node 1's rank (pipeline stage 1)
+        ranks = worker_processes(worker.pid)  # node 1's rank (pipeline stage 1)
         assert len(ranks) == 1, ranks
         assert "rank 1 of 2 joined" in _tail(worker_log)
 

@@ -13,7 +13,7 @@ from quire.parallel_state import partition_layers
 from quire.step_batch import PromptLogprobsAsk, SequenceChunk
 from quire.validation import QuireValidationError
 
-from tp_helpers import spawned_children
+from tp_helpers import worker_processes
 
 
 @pytest.mark.parametrize("kwargs, field, words", [
@@ -55,7 +55,7 @@ def test_stages_that_do_not_fit_the_model_fail_at_start_up_before_any_spawn(
         LLM(tp_models["llama"], dtype="float32", **kwargs)  # 3 layers
     assert info.value.field == field
     assert words in str(info.value)
-    assert spawned_children(__import__("os").getpid()) == []
+    assert worker_processes(__import__("os").getpid()) == []
 
 
 def test_node_roles():

@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from tp_helpers import ROOT, TP, _load, spawned_children, wait_gone
+from tp_helpers import ROOT, TP, _load, wait_gone, worker_processes
 
 harness = _load("server_harness", ROOT / "tests" / "server" / "server_harness.py")
 
@@ -22,7 +22,7 @@ def test_a_dead_worker_makes_ready_fail_and_the_server_exit_nonzero():
     srv.start()
     try:
         srv.wait_ready(harness.READY_TIMEOUT)
-        [worker] = spawned_children(srv.proc.pid)
+        [worker] = worker_processes(srv.proc.pid)
         ok = requests.post(srv.url + "/v1/completions", timeout=120,
                            json={"prompt": "a b c", "max_tokens": 8, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8

@@ -19,7 +19,7 @@ from quire.distributed.errors import TensorParallelError
 from quire.engine.engine import LLMEngine
 from quire.sampling_params import SamplingParams
 
-from tp_helpers import ROOT, TP, alive, spawned_children, wait_gone
+from tp_helpers import ROOT, TP, alive, wait_gone, worker_processes
 
 DEATH_NOTICED_S = 60.0  # generous: gloo fails at once when a peer's sockets close
 
@@ -33,7 +33,7 @@ def test_killing_a_worker_mid_run_fails_the_engine_within_a_bounded_time(tp_mode
     engine = _engine(tp_models["llama"])
     try:
         [worker] = engine.executor.workers.pids
-        assert spawned_children(os.getpid()) == [worker]
+        assert worker_processes(os.getpid()) == [worker]
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         for i in range(4):
             engine.add_request(str(i), list(range(3, 60 + i)), params)

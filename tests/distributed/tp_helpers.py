@@ -69,8 +69,8 @@ def wait_gone(pids, timeout: float) -> list[int]:
         time.sleep(0.1)
 
 
-def spawned_children(parent: int) -> list[int]:
-    """multiprocessing-spawned children of `parent` (workers, not the resource tracker)."""
+def _children(parent: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of parent's running children."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -82,9 +82,17 @@ def spawned_children(parent: int) -> list[int]:
                 cmdline = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"spawn_main" in cmdline and alive(int(entry)):
-            found.append(int(entry))
+        if ppid == parent and alive(int(entry)):
+            found.append((int(entry), cmdline))
     return found
+
+
+def worker_processes(parent: int) -> list[int]:
+    """The worker processes `parent` started (quire/distributed/start_method.py): the children
+    of its fork server (not the server itself, nor the resource tracker)."""
+    servers = [pid for pid, cmdline in _children(parent)
+               if b"multiprocessing.forkserver" in cmdline]
+    return sorted(pid for server in servers for pid, _ in _children(server))
 
 
 def assert_two_ranks_match_transformers(path: str, hf_config, prompts, max_tokens: int,

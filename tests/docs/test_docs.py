@@ -157,7 +157,7 @@ def test_run_all_runs_scripts_that_exist_with_flags_they_take(env, tmp_path):
                               **env})
     assert run.returncode == 0, run.stderr
     commands = re.findall(r"^(\w+): python benchmarks/(\S+\.py)(.*)$", run.stdout, re.M)
-    assert len(commands) == (4 if "BASELINE" in env else 37)
+    assert len(commands) == (4 if "BASELINE" in env else 38)
     for step, script, args in commands:
         source = (ROOT / "benchmarks" / script).read_text()
         if "add_plot_flag(" in source:  # --plot comes from plotting.py

@@ -1,5 +1,5 @@
 """`quire serve --headless --node-rank N`: a node other than node 0 (vLLM's headless mode,
-without Ray). It serves no API: it spawns this node's ranks, each of which connects to node
+without Ray). It serves no API: it starts this node's ranks, each of which connects to node
 0's step channel, gets its WorkerSpec and runs the steps node 0 sends.
 
 It lives as long as its ranks: the first rank to fail (or to lose node 0) ends the others
@@ -12,11 +12,10 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 
-import torch
-
 from quire.config import EngineArgs
 from quire.cpu_threads import configure_threads
 from quire.distributed.rendezvous import step_port
+from quire.distributed.start_method import start_worker, worker_context
 from quire.distributed.worker_main import RemoteRank
 from quire.distributed.worker_main import main as worker_main
 from quire.models.loader import materialize, resolve_model
@@ -47,15 +46,13 @@ def run_headless(args: EngineArgs) -> int:
     source = materialize(resolve_model(args.model, args.revision, args.download_dir),
                          args.quantization)
     threads = args.num_threads or max(1, configure_threads(None, False) // per_node)
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = worker_context()
     procs = {}
     for rank in ranks:
         spec = RemoteRank(rank, args.master_addr, step_port(args.master_port),
                           args.distributed_timeout, source, threads,
                           logging.getLogger().getEffectiveLevel())
-        proc = ctx.Process(target=worker_main, args=(spec, None), daemon=True,
-                           name=f"quire-rank{rank}")
-        proc.start()
+        proc = start_worker(ctx, worker_main, (spec, None), f"quire-rank{rank}")
         procs[proc.sentinel] = (rank, proc)
     logger.info("headless node %d of %d: ranks %d-%d (pids %s), node 0 at %s:%d",
                 args.node_rank, args.nnodes, ranks[0], ranks[-1],

@@ -3,10 +3,11 @@
 Why rank 0 is the engine process: the sampler's batch (a SamplingBatch) refers to the
 requests' own state (seeded generators that must advance across steps, the token histories
 penalties count), which lives with the scheduler; sampling where that state is avoids
-shipping it every step, and costs no extra process. The other ranks of node 0 are spawned
-(`torch.multiprocessing` spawn: no forked CUDA or OpenMP state); those of the other nodes are
-spawned there by `quire serve --headless` (headless.py) and connect to this process
-(rendezvous.py). Each holds its shard: its tensor slice of its pipeline stage's layers.
+shipping it every step, and costs no extra process. The other ranks of node 0 are started
+from a fork server (start_method.py: no forked CUDA or OpenMP state, and a second engine's
+ranks start in a fraction of a second); those of the other nodes are started there by
+`quire serve --headless` (headless.py) and connect to this process (rendezvous.py). Each
+holds its shard: its tensor slice of its pipeline stage's layers.
 
 Each step, `run_step` sends the step's inputs (`StepInputs`: block moves and the prepared
 batch, or micro-batches, as numpy arrays) down one channel per worker (a pipe on this node,
@@ -40,6 +41,7 @@ import torch
 from quire import parallel_state as ps
 from quire.config import EngineArgs
 from quire.distributed.errors import TensorParallelError
+from quire.distributed.start_method import start_worker, worker_context
 from quire.distributed.worker_main import WorkerSpec
 from quire.distributed.worker_main import main as worker_main
 from quire.distributed.world import World
@@ -120,15 +122,13 @@ class Workers:
                               max_model_len, threads if world.node_of(rank) == 0 else
                               args.num_threads, logging.getLogger().getEffectiveLevel())
 
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = worker_context()
         self.procs: dict[int, object] = {}   # this node's workers
         self.conns: dict[int, object] = {}   # every worker's channel, by rank
         self.where: dict[int, str] = {}      # rank -> "pid 123" / "node 1 (10.0.0.2)"
         for rank in world.node_ranks(0)[1:]:
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(spec_for(rank), theirs), daemon=True,
-                               name=f"quire-rank{rank}")
-            proc.start()
+            proc = start_worker(ctx, worker_main, (spec_for(rank), theirs), f"quire-rank{rank}")
             theirs.close()
             self.procs[rank], self.conns[rank] = proc, ours
             self.where[rank] = f"pid {proc.pid}"
