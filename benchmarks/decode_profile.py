@@ -1,5 +1,6 @@
 """Where a decode step's time goes: single stream (128-token prompt, 256 tokens out, greedy)
 in bfloat16 and float32, and 32 sequences decoding side by side, on the default model.
+`--temperature T` samples instead (`--seeded`: each request with a seed of its own).
 
 For each case it prints the decode speed (steps timed after the prefill), then a
 torch.profiler table of the top ops over a stretch of decode steps: each op's share of the
@@ -18,6 +19,7 @@ whole step and for the part outside the model's forward (ModelRunner.run): the e
 overhead, which the native kernels' run-to-run noise does not blur:
 
     python benchmarks/decode_profile.py --baseline e189fa3 --rounds 5 --cases bf16-1,bf16-32
+    python benchmarks/decode_profile.py --baseline HEAD --cases fp32-32 --temperature 0.8
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ CASES = {"bf16-1": ("bfloat16", 1), "fp32-1": ("float32", 1), "bf16-32": ("bfloa
          "fp32-32": ("float32", 32)}
 
 
-def _start(llm, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+def _start(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, args) -> None:
     """Queue `batch` requests and run steps until all have their first token (prefill)."""
     from quire import SamplingParams
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(batch):
+    for i in range(batch):
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
+                                ignore_eos=True, seed=i if args.seeded else None)
         llm.engine.add_request(None, [rng.randrange(3, 49152) for _ in range(prompt_len)], params)
     while llm.engine.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
@@ -69,7 +72,7 @@ def decode_speed(llm, batch: int, args) -> tuple[float, float, int]:
         finally:
             in_forward[0] += time.perf_counter() - t
 
-    _start(llm, batch, args.prompt_len, args.max_tokens, seed=1)
+    _start(llm, batch, args.prompt_len, args.max_tokens, 1, args)
     ModelRunner.run = timed_run
     try:
         steps, start = 0, time.perf_counter()
@@ -87,7 +90,7 @@ def profile(llm, batch: int, args) -> None:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    _start(llm, batch, args.prompt_len, args.steps + 2, seed=2)
+    _start(llm, batch, args.prompt_len, args.steps + 2, 2, args)
     stack = getattr(llm.engine.executor.runner, "decode_stack", None)
     if stack is not None:
         stack.profile()
@@ -139,6 +142,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="speed only")
     ap.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
                     help="the engine's --activation-quantization")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--seeded", action="store_true", help="a seed per request (with --temperature)")
     ap.add_argument("--baseline", default=None,
                     help="a git revision: compare this engine's step cost with that one's")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (--baseline)")
@@ -154,7 +159,9 @@ def main() -> None:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         with StealMeter() as steal:
             step_s, overhead_s, steps = decode_speed(llm, batch, args)
-        print(f"{case} ({dtype}, batch {batch}): {step_s * 1e3:.2f} ms per decode step, "
+        how = (f", temperature {args.temperature}{' seeded' if args.seeded else ''}"
+               if args.temperature else "")
+        print(f"{case} ({dtype}, batch {batch}{how}): {step_s * 1e3:.2f} ms per decode step, "
               f"{overhead_s * 1e3:.3f} ms of it outside the forward, "
               f"{batch / step_s:.1f} tok/s over {steps} steps, {steal}")
         if not args.no_profile:
@@ -176,6 +183,7 @@ def compare_with_baseline(args) -> None:
                        "--max-tokens", str(args.max_tokens)]
                 if args.num_threads:
                     cmd += ["--num-threads", str(args.num_threads)]
+                cmd += ["--temperature", str(args.temperature)] + (["--seeded"] if args.seeded else [])
                 env = dict(os.environ, PYTHONPATH=path)
                 out = subprocess.run(cmd, env=env, check=True, capture_output=True,
                                      text=True).stdout

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from quire.worker.draws import draw_rows, uniforms
+
 
 def verify_greedy(target_argmax: list[int], proposals: list[int]) -> list[int]:
     """target_argmax: the argmax at each of the k+1 positions."""
@@ -49,4 +51,4 @@ def verify_sampled(probs: torch.Tensor, proposals: list[int],
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(weights, 1, generator=generator))
+    return int(draw_rows(weights[None], uniforms(1, generator, weights.device))[0])

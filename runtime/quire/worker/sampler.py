@@ -1,9 +1,9 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
 
-Everything runs on [rows, vocab] tensors. The only per-row work is drawing noise for rows
+Everything runs on [rows, vocab] tensors. The only per-row work is drawing a uniform for rows
 that carry their own seed, so that a seeded request samples the same tokens whatever else
-shares its batch. Sampling uses the exponential race (argmax of p / Exp(1) noise), which
-draws exactly from p.
+shares its batch. Tokens are drawn by inverse CDF, one uniform a row (worker/draws.py says
+why not the exponential race).
 
 It reads a SamplingBatch (quire/sampling_batch.py): per-row values the engine built, with the
 seeded rows' own generators, which the engine keeps with their sequences across steps.
@@ -18,6 +18,7 @@ import torch
 from quire.native import fused_ops
 from quire.sampling_batch import SamplingBatch
 from quire.structured.bitmask import apply_token_bitmask
+from quire.worker.draws import draw_rows, uniforms
 from quire.worker.rejection import verify_greedy, verify_sampled
 
 
@@ -159,16 +160,25 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy = batch.greedy
         probs = self._probs(logits, batch)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
-        for i, generator in enumerate(batch.generators):
-            if generator is not None and not greedy[i]:  # a seeded row draws its own noise
-                noise[i].exponential_(generator=generator)
-        sampled = (probs / noise).max(dim=-1).indices
+        sampled = draw_rows(probs, self._uniforms(batch))
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=self.device),
                                   logits.max(dim=-1).indices, sampled)
         return sampled
+
+    def _uniforms(self, batch: SamplingBatch) -> torch.Tensor:
+        """A uniform per row: a seeded row's from its own generator, the others' in one call
+        to the engine's (greedy rows draw none: they take the argmax)."""
+        generators = batch.generators or [None] * len(batch)
+        u = torch.zeros(len(batch), dtype=torch.float64, device=self.device)
+        shared = [i for i, (g, greedy) in enumerate(zip(generators, batch.greedy))
+                  if g is None and not greedy]
+        if shared:
+            u[shared] = uniforms(len(shared), self.generator, self.device)
+        for i, (g, greedy) in enumerate(zip(generators, batch.greedy)):
+            if g is not None and not greedy:
+                u[i] = uniforms(1, g, self.device)[0]
+        return u
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A request's own generator (made when it is added, so a bad seed fails alone; the
