@@ -1,6 +1,7 @@
 """Where a decode step's time goes: single stream (128-token prompt, 256 tokens out, greedy)
 in bfloat16 and float32, and 32 sequences decoding side by side, on the default model.
-`--temperature T` samples instead (`--seeded`: each request with a seed of its own).
+`--temperature T` samples instead (`--top-p P`; `--seeded`: each request with a seed of its
+own).
 
 For each case it prints the decode speed (steps timed after the prefill), then a
 torch.profiler table of the top ops over a stretch of decode steps: each op's share of the
@@ -45,8 +46,9 @@ def _start(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, args) -
     from quire import SamplingParams
     rng = random.Random(seed)
     for i in range(batch):
-        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
-                                ignore_eos=True, seed=i if args.seeded else None)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=max_tokens, ignore_eos=True,
+                                seed=i if args.seeded else None)
         llm.engine.add_request(None, [rng.randrange(3, 49152) for _ in range(prompt_len)], params)
     while llm.engine.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
@@ -143,6 +145,7 @@ def main() -> None:
     ap.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
                     help="the engine's --activation-quantization")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     ap.add_argument("--seeded", action="store_true", help="a seed per request (with --temperature)")
     ap.add_argument("--baseline", default=None,
                     help="a git revision: compare this engine's step cost with that one's")
@@ -159,8 +162,8 @@ def main() -> None:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         with StealMeter() as steal:
             step_s, overhead_s, steps = decode_speed(llm, batch, args)
-        how = (f", temperature {args.temperature}{' seeded' if args.seeded else ''}"
-               if args.temperature else "")
+        how = (f", temperature {args.temperature}, top-p {args.top_p}"
+               f"{' seeded' if args.seeded else ''}" if args.temperature else "")
         print(f"{case} ({dtype}, batch {batch}{how}): {step_s * 1e3:.2f} ms per decode step, "
               f"{overhead_s * 1e3:.3f} ms of it outside the forward, "
               f"{batch / step_s:.1f} tok/s over {steps} steps, {steal}")
@@ -183,7 +186,8 @@ def compare_with_baseline(args) -> None:
                        "--max-tokens", str(args.max_tokens)]
                 if args.num_threads:
                     cmd += ["--num-threads", str(args.num_threads)]
-                cmd += ["--temperature", str(args.temperature)] + (["--seeded"] if args.seeded else [])
+                cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p)]
+                cmd += ["--seeded"] if args.seeded else []
                 env = dict(os.environ, PYTHONPATH=path)
                 out = subprocess.run(cmd, env=env, check=True, capture_output=True,
                                      text=True).stdout

@@ -78,6 +78,8 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: str) 
     body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": args.ignore_eos}
+    if args.top_p < 1.0:
+        body["top_p"] = args.top_p
     if args.endpoint == "chat":
         path = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -226,6 +228,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=64, help="prompt length in words (mean)")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (one at a time) first")
     p.add_argument("--seed", type=int, default=0)

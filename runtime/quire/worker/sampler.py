@@ -29,6 +29,10 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
 
 
+# top-p decides among this many of a row's likeliest tokens before it sorts the row whole
+NUCLEUS_CANDIDATES = (256, 4096, 1 << 62)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
         self.vocab_size = vocab_size
@@ -196,17 +200,32 @@ class Sampler:
         return x.masked_fill(x < threshold, float("-inf"))
 
     def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-        sorted_x, order = x.sort(dim=-1)  # ascending, as transformers' warpers do
-        v = x.shape[-1]
+        """transformers' warpers' rule (top-k, then drop the least likely tokens while their
+        mass stays <= 1 - top_p), without sorting the vocabulary: a full sort of 32 rows of a
+        49k vocabulary took ~300 ms on a 2-core Zen 1 EPYC, and a nucleus rarely reaches past
+        a few hundred tokens. A row's top NUCLEUS_CANDIDATES[0] tokens decide; one whose nucleus
+        reaches past them tries 16 times as many, then is sorted whole."""
         if any(top_k):
-            k = torch.tensor([k or v for k in top_k], device=self.device)
-            threshold = sorted_x.gather(1, (v - k)[:, None])
-            sorted_x = sorted_x.masked_fill(sorted_x < threshold, float("-inf"))
-        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - self._tensor(top_p)[:, None]
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        return torch.empty_like(x).scatter_(1, order, sorted_x)
+            x = self._top_k(x, top_k)
+        rows = [i for i, p in enumerate(top_p) if p < 1.0]
+        if not rows:
+            return x
+        x = x.clone()
+        p = torch.tensor([top_p[i] for i in rows], dtype=torch.float64, device=self.device)
+        sub = x[rows]
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        for n in NUCLEUS_CANDIDATES:
+            left = (~done).nonzero()[:, 0]
+            if not len(left):
+                break
+            if n >= x.shape[-1]:
+                sub[left] = _sorted_top_p(sub[left], p[left])
+                break
+            part, fits = _top_p_among(sub[left], p[left], n)
+            sub[left[fits]] = part[fits]
+            done[left[fits]] = True
+        x[rows] = sub
+        return x
 
     # --- logprobs ------------------------------------------------------------------------
     def _logprobs(self, raw: torch.Tensor | None, want: list[int | None], tokens: torch.Tensor):
@@ -230,3 +249,25 @@ class Sampler:
     def _tensor(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
+
+def _top_p_among(x: torch.Tensor, top_p: torch.Tensor, n: int):
+    """Top-p decided by each row's n likeliest tokens: the filtered rows, and which rows they
+    settle (those whose n tokens hold at least top_p of the mass: no token past them stays)."""
+    lse = torch.logsumexp(x, dim=-1, keepdim=True).double()
+    top = x.topk(n, dim=-1).values  # descending
+    probs = (top.double() - lse).exp()
+    above = probs.cumsum(dim=-1) - probs  # the mass of the tokens ranked above each
+    # a prefix, the first always in it (p > 0; the clamp: a row of NaN keeps its NaN)
+    keep = (above < top_p[:, None]).sum(dim=-1).clamp_(min=1)
+    threshold = top.gather(1, (keep - 1)[:, None])
+    fits = ~(probs.sum(dim=-1) < top_p)  # (NaN rows settle here too)
+    return x.masked_fill(x < threshold, float("-inf")), fits
+
+
+def _sorted_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p by a full sort, ascending, as transformers' TopPLogitsWarper does it."""
+    sorted_x, order = x.sort(dim=-1)
+    cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= 1 - top_p.to(cum.dtype)[:, None]
+    drop[:, -1] = False  # always keep the most likely token
+    return torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
