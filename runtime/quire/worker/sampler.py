@@ -29,8 +29,8 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
 
 
-# top-p decides among this many of a row's likeliest tokens before it sorts the row whole
-NUCLEUS_CANDIDATES = (256, 4096, 1 << 62)
+# top-p decides among this many of a row's likeliest tokens, in turn, before it sorts the row
+NUCLEUS_CANDIDATES = (256, 4096)
 
 
 class Sampler:
@@ -173,15 +173,18 @@ class Sampler:
     def _uniforms(self, batch: SamplingBatch) -> torch.Tensor:
         """A uniform per row: a seeded row's from its own generator, the others' in one call
         to the engine's (greedy rows draw none: they take the argmax)."""
-        generators = batch.generators or [None] * len(batch)
         u = torch.zeros(len(batch), dtype=torch.float64, device=self.device)
-        shared = [i for i, (g, greedy) in enumerate(zip(generators, batch.greedy))
-                  if g is None and not greedy]
+        shared = []
+        for i, (g, greedy) in enumerate(zip(batch.generators or [None] * len(batch),
+                                            batch.greedy)):
+            if greedy:
+                continue
+            if g is None:
+                shared.append(i)
+            else:
+                u[i] = uniforms(1, g, self.device)[0]
         if shared:
             u[shared] = uniforms(len(shared), self.generator, self.device)
-        for i, (g, greedy) in enumerate(zip(generators, batch.greedy)):
-            if g is not None and not greedy:
-                u[i] = uniforms(1, g, self.device)[0]
         return u
 
     def make_generator(self, seed: int) -> torch.Generator:
@@ -213,17 +216,15 @@ class Sampler:
         x = x.clone()
         p = torch.tensor([top_p[i] for i in rows], dtype=torch.float64, device=self.device)
         sub = x[rows]
-        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        left = torch.arange(len(rows), device=self.device)  # rows not settled yet
         for n in NUCLEUS_CANDIDATES:
-            left = (~done).nonzero()[:, 0]
-            if not len(left):
-                break
-            if n >= x.shape[-1]:
-                sub[left] = _sorted_top_p(sub[left], p[left])
+            if not len(left) or n >= x.shape[-1]:
                 break
             part, fits = _top_p_among(sub[left], p[left], n)
             sub[left[fits]] = part[fits]
-            done[left[fits]] = True
+            left = left[~fits]
+        if len(left):
+            sub[left] = _sorted_top_p(sub[left], p[left])
         x[rows] = sub
         return x
 
