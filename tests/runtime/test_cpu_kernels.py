@@ -38,6 +38,13 @@ _FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
 # feature it needs (loader.ISA_BUILDS: "scalar" the plain C++ path, "avx2" the path of a
 # CPU without AVX-512, "avx512", "avx512_bf16", "amx")
 MARCHES = ["native", *loader.isa_builds()]
+# the builds whose extend runs the fixed shapes in tiles: every one with AVX2 (the AVX-512
+# builds' tiles on 8 lanes, beside their 16-lane decode rows)
+TILED = [m for m in MARCHES if m != "scalar" and (m != "native" or " avx2" in _FLAGS)]
+# the build that also sums decode rows in parts and reads shared prefixes in the cascade's
+# tiles: AVX2 without AVX-512
+MERGED = [m for m in MARCHES
+          if m == "avx2" or (m == "native" and " avx2" in _FLAGS and " avx512f" not in _FLAGS)]
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -182,14 +189,13 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
     alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
                        for i in range(len(lens))])
     tiled = paged_extend._tiled(kv_heads * group, kv_heads, head_dim, bs, march)
-    avx2_only = " avx2" in _FLAGS and " avx512f" not in _FLAGS
-    assert tiled == (march == "avx2" or (march == "native" and avx2_only))
-    if tiled and dtype == torch.float32:
+    assert tiled == (march in TILED and head_dim in (64, 128))
+    if march in MERGED and dtype == torch.float32:
         assert not torch.equal(out[:14], alone[:14]), "no shared prefix went through a tile"
         torch.testing.assert_close(out[14:], alone[14:], atol=0, rtol=0)  # not shared: as alone
 
 
-@pytest.mark.parametrize("march", [b for b in MARCHES if b == "avx2"])  # the tiled build
+@pytest.mark.parametrize("march", MERGED)
 def test_cascade_groups_follow_the_longest_shared_prefix(march):
     """Chat requests all start with one template header (a block here), and behind it groups
     of them share long system prompts. The header alone is too short to share, but the rows
@@ -290,7 +296,7 @@ def test_decode_rows_sharing_a_prefix_with_soft_capping_and_sinks(option, march)
     meta = SimpleNamespace(query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=lens,
                            block_tables=block_tables)
     check(out, q, k_cache, v_cache, meta, head_dim ** -0.5, 1e-5, **opts)
-    if march == "avx2":  # the shared rows went through the cascade's tiles
+    if march in MERGED:  # the shared rows went through the cascade's tiles
         alone = torch.empty_like(q[:1])
         paged_attention.paged_decode(q[:1], k_cache, v_cache, alone, block_tables[:1],
                                  seq_lens[:1], head_dim ** -0.5, None, opts["softcap"],

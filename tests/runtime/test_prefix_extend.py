@@ -133,15 +133,41 @@ def test_long_chunks_take_sdpa_unless_the_kernel_tiles(tiled, monkeypatch):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_the_avx2_build_tiles_the_fixed_shapes_only():
-    # (heads, kv heads, head_dim, block size): SmolLM2's layout and head_dim 128 tile; a head
-    # size off the fixed shapes, another block size, or a build without AVX2 walk rows alone
-    if "avx2" in MARCHES:
-        assert paged_extend._tiled(9, 3, 64, 16, "avx2")
-        assert paged_extend._tiled(32, 8, 128, 16, "avx2")
-        assert not paged_extend._tiled(6, 3, 48, 16, "avx2")
-        assert not paged_extend._tiled(9, 3, 64, 32, "avx2")
+def test_the_vector_builds_tile_the_fixed_shapes_only():
+    # (heads, kv heads, head_dim, block size): SmolLM2's layout and head_dim 128 tile on every
+    # AVX2 or AVX-512 build; a head size off the fixed shapes, another block size, or the
+    # plain C++ build walk rows alone
+    vector_builds = [m for m in MARCHES if m not in ("native", "scalar")]
+    assert vector_builds or "avx2" not in open("/proc/cpuinfo").read()
+    for march in vector_builds:
+        assert paged_extend._tiled(9, 3, 64, 16, march), march
+        assert paged_extend._tiled(32, 8, 128, 16, march), march
+        assert not paged_extend._tiled(6, 3, 48, 16, march), march
+        assert not paged_extend._tiled(9, 3, 64, 32, march), march
     assert not paged_extend._tiled(9, 3, 64, 16, "scalar")
+
+
+def test_the_amx_prefill_kernel_keeps_long_chunks_where_the_paged_kernel_tiles(monkeypatch):
+    """A bfloat16 step on a CPU whose AMX prefill kernel serves the layout: chunks of
+    AMX_EXTEND_MIN_ROWS new rows or more over a cached prefix, and fresh prompts, go to it
+    (per-sequence plans), the shorter chunks to the tiled paged kernel, even where that tiles
+    the layout (it would otherwise take every chunk)."""
+    from quire.attention import torch_backend
+    from quire.native import prefill_attention
+    short = torch_backend.AMX_EXTEND_MIN_ROWS - 1
+    monkeypatch.setattr(paged_extend, "supported", lambda q, k_cache: True)
+    monkeypatch.setattr(paged_extend, "tiled", lambda q, k_cache: True)
+    monkeypatch.setattr(prefill_attention, "serves", lambda q, num_kv_heads: True)
+    ran = []
+    monkeypatch.setattr(paged_extend, "paged_extend", lambda *a, **k: ran.append(a[5]))
+    backend, q, k, v, k_cache, v_cache, meta = _step(
+        torch.bfloat16, extends=((100, short), (16, 1), (33, short + 1), (250, 64)))
+    backend.prepare(meta)
+    plan = backend._prefill(q, k_cache, v_cache, torch.empty_like(q), meta, None, False)
+    (rows, _, _), _ = meta.backend_state[backend, "prefill_split", False]
+    assert len(rows) == short + 1 and len(ran) == 1  # the two short chunks, natively
+    # the fresh prompt, then the long chunks over a cached prefix, for the AMX kernel
+    assert [q1 - q0 for q0, q1, *_ in plan] == [20, short + 1, 64]
 
 
 def test_extend_rows_index_each_query_token():
@@ -176,3 +202,40 @@ def test_engine_with_cached_prefixes_matches_the_uncached_engine(tiny_models, fa
     assert on.engine.kv_manager.prefix_hits > 0
     assert on.engine.snapshot().blocks_used == 0
     assert_no_blocks_in_use(off)
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_rows_keep_their_bits_whatever_their_tiles(dtype, march, monkeypatch):
+    """A verification's 9 rows over one sequence are cut into smaller tiles when the call has
+    too few work items for the threads (3 KV heads, 2 threads), and into none on one thread
+    or beside other sequences' rows: every row gets the same bits each way, and the right
+    attention (the per-sequence torch path's)."""
+    library = paged_extend._library(march)
+    assert library is not None, f"paged_decode.cpp did not build for {march}"
+    monkeypatch.setattr(paged_extend, "_library", lambda: library)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    alone = _step(dtype, heads=9, kv_heads=3, decodes=(), extends=((291, 9),), fresh=())
+    batch = _step(dtype, heads=9, kv_heads=3, decodes=(), fresh=(),
+                  extends=((291, 9), (100, 17), (40, 2), (7, 9), (250, 5)))
+    # the same cache, block tables and rows for the 9 rows in both steps
+    b_backend, b_q, b_k, b_v, b_kc, b_vc, b_meta = batch
+    a_backend, a_q, a_k, a_v, _, _, a_meta = alone
+    a_q, a_k, a_v = b_q[:9].clone(), b_k[:9].clone(), b_v[:9].clone()
+    a_meta.block_tables = b_meta.block_tables[:1].clone()
+    a_meta.slot_mapping = b_meta.slot_mapping[:9].clone()
+    alone = (a_backend, a_q, a_k, a_v, b_kc, b_vc, a_meta)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = _forward(alone, True, monkeypatch)
+        torch.set_num_threads(1)
+        one = _forward(alone, True, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+    in_batch = _forward(batch, True, monkeypatch)[:9]
+    assert torch.equal(two, one) and torch.equal(two, in_batch)
+    torch.testing.assert_close(two.float(), _forward(alone, False, monkeypatch).float(),
+                               atol=tol, rtol=tol)
+    torch.testing.assert_close(_forward(batch, True, monkeypatch).float(),
+                               _forward(batch, False, monkeypatch).float(), atol=tol, rtol=tol)

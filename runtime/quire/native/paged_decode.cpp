@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 #include "bf16.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -92,6 +94,22 @@ auto fixed_shape(int group, int head_dim, int block_size, Make make)
   }
 }
 
+// The fixed-shape kernels' types, the same in every build: a decode row (one work item: a
+// sequence and a KV head), a part of one (its output float32 and its log-sum-exps, merged
+// later), and a tile of consecutive rows of one sequence (extend and cascade).
+template <typename T>
+using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
+                        int64_t, int64_t, float, float, const float*);
+
+template <typename T>
+using ItemPartFn = void (*)(const T*, const T*, const T*, float*, const int32_t*, int, int,
+                            int64_t, int64_t, int64_t, float, float, const float*, float*);
+
+template <typename T>
+using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
+                        const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float, float, const float*, float*, int64_t);
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // The rows of the block after this one that this work item will read, asked into L2 a key
 // at a time while this block is summed. The block table scatters blocks, and a KV head's
@@ -110,6 +128,8 @@ struct NextBlock {
 #endif
 
 #if defined(__AVX512F__)
+namespace v16 {  // the AVX-512 build's 16-lane decode rows
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {  // bf16 is the high half of a float32
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -223,11 +243,13 @@ inline __m512 block_scores_bf16(const __m512bh (&qb)[C / 2], const uint16_t* kb,
 
 // One (sequence, KV head) with the group size G and head_dim / 16 = C known at compile time:
 // q and the output accumulators stay in registers across the whole context. Block size 16.
-template <typename T, int G, int C>
-void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
-                   const int32_t* table, int len, int lo, int64_t block_stride,
-                   int64_t row_stride, int64_t q_head_stride, float scale, float softcap,
-                   const float* sinks) {
+// lse, where not null: each head's log-sum-exp of its scores (a part of a row's context, merged
+// later: decode_in_parts below); O: the output's type (float for such a part).
+template <typename T, int G, int C, typename O = T>
+void decode_item16_lse(const T* q, const T* k_cache, const T* v_cache, O* out,
+                       const int32_t* table, int len, int lo, int64_t block_stride,
+                       int64_t row_stride, int64_t q_head_stride, float scale, float softcap,
+                       const float* sinks, float* lse) {
   __m512 qv[G][C], acc[G][C];
   float m[G], l[G];
   for (int g = 0; g < G; ++g) {
@@ -303,27 +325,42 @@ void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out,
     alignas(64) float row[C * 16];
     for (int c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], inv));
     for (int d = 0; d < C * 16; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
+    if (lse) lse[g] = m[g] + std::log(l[g]);
   }
 }
 
-template <typename T>
-using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                        int64_t, int64_t, float, float, const float*);
+template <typename T, int G, int C>
+void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+                   int len, int lo, int64_t block_stride, int64_t row_stride,
+                   int64_t q_head_stride, float scale, float softcap, const float* sinks) {
+  decode_item16_lse<T, G, C>(q, k_cache, v_cache, out, table, len, lo, block_stride, row_stride,
+                             q_head_stride, scale, softcap, sinks, nullptr);
+}
 
 // The fixed-shape path for this layout, or nullptr (then the general loop runs).
-#define QUIRE_FIXED_SHAPE_PATH 1
 template <typename T>
 ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
   return fixed_shape<16>(group, head_dim, block_size, [](auto g, auto c) -> ItemFn<T> {
     return decode_item16<T, decltype(g)::value, decltype(c)::value>;
   });
 }
+
+template <typename T>
+ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
+  return fixed_shape<16>(group, head_dim, block_size, [](auto g, auto c) -> ItemPartFn<T> {
+    return decode_item16_lse<T, decltype(g)::value, decltype(c)::value, float>;
+  });
+}
+
+}  // namespace v16
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define QUIRE_FIXED_SHAPE_PATH 1
-// The AVX2 fixed-shape path (no AVX-512): the same algorithm as decode_item16 on 8-lane
-// vectors; head_dim / 8 = C chunks, blocks of 16 tokens scored as two halves of 8.
+#if defined(__AVX2__) && defined(__FMA__)
+namespace v8 {
+// The 8-lane kernels: on the AVX2 build (no AVX-512) every fixed-shape path, the same
+// algorithm as decode_item16 on 8-lane vectors (head_dim / 8 = C chunks, blocks of 16 tokens
+// scored as two halves of 8); on the AVX-512 builds their GEMM-shaped tiles (extend and the
+// cascade's shared prefixes), beside v16's decode rows.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // bf16 is the high half of a float32
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -726,20 +763,11 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 }
 
 template <typename T>
-using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                        int64_t, int64_t, float, float, const float*);
-
-template <typename T>
 ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
   return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemFn<T> {
     return decode_item8<T, decltype(g)::value, decltype(c)::value>;
   });
 }
-
-template <typename T>
-using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
-                        const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        float, float, const float*, float*, int64_t);
 
 template <typename T>
 TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
@@ -748,6 +776,37 @@ TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
   });
 }
 
+template <typename T>
+ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemPartFn<T> {
+    return decode_item8_lse<T, decltype(g)::value, decltype(c)::value, float>;
+  });
+}
+
+}  // namespace v8
+#endif
+
+// Each build's kernels: decode rows on its widest vectors, extend tiles on 8 lanes (the
+// AVX-512 builds' too). Decode rows in parts and the cascade (below) are the AVX2 build's
+// alone (kMergedDecode): on the AVX-512 builds, where a row runs on 16 lanes, a batch of 32
+// rows of 200-700 tokens ran 1.24x slower in parts and a lone row of 2,048 tokens only 0.92x,
+// and 32 float32 rows sharing 256 tokens 1.07x slower through the cascade's 8-lane tiles
+// (2-core AMX Xeon; HISTORY.md, session 26).
+#if defined(__AVX512F__)
+using namespace v16;
+#define QUIRE_FIXED_SHAPE_PATH 1
+constexpr bool kMergedDecode = false;
+#if defined(__AVX2__) && defined(__FMA__)
+using v8::fixed_shape_tile;
+using v8::kTileRows;
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+using namespace v8;
+#define QUIRE_FIXED_SHAPE_PATH 1
+constexpr bool kMergedDecode = true;
+#endif
+
+#if defined(QUIRE_FIXED_SHAPE_PATH) && defined(__AVX2__) && defined(__FMA__)
 // Decode rows in parts. A row's context [lo, len) is summed in parts that end at fixed
 // multiples of kPartTokens (counted from the sequence's first token, so they depend on the row
 // alone, not on the batch or the threads), each KV head's part a work item of its own: one
@@ -764,17 +823,6 @@ TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
 // tile) needs a merge: the caller's one-item-per-row path then gives the same bits.
 constexpr int kPartTokens = 128;
 constexpr int kMaxHeadDim = 128;  // the fixed shapes' largest head_dim
-
-template <typename T>
-using ItemPartFn = void (*)(const T*, const T*, const T*, float*, const int32_t*, int, int,
-                            int64_t, int64_t, int64_t, float, float, const float*, float*);
-
-template <typename T>
-ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
-  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemPartFn<T> {
-    return decode_item8_lse<T, decltype(g)::value, decltype(c)::value, float>;
-  });
-}
 
 template <typename T, typename RunTile>
 bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
@@ -998,6 +1046,41 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
 #define QUIRE_EXTEND_TILES 1
 #endif
 
+#if defined(QUIRE_EXTEND_TILES)
+// An extend's tiles, as the rows where each begins (and num_rows at the end): runs of rows of
+// one sequence at consecutive positions, each cut into near-equal tiles of at most kTileRows,
+// or of fewer where that leaves a thread idle (a sequence's 9 verification rows over
+// SmolLM2's 3 KV heads made 3 work items for 2 threads: the call ran 1.5x its share). Never
+// below 2 rows a tile where a run has 2: a row's sums do not depend on its tile's size from
+// 2 rows on, while a tile of one takes the decode row's form.
+inline std::vector<int64_t> tile_starts(const int32_t* row_seq, const int32_t* lens,
+                                        int64_t num_rows, int num_kv_heads) {
+  std::vector<int64_t> runs;  // where each run begins
+  for (int64_t i = 0; i < num_rows; ++i)
+    if (i == 0 || row_seq[i] != row_seq[i - 1] || lens[i] != lens[i - 1] + 1) runs.push_back(i);
+  runs.push_back(num_rows);
+  auto cut = [&](int64_t most) {
+    std::vector<int64_t> starts;
+    for (size_t r = 0; r + 1 < runs.size(); ++r) {
+      const int64_t n = runs[r + 1] - runs[r];
+      const int64_t pieces = std::max<int64_t>(1, std::min((n + most - 1) / most, n / 2));
+      for (int64_t j = 0; j < pieces; ++j) starts.push_back(runs[r] + j * n / pieces);
+    }
+    starts.push_back(num_rows);
+    return starts;
+  };
+  std::vector<int64_t> starts = cut(kTileRows);
+  const int64_t busy = 2 * int64_t(omp_get_max_threads());  // work items that keep threads busy
+  const int64_t tiles = int64_t(starts.size()) - 1;
+  if (tiles * num_kv_heads < busy) {
+    const int64_t want = (busy + num_kv_heads - 1) / num_kv_heads;
+    const int64_t most = std::max<int64_t>(2, (num_rows + want - 1) / want);
+    if (most < kTileRows) starts = cut(most);
+  }
+  return starts;
+}
+#endif
+
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* block_tables,
             const int32_t* seq_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
@@ -1013,26 +1096,20 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int64_t items = num_seqs * num_kv_heads;
   const int chunk = items >= 32 ? 4 : 1;
 #if defined(QUIRE_EXTEND_TILES)
-  if constexpr (std::is_same_v<T, float>)
+  if constexpr (kMergedDecode && std::is_same_v<T, float>)
     if (rows == nullptr && window <= 0 && block_size == 16 &&
         cascade_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
                        num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
                        sinks, block_stride, row_stride))
       return;
-  if (rows == nullptr && block_size == 16 &&
+  if (kMergedDecode && rows == nullptr && block_size == 16 &&
       split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
                    num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, window,
                    softcap, sinks, block_stride, row_stride))
     return;
   if (rows != nullptr)
     if (const TileFn<T> tile = fixed_shape_tile<T>(group, head_dim, block_size)) {
-      // tiles: runs of at most kTileRows rows of one sequence at consecutive positions
-      std::vector<int64_t> starts;
-      for (int64_t i = 0; i < num_seqs; ++i)
-        if (i == 0 || row_seq[i] != row_seq[i - 1] || seq_lens[i] != seq_lens[i - 1] + 1 ||
-            i - starts.back() >= kTileRows)
-          starts.push_back(i);
-      starts.push_back(num_seqs);
+      const std::vector<int64_t> starts = tile_starts(row_seq, seq_lens, num_seqs, num_kv_heads);
       const int64_t tile_items = int64_t(starts.size() - 1) * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
       for (int64_t work = 0; work < tile_items; ++work) {
