@@ -189,7 +189,7 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
     alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
                        for i in range(len(lens))])
     tiled = paged_extend._tiled(kv_heads * group, kv_heads, head_dim, bs, march)
-    assert tiled == (march in TILED and head_dim in (64, 128))
+    assert bool(tiled) == (march in TILED and head_dim in (64, 128))
     if march in MERGED and dtype == torch.float32:
         assert not torch.equal(out[:14], alone[:14]), "no shared prefix went through a tile"
         torch.testing.assert_close(out[14:], alone[14:], atol=0, rtol=0)  # not shared: as alone

@@ -111,26 +111,36 @@ def test_batched_extend_over_head_layouts(heads, kv_heads, head_dim, monkeypatch
                                _forward(args, False, monkeypatch), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("tiled", [False, True])
-def test_long_chunks_take_sdpa_unless_the_kernel_tiles(tiled, monkeypatch):
-    """Where the kernel walks rows alone, a long chunk over a cached prefix (a long prompt's
-    later chunk) goes to SDPA and the short ones in the same step to the native kernel; where
-    it tiles, every chunk stays native. Either way the step's output is the reference's."""
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_long_chunks_take_sdpa_unless_the_kernel_tiles(kind, dtype, tol, monkeypatch):
+    """Where the kernel walks rows alone (kind 0), a long chunk over a cached prefix (a long
+    prompt's later chunk) goes to SDPA and the short ones in the same step to the native
+    kernel; where it tiles at its build's full width (1), every chunk stays native; where its
+    tiles are half the build's width (2: AVX-512), chunks fresh or not below
+    NARROW_TILES_SDPA_MIN_ROWS for the dtype. Either way the step's output is the
+    reference's."""
     from quire.attention.torch_backend import EXTEND_SDPA_MIN_ROWS
+    from quire.native import prefill_attention
     long_rows = EXTEND_SDPA_MIN_ROWS + 44
-    monkeypatch.setattr(paged_extend, "tiled", lambda q, k_cache: tiled)
-    args = _step(torch.float32, extends=((100, 37), (120, long_rows), (33, 16)))
+    monkeypatch.setattr(paged_extend, "_tiled", lambda *shape: kind)
+    monkeypatch.setattr(prefill_attention, "serves", lambda q, num_kv_heads: False)
+    args = _step(dtype, extends=((100, 37), (120, long_rows), (33, 16)))
     backend, meta = args[0], args[-1]
     got = _forward(args, True, monkeypatch)
     (rows, _, _), plan = meta.backend_state[backend, "prefill_split", False]
-    if tiled:  # the fresh prompt's 20 rows too
+    planned = [len(range(q0, q1)) for q0, q1, *_ in plan]  # fresh chunks first
+    if kind == 1:  # the fresh prompt's 20 rows too
         assert len(rows) == 37 + long_rows + 16 + 20 and not plan
+    elif kind == 2 and dtype == torch.float32:  # below 256 rows natively
+        assert len(rows) == 37 + 16 + 20 and planned == [long_rows]
+    elif kind == 2:  # below 24 rows natively
+        assert len(rows) == 16 + 20 and planned == [37, long_rows]
     else:
         assert len(rows) == 37 + 16  # the short chunks' rows, natively
-        # the fresh prompt, then the long chunk, by SDPA
-        assert [len(range(q0, q1)) for q0, q1, *_ in plan] == [20, long_rows]
+        assert planned == [20, long_rows]  # the fresh prompt, then the long chunk, by SDPA
     want = _forward(args, False, monkeypatch)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_the_vector_builds_tile_the_fixed_shapes_only():
@@ -140,8 +150,9 @@ def test_the_vector_builds_tile_the_fixed_shapes_only():
     vector_builds = [m for m in MARCHES if m not in ("native", "scalar")]
     assert vector_builds or "avx2" not in open("/proc/cpuinfo").read()
     for march in vector_builds:
-        assert paged_extend._tiled(9, 3, 64, 16, march), march
-        assert paged_extend._tiled(32, 8, 128, 16, march), march
+        kind = 1 if march == "avx2" else 2  # the AVX-512 builds' tiles are half their width
+        assert paged_extend._tiled(9, 3, 64, 16, march) == kind, march
+        assert paged_extend._tiled(32, 8, 128, 16, march) == kind, march
         assert not paged_extend._tiled(6, 3, 48, 16, march), march
         assert not paged_extend._tiled(9, 3, 64, 32, march), march
     assert not paged_extend._tiled(9, 3, 64, 16, "scalar")

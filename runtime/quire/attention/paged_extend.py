@@ -1,8 +1,8 @@
 """Batched prefill chunks that extend a cached prefix, on the CPU: every query row of every such
 chunk attends, in one native call, to its own sequence's first (position + 1) tokens read in
 place through the block table (native/paged_decode.cpp, quire_paged_extend: the decode
-kernel with a row -> sequence map). On AVX2 it takes up to 16 consecutive rows of a sequence
-as one tile, GEMM-shaped: each K/V block is loaded (and its keys transposed) once for all the
+kernel with a row -> sequence map). On AVX2 and AVX-512 it takes up to 16 consecutive rows of
+a sequence as one tile, GEMM-shaped: each K/V block is loaded (and its keys transposed) once for all the
 tile's query vectors. The chunk's own K/V are already in the cache, so the cached prefix and
 the causal part are one read. The torch backend's per-sequence SDPA path (its float32 eager
 path with soft-capping or sinks) is the fallback, and the reference the tests compare with.
@@ -39,19 +39,40 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return paged_attention.native_decode_supported(q, k_cache) and _library() is not None
 
 
+# Where the kernel's tiles are half the build's vector width (the AVX-512 builds' 8-lane
+# tiles), chunks of at least this many new rows are faster through SDPA, whose GEMMs use the
+# full width (and in bfloat16 the AVX512-BF16 dot product). Measured with
+# benchmarks/prefill_attention.py on the 2-core AMX Xeon with QUIRE_CPU_ISA=avx512_bf16 and
+# ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (SmolLM2's heads; HISTORY.md, session 26): bfloat16
+# tiles ahead to 16 rows over 2,048 tokens (1.02x) and fresh 64 (1.10x), behind from 24
+# (0.84x); float32 ahead to 128 over 2,048 (1.42x) and fresh 512 (1.28x), behind at 256 over
+# 2,048 (0.93x) and fresh 2,048 (0.84x).
+NARROW_TILES_SDPA_MIN_ROWS = {torch.bfloat16: 24, torch.float32: 256}
+
+
 @functools.cache
 def _tiled(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-           march: str = "native") -> bool:
+           march: str = "native") -> int:
+    """0: the kernel walks this layout row by row; 1: in tiles as wide as the build's vectors;
+    2: in tiles half as wide (paged_decode.cpp, quire_paged_extend_tiled)."""
     lib = paged_attention.paged_decode_library(march)
-    return lib is not None and bool(lib.quire_paged_extend_tiled(
+    return 0 if lib is None else int(lib.quire_paged_extend_tiled(
         num_heads, num_kv_heads, head_dim, block_size))
 
 
 def tiled(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel runs this layout in GEMM-shaped tiles of rows (the AVX2 build's
-    fixed shapes), where it beats SDPA on chunks of every length; elsewhere it walks each row
-    alone and long chunks are faster through SDPA."""
-    return _tiled(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
+    """Whether the kernel runs this layout in GEMM-shaped tiles of rows (the fixed shapes, on
+    every build with AVX2 or AVX-512); elsewhere it walks each row alone and long chunks are
+    faster through SDPA."""
+    return _tiled(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]) > 0
+
+
+def sdpa_min_rows(q: torch.Tensor, k_cache: torch.Tensor) -> int | None:
+    """Where the kernel tiles this layout: None if it is faster than SDPA on chunks of every
+    length (tiles as wide as the build's vectors), else the new rows from which a chunk, fresh
+    or over a cached prefix, is faster through SDPA."""
+    narrow = _tiled(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]) == 2
+    return NARROW_TILES_SDPA_MIN_ROWS.get(q.dtype, 0) if narrow else None
 
 
 def extend_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:

@@ -3,6 +3,8 @@
 // whole group of query heads), online softmax in float32. One work item per (sequence, KV
 // head), over OpenMP threads (the same runtime, and thread count, as torch's); on the AVX2
 // build one per (128-token part of a sequence's context, KV head), merged (decode_in_parts).
+// Extend rows (prefill chunks over a cached prefix, verification rows) run in GEMM-shaped
+// tiles of up to 16 rows on every AVX2 or AVX-512 build (extend_tile8).
 //
 // Plain C++ with a C ABI, no torch headers: it compiles in about a second and is called
 // through ctypes with tensor data pointers. dtype codes: 0 = float32, 1 = bfloat16.
@@ -1314,13 +1316,21 @@ extern "C" int quire_paged_decode(int dtype, const void* q, const void* k_cache,
                             bt_stride, scale, window, nullptr, nullptr, softcap, sinks);
 }
 
-// 1 where quire_paged_extend runs this layout in GEMM-shaped tiles (the AVX2 build's fixed
-// shapes), 0 where it walks each row alone (then long chunks are faster through SDPA).
+// How quire_paged_extend runs this layout: 0 row by row (then long chunks are faster through
+// SDPA), 1 in GEMM-shaped tiles as wide as the build's vectors (the AVX2 build: they beat SDPA
+// on chunks of every length), 2 in tiles of half the build's width (the AVX-512 builds' 8-lane
+// tiles: ahead of SDPA on short chunks only).
 extern "C" int quire_paged_extend_tiled(int num_heads, int num_kv_heads, int head_dim,
                                         int block_size) {
 #if defined(QUIRE_EXTEND_TILES)
-  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-         fixed_shape_tile<float>(num_heads / num_kv_heads, head_dim, block_size) != nullptr;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
+      fixed_shape_tile<float>(num_heads / num_kv_heads, head_dim, block_size) == nullptr)
+    return 0;
+#if defined(__AVX512F__)
+  return 2;
+#else
+  return 1;
+#endif
 #else
   (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
   return 0;
