@@ -126,9 +126,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(describe_machine(args.threads))
     amx = pa.available() and dtype == torch.bfloat16
-    walk = ["row by row", "in tiles of rows", "in tiles of rows half the build's vector width"]
+    tiled = paged_extend._tiled(HEADS, KV_HEADS, HEAD_DIM, BLOCK)
     print(f"AMX prefill attention kernel: {'yes' if amx else 'no'}; paged extend "
-          f"{walk[paged_extend._tiled(HEADS, KV_HEADS, HEAD_DIM, BLOCK)]}")
+          f"{'in tiles of rows' if tiled else 'row by row'}")
     cases = {**fresh_cases(args.fresh, dtype, amx),
              **extend_cases(args.extend, args.context, dtype, amx)}
     times = {(c, p): [] for c, paths in cases.items() for p in paths}

@@ -38,11 +38,11 @@ _FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
 # feature it needs (loader.ISA_BUILDS: "scalar" the plain C++ path, "avx2" the path of a
 # CPU without AVX-512, "avx512", "avx512_bf16", "amx")
 MARCHES = ["native", *loader.isa_builds()]
-# the builds whose extend runs the fixed shapes in tiles: every one with AVX2 (the AVX-512
-# builds' tiles on 8 lanes, beside their 16-lane decode rows)
+# the builds whose extend runs the fixed shapes in tiles: every one with AVX2 (8 lanes) or
+# AVX-512 (16)
 TILED = [m for m in MARCHES if m != "scalar" and (m != "native" or " avx2" in _FLAGS)]
-# the build that also sums decode rows in parts and reads shared prefixes in the cascade's
-# tiles: AVX2 without AVX-512
+# the build that also sums decode rows in parts and reads shared prefixes from 4 blocks on in
+# the cascade's tiles (the AVX-512 builds from 24): AVX2 without AVX-512
 MERGED = [m for m in MARCHES
           if m == "avx2" or (m == "native" and " avx2" in _FLAGS and " avx512f" not in _FLAGS)]
 
@@ -189,7 +189,7 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
     alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
                        for i in range(len(lens))])
     tiled = paged_extend._tiled(kv_heads * group, kv_heads, head_dim, bs, march)
-    assert bool(tiled) == (march in TILED and head_dim in (64, 128))
+    assert tiled == (march in TILED and head_dim in (64, 128))
     if march in MERGED and dtype == torch.float32:
         assert not torch.equal(out[:14], alone[:14]), "no shared prefix went through a tile"
         torch.testing.assert_close(out[14:], alone[14:], atol=0, rtol=0)  # not shared: as alone
@@ -237,6 +237,36 @@ def test_cascade_groups_follow_the_longest_shared_prefix(march):
             assert not torch.equal(out[i], alone[i]), f"row {i} (prompt {name}) read alone"
         else:
             torch.testing.assert_close(out[i], alone[i], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("march", TILED)
+def test_rows_sharing_a_long_prefix_read_it_once_on_every_vector_build(march):
+    """A long cached prefix (30 blocks: past the AVX-512 builds' 24-block minimum, the AVX2
+    build's 4) shared by six decode rows goes through the cascade's tiles on every vector
+    build, float32: the attention of each row read alone, in other bits; rows that share
+    nothing keep a lone call's bits."""
+    torch.manual_seed(6)
+    bs, kv_heads, group, head_dim = 16, 3, 3, 64
+    k_cache = torch.randn(130, bs, kv_heads, head_dim)
+    v_cache = torch.randn(130, bs, kv_heads, head_dim)
+    shared = list(range(30))
+    tables = [shared + [40 + 3 * i, 41 + 3 * i, 42 + 3 * i] for i in range(6)]
+    tables += [list(range(60 + 33 * j, 93 + 33 * j))[:33] for j in range(2)]
+    lens = [30 * bs + 1, 31 * bs, 33 * bs - 3, 32 * bs + 5, 30 * bs + 9, 33 * bs, 20 * bs, 33 * bs]
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), kv_heads * group, head_dim)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_attention.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
+                                 _march=march)
+    want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
+                       for i in range(len(lens))])
+    for i in range(6):
+        assert not torch.equal(out[i], alone[i]), f"row {i} read its prefix alone"
+    torch.testing.assert_close(out[6:], alone[6:], atol=0, rtol=0)
 
 
 def _alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i):

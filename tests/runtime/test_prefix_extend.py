@@ -112,30 +112,30 @@ def test_batched_extend_over_head_layouts(heads, kv_heads, head_dim, monkeypatch
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("kind", [0, 1, 2])
-def test_long_chunks_take_sdpa_unless_the_kernel_tiles(kind, dtype, tol, monkeypatch):
-    """Where the kernel walks rows alone (kind 0), a long chunk over a cached prefix (a long
-    prompt's later chunk) goes to SDPA and the short ones in the same step to the native
-    kernel; where it tiles at its build's full width (1), every chunk stays native; where its
-    tiles are half the build's width (2: AVX-512), chunks fresh or not below
-    NARROW_TILES_SDPA_MIN_ROWS for the dtype. Either way the step's output is the
-    reference's."""
+@pytest.mark.parametrize("tiled,bf16_dot", [(False, False), (True, False), (True, True)])
+def test_long_chunks_take_sdpa_unless_the_kernel_tiles(tiled, bf16_dot, dtype, tol,
+                                                       monkeypatch):
+    """Where the kernel walks rows alone, a long chunk over a cached prefix (a long prompt's
+    later chunk) goes to SDPA and the short ones in the same step to the native kernel; where
+    it tiles, every chunk stays native, except bfloat16 chunks of BF16_DOT_SDPA_MIN_ROWS or
+    more (fresh or not) on a CPU with a bfloat16 dot product, whose SDPA is faster. Either way
+    the step's output is the reference's."""
+    from quire import platform
     from quire.attention.torch_backend import EXTEND_SDPA_MIN_ROWS
     from quire.native import prefill_attention
     long_rows = EXTEND_SDPA_MIN_ROWS + 44
-    monkeypatch.setattr(paged_extend, "_tiled", lambda *shape: kind)
+    monkeypatch.setattr(paged_extend, "tiled", lambda q, k_cache: tiled)
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: bf16_dot)
     monkeypatch.setattr(prefill_attention, "serves", lambda q, num_kv_heads: False)
     args = _step(dtype, extends=((100, 37), (120, long_rows), (33, 16)))
     backend, meta = args[0], args[-1]
     got = _forward(args, True, monkeypatch)
     (rows, _, _), plan = meta.backend_state[backend, "prefill_split", False]
     planned = [len(range(q0, q1)) for q0, q1, *_ in plan]  # fresh chunks first
-    if kind == 1:  # the fresh prompt's 20 rows too
-        assert len(rows) == 37 + long_rows + 16 + 20 and not plan
-    elif kind == 2 and dtype == torch.float32:  # below 256 rows natively
-        assert len(rows) == 37 + 16 + 20 and planned == [long_rows]
-    elif kind == 2:  # below 24 rows natively
+    if tiled and bf16_dot and dtype == torch.bfloat16:  # below 24 rows natively
         assert len(rows) == 16 + 20 and planned == [37, long_rows]
+    elif tiled:  # the fresh prompt's 20 rows too
+        assert len(rows) == 37 + long_rows + 16 + 20 and not plan
     else:
         assert len(rows) == 37 + 16  # the short chunks' rows, natively
         assert planned == [20, long_rows]  # the fresh prompt, then the long chunk, by SDPA
@@ -150,9 +150,8 @@ def test_the_vector_builds_tile_the_fixed_shapes_only():
     vector_builds = [m for m in MARCHES if m not in ("native", "scalar")]
     assert vector_builds or "avx2" not in open("/proc/cpuinfo").read()
     for march in vector_builds:
-        kind = 1 if march == "avx2" else 2  # the AVX-512 builds' tiles are half their width
-        assert paged_extend._tiled(9, 3, 64, 16, march) == kind, march
-        assert paged_extend._tiled(32, 8, 128, 16, march) == kind, march
+        assert paged_extend._tiled(9, 3, 64, 16, march), march
+        assert paged_extend._tiled(32, 8, 128, 16, march), march
         assert not paged_extend._tiled(6, 3, 48, 16, march), march
         assert not paged_extend._tiled(9, 3, 64, 32, march), march
     assert not paged_extend._tiled(9, 3, 64, 16, "scalar")
@@ -250,3 +249,26 @@ def test_verification_rows_keep_their_bits_whatever_their_tiles(dtype, march, mo
                                atol=tol, rtol=tol)
     torch.testing.assert_close(_forward(batch, True, monkeypatch).float(),
                                _forward(batch, False, monkeypatch).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_vector_build_tiles_with_the_avx2_builds_bits(dtype, monkeypatch):
+    """The AVX-512 builds' tiles take 12 query vectors a pass on 16 lanes, the AVX2 build's 6
+    on 8 lanes: each lane sums the same products in the same order, so every extend row (tiles of 2
+    to 16 rows, and a tile of one) has the same bits on every build."""
+    from quire.native import prefill_attention
+    builds = [m for m in MARCHES if m not in ("native", "scalar")]
+    if "avx2" not in builds:
+        assert "avx2" not in open("/proc/cpuinfo").read()
+        return
+    monkeypatch.setattr(paged_extend, "sdpa_min_rows", lambda q: None)
+    monkeypatch.setattr(prefill_attention, "serves", lambda q, num_kv_heads: False)
+    args = _step(dtype, heads=9, kv_heads=3, decodes=(),
+                 extends=((100, 37), (16, 1), (33, 16), (250, 64), (7, 9), (40, 2)))
+    libraries = {march: paged_extend._library(march) for march in builds}
+    outs = {}
+    for march, library in libraries.items():
+        monkeypatch.setattr(paged_extend, "_library", lambda library=library: library)
+        outs[march] = _forward(args, True, monkeypatch)
+    for march, out in outs.items():
+        assert torch.equal(out, outs["avx2"]), march

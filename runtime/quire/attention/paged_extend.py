@@ -16,6 +16,7 @@ import functools
 import numpy as np
 import torch
 
+from quire import platform
 from quire.attention.base import AttentionMetadata
 from quire.native import paged_attention
 
@@ -39,24 +40,23 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return paged_attention.native_decode_supported(q, k_cache) and _library() is not None
 
 
-# Where the kernel's tiles are half the build's vector width (the AVX-512 builds' 8-lane
-# tiles), chunks of at least this many new rows are faster through SDPA, whose GEMMs use the
-# full width (and in bfloat16 the AVX512-BF16 dot product). Measured with
-# benchmarks/prefill_attention.py on the 2-core AMX Xeon with QUIRE_CPU_ISA=avx512_bf16 and
-# ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (SmolLM2's heads; HISTORY.md, session 26): bfloat16
-# tiles ahead to 16 rows over 2,048 tokens (1.02x) and fresh 64 (1.10x), behind from 24
-# (0.84x); float32 ahead to 128 over 2,048 (1.42x) and fresh 512 (1.28x), behind at 256 over
-# 2,048 (0.93x) and fresh 2,048 (0.84x).
-NARROW_TILES_SDPA_MIN_ROWS = {torch.bfloat16: 24, torch.float32: 256}
+# Where the CPU has a bfloat16 dot product (AVX512-BF16, AMX), a bfloat16 chunk of at least
+# this many new rows is faster through SDPA, whose GEMMs multiply bfloat16 pairs at twice the
+# float32 rate, than through the tiles, which widen K and V to float32 (AMX builds send such
+# chunks to their own prefill kernel first). benchmarks/prefill_attention.py on the 2-core
+# AMX Xeon with QUIRE_CPU_ISA=avx512_bf16 and ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (a CPU
+# without AMX; SmolLM2's heads; HISTORY.md, session 26): 16 new rows over 2,048 tokens 469 us
+# tiled against SDPA's 560, 32 rows 792 against 697, fresh prompts of 64 and 256 tokens 1.21x
+# and 0.78x. float32 tiles were ahead of SDPA at every length measured (fresh 2,048 1.05x,
+# 256 rows over 2,048 1.12x).
+BF16_DOT_SDPA_MIN_ROWS = 24
 
 
 @functools.cache
 def _tiled(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-           march: str = "native") -> int:
-    """0: the kernel walks this layout row by row; 1: in tiles as wide as the build's vectors;
-    2: in tiles half as wide (paged_decode.cpp, quire_paged_extend_tiled)."""
+           march: str = "native") -> bool:
     lib = paged_attention.paged_decode_library(march)
-    return 0 if lib is None else int(lib.quire_paged_extend_tiled(
+    return lib is not None and bool(lib.quire_paged_extend_tiled(
         num_heads, num_kv_heads, head_dim, block_size))
 
 
@@ -64,15 +64,15 @@ def tiled(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel runs this layout in GEMM-shaped tiles of rows (the fixed shapes, on
     every build with AVX2 or AVX-512); elsewhere it walks each row alone and long chunks are
     faster through SDPA."""
-    return _tiled(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]) > 0
+    return _tiled(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
 
 
-def sdpa_min_rows(q: torch.Tensor, k_cache: torch.Tensor) -> int | None:
-    """Where the kernel tiles this layout: None if it is faster than SDPA on chunks of every
-    length (tiles as wide as the build's vectors), else the new rows from which a chunk, fresh
-    or over a cached prefix, is faster through SDPA."""
-    narrow = _tiled(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]) == 2
-    return NARROW_TILES_SDPA_MIN_ROWS.get(q.dtype, 0) if narrow else None
+def sdpa_min_rows(q: torch.Tensor) -> int | None:
+    """Where the kernel tiles: None if its tiles beat SDPA on chunks of q's kind at every
+    length, else the new rows from which a chunk, fresh or over a cached prefix, is faster
+    through SDPA (bfloat16 on a CPU with a bfloat16 dot product)."""
+    native_bf16 = q.dtype == torch.bfloat16 and platform.cpu_has_native_bf16()
+    return BF16_DOT_SDPA_MIN_ROWS if native_bf16 else None
 
 
 def extend_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:

@@ -98,8 +98,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(self, q, k_cache, v_cache, out, meta, sinks, eager: bool) -> list:
         """Prefill chunks. Where the native kernel tiles this layout and the AMX prefill kernel
         does not serve it, all of them (fresh prompts and chunks over a cached prefix) run in
-        one native call: it beats SDPA on both (on AVX-512 builds, whose tiles are narrower
-        than SDPA's GEMMs, the chunks shorter than paged_extend.sdpa_min_rows). Else the short
+        one native call: it beats SDPA on both (in bfloat16 on a CPU with a bfloat16 dot
+        product, the chunks shorter than paged_extend.sdpa_min_rows). Else the short
         chunks over a cached prefix run natively where the kernel serves q's dtype
         and the cache's (shorter than AMX_EXTEND_MIN_ROWS where the AMX prefill kernel takes
         the rest, else than EXTEND_SDPA_MIN_ROWS). With soft-capping or sinks (`eager`: SDPA
@@ -114,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
             amx = (not eager and self._plain_causal(None)
                    and prefill_attention.serves(q, k_cache.shape[2]))
             if kernel and not amx and (eager or paged_extend.tiled(q, k_cache)):
-                most = None if eager else paged_extend.sdpa_min_rows(q, k_cache)
+                most = None if eager else paged_extend.sdpa_min_rows(q)
                 native = sorted(i for i in fresh + extends if i not in ahead
                                 and (most is None or rows[i + 1] - rows[i] < most))
                 fresh = [i for i in fresh if i not in native]

@@ -362,7 +362,8 @@ namespace v8 {
 // The 8-lane kernels: on the AVX2 build (no AVX-512) every fixed-shape path, the same
 // algorithm as decode_item16 on 8-lane vectors (head_dim / 8 = C chunks, blocks of 16 tokens
 // scored as two halves of 8); on the AVX-512 builds their GEMM-shaped tiles (extend and the
-// cascade's shared prefixes), beside v16's decode rows.
+// cascade's shared prefixes), beside v16's decode rows, with the tiles' products on 16 lanes
+// (tile_scores, tile_accumulate) and the rest (transposes, softmax) as on AVX2.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // bf16 is the high half of a float32
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -606,9 +607,40 @@ inline void transpose_keys(const T* kb, int64_t row_stride, int n, float (*kt)[1
     }
 }
 
-// Scores of J query vectors against a block's 16 transposed keys, 2 x J accumulators
+#if defined(__AVX512F__)
+// Scores of J query vectors against a block's 16 transposed keys, and P @ V for them
+// (tile_accumulate, below), on 16 lanes (the AVX-512 builds): one accumulator per query vector,
+// twelve of them sharing each load. Each lane sums the same products in the
+// same order as the 8-lane forms: the same bits.
 template <int J, int D>
-inline void scores6(const float (*qs)[D], const float (*kt)[16], float (*s)[16]) {
+inline void tile_scores(const float (*qs)[D], const float (*kt)[16], float (*s)[16]) {
+  __m512 a[J];
+  for (int j = 0; j < J; ++j) a[j] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k = _mm512_load_ps(kt[d]);
+    for (int j = 0; j < J; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(qs[j][d]), k, a[j]);
+  }
+  for (int j = 0; j < J; ++j) _mm512_store_ps(s[j], a[j]);
+}
+
+template <int J, int D>
+inline void tile_accumulate(float (*acc)[D], const float (*p)[16], const float* v,
+                            int64_t v_stride, int t0, int t1) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512 a[J];
+    for (int j = 0; j < J; ++j) a[j] = _mm512_load_ps(acc[j] + d0);
+    for (int t = t0; t < t1; ++t) {
+      const __m512 vv = _mm512_loadu_ps(v + t * v_stride + d0);
+      for (int j = 0; j < J; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][t]), vv, a[j]);
+    }
+    for (int j = 0; j < J; ++j) _mm512_store_ps(acc[j] + d0, a[j]);
+  }
+}
+constexpr int kTileGroup = 12;  // query vectors a pass (accumulators)
+#else
+// The same on 8 lanes (the AVX2 build): 2 x J accumulators
+template <int J, int D>
+inline void tile_scores(const float (*qs)[D], const float (*kt)[16], float (*s)[16]) {
   __m256 a[J][2];
   for (int j = 0; j < J; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
   for (int d = 0; d < D; ++d) {
@@ -627,8 +659,8 @@ inline void scores6(const float (*qs)[D], const float (*kt)[16], float (*s)[16])
 
 // acc[j][d0 .. d0 + 16) += sum over t in [t0, t1) of p[j][t] * v[t][d0 ..]
 template <int J, int D>
-inline void accumulate6(float (*acc)[D], const float (*p)[16], const float* v, int64_t v_stride,
-                        int t0, int t1) {
+inline void tile_accumulate(float (*acc)[D], const float (*p)[16], const float* v,
+                            int64_t v_stride, int t0, int t1) {
   for (int d0 = 0; d0 < D; d0 += 16) {
     __m256 a[J][2];
     for (int j = 0; j < J; ++j) {
@@ -651,27 +683,33 @@ inline void accumulate6(float (*acc)[D], const float (*p)[16], const float* v, i
   }
 }
 
-// f<J> over query vectors [q0, q1) in groups of six, the rest in one smaller group
-template <typename F>
-inline void by_six(int q0, int q1, F f) {
-  int j = q0;
-  for (; j + 6 <= q1; j += 6) f(j, Int<6>{});
-  switch (q1 - j) {
-    case 5: f(j, Int<5>{}); break;
-    case 4: f(j, Int<4>{}); break;
-    case 3: f(j, Int<3>{}); break;
-    case 2: f(j, Int<2>{}); break;
-    case 1: f(j, Int<1>{}); break;
-    default: break;
+constexpr int kTileGroup = 6;
+#endif
+
+// f(j, Int<J>) for the last group, of `left` < kTileGroup query vectors from j
+template <int J, typename F>
+inline void last_group(int j, int left, F f) {
+  if constexpr (J > 0) {
+    if (left == J) return f(j, Int<J>{});
+    last_group<J - 1>(j, left, f);
   }
+}
+
+// f(j, Int<J>) over query vectors [q0, q1) in groups of kTileGroup, the rest in one smaller
+template <typename F>
+inline void by_groups(int q0, int q1, F f) {
+  int j = q0;
+  for (; j + kTileGroup <= q1; j += kTileGroup) f(j, Int<kTileGroup>{});
+  last_group<kTileGroup - 1>(j, q1 - j, f);
 }
 
 // Extend (prefill chunks over a cached prefix, or fresh): a tile of up to kTileRows
 // consecutive query rows of one sequence walks the context block by block, GEMM-shaped: its
 // count * G query vectors meet each K/V block together. The block's keys are transposed once
-// (kt[d] holds dimension d of its 16 keys), so scores are outer-product FMAs, six query
-// vectors by 16 keys in 12 accumulators, with no horizontal sums; P @ V is the same shape, six
-// query vectors by 16 dimensions. Each K/V element loaded feeds up to six query vectors.
+// (kt[d] holds dimension d of its 16 keys), so scores are outer-product FMAs, kTileGroup query
+// vectors by 16 keys (6 in 12 accumulators on AVX2, 12 in 12 on AVX-512), with no horizontal
+// sums; P @ V is the same shape, kTileGroup query vectors by 16 dimensions. Each K/V element
+// loaded feeds up to kTileGroup query vectors.
 // rows[r] / lens[r] for r < count: the tile's rows (lens ascending by one); q and out point
 // at this KV head's first query head of row 0.
 constexpr int kTileRows = 16;
@@ -734,7 +772,9 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
       v_stride = D;
     }
     const int qa = ra * G, qb = rb * G;
-    by_six(qa, qb, [&](int j, auto J) { scores6<decltype(J)::value, D>(qs + j, kt, s + j); });
+    by_groups(qa, qb, [&](int j, auto J) {
+      tile_scores<decltype(J)::value, D>(qs + j, kt, s + j);
+    });
     for (int r = ra; r < rb; ++r) {
       const int t0 = std::max(first, lo[r]) - first, nr = std::min(16, len[r] - first);
       for (int g = 0; g < G; ++g) {
@@ -749,8 +789,8 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     }
     // lanes outside a row's [t0, nr) hold p = 0: the run's union of lanes serves every row
     const int t_lo = std::max(first, lo[ra]) - first;
-    by_six(qa, qb, [&](int j, auto J) {
-      accumulate6<decltype(J)::value, D>(acc + j, s + j, v, v_stride, t_lo, n);
+    by_groups(qa, qb, [&](int j, auto J) {
+      tile_accumulate<decltype(J)::value, D>(acc + j, s + j, v, v_stride, t_lo, n);
     });
   }
   for (int r = 0; r < count; ++r) {
@@ -788,16 +828,15 @@ ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
 }  // namespace v8
 #endif
 
-// Each build's kernels: decode rows on its widest vectors, extend tiles on 8 lanes (the
-// AVX-512 builds' too). Decode rows in parts and the cascade (below) are the AVX2 build's
-// alone (kMergedDecode): on the AVX-512 builds, where a row runs on 16 lanes, a batch of 32
-// rows of 200-700 tokens ran 1.24x slower in parts and a lone row of 2,048 tokens only 0.92x,
-// and 32 float32 rows sharing 256 tokens 1.07x slower through the cascade's 8-lane tiles
-// (2-core AMX Xeon; HISTORY.md, session 26).
+// Each build's kernels: decode rows and extend tiles on its widest vectors. Decode rows are
+// summed in parts (below) on the AVX2 build alone (kDecodeInParts): on the AVX-512 builds,
+// where a row runs on 16 lanes, a batch of 32 rows of 200-700 tokens ran 1.24x slower in
+// parts and a lone row of 2,048 tokens only 0.92x (2-core AMX Xeon; HISTORY.md, session 26);
+// there a cascade's tail is one part.
 #if defined(__AVX512F__)
 using namespace v16;
 #define QUIRE_FIXED_SHAPE_PATH 1
-constexpr bool kMergedDecode = false;
+constexpr bool kDecodeInParts = false;
 #if defined(__AVX2__) && defined(__FMA__)
 using v8::fixed_shape_tile;
 using v8::kTileRows;
@@ -805,7 +844,7 @@ using v8::kTileRows;
 #elif defined(__AVX2__) && defined(__FMA__)
 using namespace v8;
 #define QUIRE_FIXED_SHAPE_PATH 1
-constexpr bool kMergedDecode = true;
+constexpr bool kDecodeInParts = true;
 #endif
 
 #if defined(QUIRE_FIXED_SHAPE_PATH) && defined(__AVX2__) && defined(__FMA__)
@@ -850,7 +889,7 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
   bool merges = tiles > 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int len = seq_lens[i], lo = first_key(i);
-    const int n = len > lo ? (len - 1) / kPartTokens - lo / kPartTokens + 1 : 1;
+    const int n = kDecodeInParts && len > lo ? (len - 1) / kPartTokens - lo / kPartTokens + 1 : 1;
     first_part[i] = int64_t(part_row.size());
     part_row.insert(part_row.end(), n, int32_t(i));
     merges = merges || n > 1;
@@ -891,8 +930,9 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
         continue;
       }
       const int begin = (lo / kPartTokens + int(p - first[i])) * kPartTokens;
-      part(qh, kc, vc, po + p * width + head, table, std::min(len, begin + kPartTokens),
-           std::max(lo, begin), block_stride, row_stride, head_dim, scale, softcap, nullptr,
+      const int end = kDecodeInParts ? std::min(len, begin + kPartTokens) : len;
+      part(qh, kc, vc, po + p * width + head, table, end, kDecodeInParts ? std::max(lo, begin) : lo,
+           block_stride, row_stride, head_dim, scale, softcap, nullptr,
            pl + p * num_heads + kv_head * group);
     }
 #pragma omp for schedule(static)
@@ -943,7 +983,10 @@ bool split_decode(const T* q, const T* k_cache, const T* v_cache, T* out,
 // decode rows only (row i is sequence i). Sinks join at the merge (a row read alone takes
 // its own). Returns false, having done nothing, where no group of rows qualifies.
 constexpr int kCascadeMinRows = 4;    // rows sharing a prefix, for its tiles to pay
-constexpr int kCascadeMinBlocks = 4;  // blocks they share (64 tokens)
+// blocks they share: 64 tokens on AVX2; 384 on AVX-512, whose 16-lane rows read alone cost
+// less against the tiles and merges (32 float32 rows sharing 256 tokens ran 1.06x slower
+// through the cascade, sharing 512 0.92x, 1,024 0.65x; HISTORY.md, session 26)
+constexpr int kCascadeMinBlocks = kDecodeInParts ? 4 : 24;
 
 inline bool cascade_decode(const float* q, const float* k_cache, const float* v_cache,
                            float* out, const int32_t* block_tables, const int32_t* seq_lens,
@@ -1098,13 +1141,13 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int64_t items = num_seqs * num_kv_heads;
   const int chunk = items >= 32 ? 4 : 1;
 #if defined(QUIRE_EXTEND_TILES)
-  if constexpr (kMergedDecode && std::is_same_v<T, float>)
+  if constexpr (std::is_same_v<T, float>)
     if (rows == nullptr && window <= 0 && block_size == 16 &&
         cascade_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
                        num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
                        sinks, block_stride, row_stride))
       return;
-  if (kMergedDecode && rows == nullptr && block_size == 16 &&
+  if (kDecodeInParts && rows == nullptr && block_size == 16 &&
       split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
                    num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, window,
                    softcap, sinks, block_stride, row_stride))
@@ -1316,21 +1359,14 @@ extern "C" int quire_paged_decode(int dtype, const void* q, const void* k_cache,
                             bt_stride, scale, window, nullptr, nullptr, softcap, sinks);
 }
 
-// How quire_paged_extend runs this layout: 0 row by row (then long chunks are faster through
-// SDPA), 1 in GEMM-shaped tiles as wide as the build's vectors (the AVX2 build: they beat SDPA
-// on chunks of every length), 2 in tiles of half the build's width (the AVX-512 builds' 8-lane
-// tiles: ahead of SDPA on short chunks only).
+// 1 where quire_paged_extend runs this layout in GEMM-shaped tiles (the fixed shapes of the AVX2
+// and AVX-512 builds), 0 where it walks each row alone (then long chunks are faster through
+// SDPA).
 extern "C" int quire_paged_extend_tiled(int num_heads, int num_kv_heads, int head_dim,
                                         int block_size) {
 #if defined(QUIRE_EXTEND_TILES)
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
-      fixed_shape_tile<float>(num_heads / num_kv_heads, head_dim, block_size) == nullptr)
-    return 0;
-#if defined(__AVX512F__)
-  return 2;
-#else
-  return 1;
-#endif
+  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+         fixed_shape_tile<float>(num_heads / num_kv_heads, head_dim, block_size) != nullptr;
 #else
   (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
   return 0;
