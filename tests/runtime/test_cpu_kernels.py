@@ -143,7 +143,7 @@ def test_engine_without_the_native_kernel_gives_the_same_tokens(tiny_models, mon
 def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, head_dim,
                                                         march):
     """Rows whose block tables start with the same blocks (prefix caching) read that prefix
-    once, in tiles, then their own tails, merged by log-sum-exp (the AVX2 build, float32): the
+    once, in tiles, then their own tails, merged by log-sum-exp (the AVX2 build): the
     same attention as reading each row alone. Groups: six rows sharing 10 blocks, two of which
     diverge after 6 (so the group shares 6), one whose length caps the shared part; four rows
     sharing 8 other blocks, one of them one token past them; three rows too few to share;
@@ -190,7 +190,7 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
                        for i in range(len(lens))])
     tiled = paged_extend._tiled(kv_heads * group, kv_heads, head_dim, bs, march)
     assert tiled == (march in TILED and head_dim in (64, 128))
-    if march in MERGED and dtype == torch.float32:
+    if march in MERGED:
         assert not torch.equal(out[:14], alone[:14]), "no shared prefix went through a tile"
         torch.testing.assert_close(out[14:], alone[14:], atol=0, rtol=0)  # not shared: as alone
 
@@ -240,32 +240,34 @@ def test_cascade_groups_follow_the_longest_shared_prefix(march):
 
 
 @pytest.mark.parametrize("march", TILED)
-def test_rows_sharing_a_long_prefix_read_it_once_on_every_vector_build(march):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_rows_sharing_a_long_prefix_read_it_once_on_every_vector_build(march, dtype, tol):
     """A long cached prefix (30 blocks: past the AVX-512 builds' 24-block minimum, the AVX2
     build's 4) shared by six decode rows goes through the cascade's tiles on every vector
-    build, float32: the attention of each row read alone, in other bits; rows that share
-    nothing keep a lone call's bits."""
+    build, in either dtype: the attention of each row read alone (in float32 in other bits);
+    rows that share nothing keep a lone call's bits."""
     torch.manual_seed(6)
     bs, kv_heads, group, head_dim = 16, 3, 3, 64
-    k_cache = torch.randn(130, bs, kv_heads, head_dim)
-    v_cache = torch.randn(130, bs, kv_heads, head_dim)
+    k_cache = torch.randn(130, bs, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(130, bs, kv_heads, head_dim, dtype=dtype)
     shared = list(range(30))
     tables = [shared + [40 + 3 * i, 41 + 3 * i, 42 + 3 * i] for i in range(6)]
     tables += [list(range(60 + 33 * j, 93 + 33 * j))[:33] for j in range(2)]
     lens = [30 * bs + 1, 31 * bs, 33 * bs - 3, 32 * bs + 5, 30 * bs + 9, 33 * bs, 20 * bs, 33 * bs]
     block_tables = torch.tensor(tables, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), kv_heads * group, head_dim)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     paged_attention.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
                                  _march=march)
     want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
                        for i in range(len(lens))])
-    for i in range(6):
-        assert not torch.equal(out[i], alone[i]), f"row {i} read its prefix alone"
+    if dtype == torch.float32:  # (in bfloat16 the other sums mostly round to the same output)
+        for i in range(6):
+            assert not torch.equal(out[i], alone[i]), f"row {i} read its prefix alone"
     torch.testing.assert_close(out[6:], alone[6:], atol=0, rtol=0)
 
 

@@ -107,8 +107,8 @@ template <typename T>
 using ItemPartFn = void (*)(const T*, const T*, const T*, float*, const int32_t*, int, int,
                             int64_t, int64_t, int64_t, float, float, const float*, float*);
 
-template <typename T>
-using TileFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, const int32_t*,
+template <typename T, typename O = T>
+using TileFn = void (*)(const T*, const T*, const T*, O*, const int32_t*, const int32_t*,
                         const int32_t*, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                         float, float, const float*, float*, int64_t);
 
@@ -716,8 +716,8 @@ constexpr int kTileRows = 16;
 
 // lse, where not null: row rows[r]'s heads' log-sum-exps at lse + rows[r] * lse_stride.
 // sinks as in decode_item8_lse.
-template <typename T, int G, int C>
-void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
+template <typename T, int G, int C, typename O = T>
+void extend_tile8(const T* q, const T* k_cache, const T* v_cache, O* out, const int32_t* table,
                   const int32_t* rows, const int32_t* lens, int count, int window,
                   int64_t block_stride, int64_t row_stride, int64_t q_stride, int64_t out_stride,
                   int64_t q_head_stride, float scale, float softcap, const float* sinks,
@@ -726,7 +726,7 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
   static_assert(D % 16 == 0, "P @ V takes 16 dimensions at a time");
   if (count == 1) {  // a tile of one: the decode row's form, which transposes nothing
     const int lo = window > 0 ? std::max(0, lens[0] - window) : 0;
-    return decode_item8_lse<T, G, C>(q + int64_t(rows[0]) * q_stride, k_cache, v_cache,
+    return decode_item8_lse<T, G, C, O>(q + int64_t(rows[0]) * q_stride, k_cache, v_cache,
                                      out + int64_t(rows[0]) * out_stride, table, lens[0], lo,
                                      block_stride, row_stride, q_head_stride, scale, softcap,
                                      sinks, lse ? lse + int64_t(rows[0]) * lse_stride : nullptr);
@@ -794,7 +794,7 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     });
   }
   for (int r = 0; r < count; ++r) {
-    T* dst = out + int64_t(rows[r]) * out_stride;
+    O* dst = out + int64_t(rows[r]) * out_stride;
     for (int g = 0; g < G; ++g) {
       const int j = r * G + g;
       const float inv = finish_scale(m[j], l[j], sinks ? sinks + g : nullptr);
@@ -811,10 +811,11 @@ ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
   });
 }
 
-template <typename T>
-TileFn<T> fixed_shape_tile(int group, int head_dim, int block_size) {
-  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileFn<T> {
-    return extend_tile8<T, decltype(g)::value, decltype(c)::value>;
+// O: the output's type (float for the cascade's prefix part, merged later, whatever T is)
+template <typename T, typename O = T>
+TileFn<T, O> fixed_shape_tile(int group, int head_dim, int block_size) {
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileFn<T, O> {
+    return extend_tile8<T, decltype(g)::value, decltype(c)::value, O>;
   });
 }
 
@@ -979,8 +980,8 @@ bool split_decode(const T* q, const T* k_cache, const T* v_cache, T* out,
 // prefix that several requests share, e.g. one system prompt) read that prefix once for all
 // of them, in GEMM-shaped tiles of up to kTileRows rows: each K/V block then feeds count * G
 // query vectors instead of G. Each row reads its own tail alone, and the two parts merge by
-// their log-sum-exps. Float32 only (the parts stay float until merged), no sliding window,
-// decode rows only (row i is sequence i). Sinks join at the merge (a row read alone takes
+// their log-sum-exps (the parts stay float32 until merged, whatever the cache's dtype). No
+// sliding window, decode rows only (row i is sequence i). Sinks join at the merge (a row read alone takes
 // its own). Returns false, having done nothing, where no group of rows qualifies.
 constexpr int kCascadeMinRows = 4;    // rows sharing a prefix, for its tiles to pay
 // blocks they share: 64 tokens on AVX2; 384 on AVX-512, whose 16-lane rows read alone cost
@@ -988,14 +989,14 @@ constexpr int kCascadeMinRows = 4;    // rows sharing a prefix, for its tiles to
 // through the cascade, sharing 512 0.92x, 1,024 0.65x; HISTORY.md, session 26)
 constexpr int kCascadeMinBlocks = kDecodeInParts ? 4 : 24;
 
-inline bool cascade_decode(const float* q, const float* k_cache, const float* v_cache,
-                           float* out, const int32_t* block_tables, const int32_t* seq_lens,
-                           int64_t num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                           int64_t q_stride, int64_t out_stride, int64_t bt_stride, float scale,
-                           float softcap, const float* sinks, int64_t block_stride,
-                           int64_t row_stride) {
+template <typename T>
+bool cascade_decode(const T* q, const T* k_cache, const T* v_cache, T* out,
+                    const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
+                    int num_heads, int num_kv_heads, int head_dim, int64_t q_stride,
+                    int64_t out_stride, int64_t bt_stride, float scale, float softcap,
+                    const float* sinks, int64_t block_stride, int64_t row_stride) {
   const int group = num_heads / num_kv_heads;
-  const TileFn<float> tile = fixed_shape_tile<float>(group, head_dim, 16);
+  const TileFn<T, float> tile = fixed_shape_tile<T, float>(group, head_dim, 16);
   if (!tile || num_seqs < kCascadeMinRows) return false;  // (its tails: the same shapes)
   // candidate rows (those with at least kCascadeMinBlocks blocks before their last token),
   // sorted by their block tables, so that rows sharing a prefix lie side by side and a run of
@@ -1083,7 +1084,7 @@ inline bool cascade_decode(const float* q, const float* k_cache, const float* v_
          block_stride, row_stride, q_stride, width, head_dim, scale, softcap, nullptr,
          part_lse + kv_head * group, num_heads);
   };
-  return decode_in_parts<float>(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs,
+  return decode_in_parts<T>(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs,
                                 num_heads, num_kv_heads, head_dim, q_stride, out_stride,
                                 bt_stride, scale, 0, softcap, sinks, block_stride, row_stride,
                                 shared_of.data(), part_out, part_lse, tiles, run_tile);
@@ -1141,12 +1142,11 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int64_t items = num_seqs * num_kv_heads;
   const int chunk = items >= 32 ? 4 : 1;
 #if defined(QUIRE_EXTEND_TILES)
-  if constexpr (std::is_same_v<T, float>)
-    if (rows == nullptr && window <= 0 && block_size == 16 &&
-        cascade_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
-                       num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
-                       sinks, block_stride, row_stride))
-      return;
+  if (rows == nullptr && window <= 0 && block_size == 16 &&
+      cascade_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
+                     num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
+                     sinks, block_stride, row_stride))
+    return;
   if (kDecodeInParts && rows == nullptr && block_size == 16 &&
       split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
                    num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, window,
