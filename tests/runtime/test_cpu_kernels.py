@@ -176,18 +176,11 @@ def test_decode_rows_sharing_a_cached_prefix_match_sdpa(dtype, kv_heads, group, 
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
-    scale = head_dim ** -0.5
-    out = torch.full_like(q, float("nan"))
-    paged_attention.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
-                             _march=march)
-    want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    out, alone = _decode_against_the_reference(k_cache, v_cache, block_tables, seq_lens, march,
+                                               tol, kv_heads * group)
     # where the build tiles this layout, the shared prefixes really went through the tiles:
     # rows read alone (one call each, no group) sum in another order
-    alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
-                       for i in range(len(lens))])
     tiled = paged_extend._tiled(kv_heads * group, kv_heads, head_dim, bs, march)
     assert tiled == (march in TILED and head_dim in (64, 128))
     if march in MERGED:
@@ -256,7 +249,20 @@ def test_rows_sharing_a_long_prefix_read_it_once_on_every_vector_build(march, dt
     lens = [30 * bs + 1, 31 * bs, 33 * bs - 3, 32 * bs + 5, 30 * bs + 9, 33 * bs, 20 * bs, 33 * bs]
     block_tables = torch.tensor(tables, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
+    out, alone = _decode_against_the_reference(k_cache, v_cache, block_tables, seq_lens, march,
+                                               tol, kv_heads * group)
+    if dtype == torch.float32:  # (in bfloat16 the other sums mostly round to the same output)
+        for i in range(6):
+            assert not torch.equal(out[i], alone[i]), f"row {i} read its prefix alone"
+    torch.testing.assert_close(out[6:], alone[6:], atol=0, rtol=0)
+
+
+def _decode_against_the_reference(k_cache, v_cache, block_tables, seq_lens, march, tol,
+                                  num_heads):
+    """One decode call over every row (random q), checked against the reference: (its output,
+    each row's output from a call of its own)."""
+    head_dim = k_cache.shape[-1]
+    q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=k_cache.dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     paged_attention.paged_decode(q, k_cache, v_cache, out, block_tables, seq_lens, scale, None,
@@ -264,11 +270,8 @@ def test_rows_sharing_a_long_prefix_read_it_once_on_every_vector_build(march, dt
     want = _reference(q, k_cache, v_cache, block_tables, seq_lens, scale, None)
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     alone = torch.cat([_alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i)
-                       for i in range(len(lens))])
-    if dtype == torch.float32:  # (in bfloat16 the other sums mostly round to the same output)
-        for i in range(6):
-            assert not torch.equal(out[i], alone[i]), f"row {i} read its prefix alone"
-    torch.testing.assert_close(out[6:], alone[6:], atol=0, rtol=0)
+                       for i in range(len(seq_lens))])
+    return out, alone
 
 
 def _alone(q, k_cache, v_cache, block_tables, seq_lens, scale, march, i):
