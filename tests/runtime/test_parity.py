@@ -85,8 +85,8 @@ def test_mixed_sliding_and_full_layers_match_transformers(tmp_path, smollm_token
 def test_smollm2_requests_sharing_a_system_prompt_match_transformers(smollm_tokenizer):
     """Ten requests behind two cached system prompts (~180 tokens, 11 blocks each) that open
     with the same sentence (the chat header and it fill the first block): their decode rows
-    share those blocks, which the AVX2 build reads once per group of rows sharing a system
-    prompt (cascade decode: tiles of rows, merged with each row's tail by log-sum-exp; the
+    share those blocks, which the AVX2 build (and from 24 shared blocks the AVX-512 builds)
+    reads once per group of rows sharing a system prompt (cascade decode: tiles of rows, merged with each row's tail by log-sum-exp; the
     groups split where the two prompts part). Greedy output still equals transformers',
     request by request."""
     from runtime_helpers import smollm2_hf_greedy
