@@ -399,3 +399,28 @@ def test_long_contexts_in_parts_keep_transformers_greedy_tokens(tmp_path, smollm
     assert batched == want
     assert alone == want
     assert_no_blocks_in_use(llm)
+
+
+def test_requests_behind_a_long_shared_prompt_keep_transformers_greedy_tokens(
+        tmp_path, smollm_tokenizer):
+    """End to end: six requests behind one cached 420-token prompt (27 blocks: past every
+    vector build's cascade minimum) decode together, their shared prefix read once in tiles
+    and merged with each tail, in float32: transformers' greedy tokens, request by request,
+    and no block left in use."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime_helpers import hf_greedy, save_tiny_model, tiny_config
+    config = tiny_config("llama", hidden_size=96, head_dim=64, num_attention_heads=6,
+                         num_key_value_heads=2)
+    path = save_tiny_model(str(tmp_path / "llama64"), config, smollm_tokenizer)
+    shared = random_prompts(1, lengths=[420], seed=12)[0]
+    prompts = [shared + tail for tail in random_prompts(6, lengths=[5, 9, 17, 20, 31, 40],
+                                                        seed=13)]
+    want = hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompts,
+                     16)
+    llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate([shared], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert_no_blocks_in_use(llm)
