@@ -85,18 +85,18 @@ def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group,
                                                           window, extras, march):
     """Batch invariance of decode attention: a sequence's (sequence, KV head) items are summed
     the same whatever else the call holds and however the threads take them, so a lone
-    sequence gets exactly the bits it gets in a batch of nine, and the batch on one thread the
-    bits it gets on all (with a window, soft-capping and sinks too). Rows past 128 tokens are
-    summed in parts on the AVX2 build (ending at fixed multiples of 128 of the row's own
-    context, merged in order), so a long row alone, whose parts spread over the threads, keeps
-    its bits too. (Splitting a lone sequence's query heads across the threads, tried for
+    sequence gets exactly the bits it gets in a batch of eleven, and the batch on one thread
+    the bits it gets on all (with a window, soft-capping and sinks too). Rows past 128 tokens
+    are summed in parts on the AVX2 build (ending at fixed multiples of 128 of the row's own
+    context, merged in order; on the AVX-512 builds rows past 1,024 tokens, in parts of
+    1,024), so a long row alone, whose parts spread over the threads, keeps its bits too. (Splitting a lone sequence's query heads across the threads, tried for
     balance, would keep this; it read each KV head twice and was not faster.)"""
     torch.manual_seed(1)
-    num_blocks, block_size = 64, 16
+    num_blocks, block_size = 160, 16
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    lens = torch.tensor([37, 1, 16, 90, 5, 128, 129, 257, 600], dtype=torch.int32)
-    tables = torch.stack([torch.randperm(num_blocks)[:40] for _ in range(len(lens))]).int()
+    lens = torch.tensor([37, 1, 16, 90, 5, 128, 129, 257, 600, 1100, 2100], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:132] for _ in range(len(lens))]).int()
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     kw = {"softcap": 30.0, "sinks": torch.randn(kv_heads * group)} if extras else {}
 
@@ -339,8 +339,9 @@ def test_decode_rows_sharing_a_prefix_with_soft_capping_and_sinks(option, march)
         assert not torch.equal(out[:1], alone)
 
 
-# lengths around the parts' edges (paged_decode.cpp's kPartTokens = 128 on the AVX2 build)
-_LONG_LENS = [127, 128, 129, 256, 257, 300, 511, 640]
+# lengths around the parts' edges (paged_decode.cpp's kPartTokens: 128 on the AVX2 build,
+# 1,024 from 1,024 on the AVX-512 builds)
+_LONG_LENS = [127, 128, 129, 256, 257, 300, 511, 640, 1024, 1025, 2100]
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -349,16 +350,17 @@ _LONG_LENS = [127, 128, 129, 256, 257, 300, 511, 640]
 @pytest.mark.parametrize("option", [None, *OPTIONS])
 def test_long_contexts_summed_in_parts_match_eager_attention(dtype, kv_heads, group, head_dim,
                                                              option, march):
-    """Contexts past one part (the AVX2 build sums them in parts of 128 tokens, merged by
-    log-sum-exp; the others in one item) give transformers' eager attention: with windows
+    """Contexts past one part (the AVX2 build sums them in parts of 128 tokens, the AVX-512
+    builds those past 1,024 in parts of 1,024, merged by log-sum-exp; the plain C++ build in
+    one item) give transformers' eager attention: with windows
     that start inside a part or on its edge, soft-capping, and sinks that join once."""
     from types import SimpleNamespace
     torch.manual_seed(5)
-    bs, num_blocks = 16, 48
+    bs, num_blocks = 16, 140
     k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
     lens = _LONG_LENS
-    tables = torch.stack([torch.randperm(num_blocks)[:40] for _ in lens]).int()
+    tables = torch.stack([torch.randperm(num_blocks)[:132] for _ in lens]).int()
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     opts = options(option, kv_heads * group) if option else dict(softcap=None, sinks=None,
                                                                  window=None)
@@ -403,24 +405,26 @@ def test_long_contexts_in_parts_keep_transformers_greedy_tokens(tmp_path, smollm
 
 def test_requests_behind_a_long_shared_prompt_keep_transformers_greedy_tokens(
         tmp_path, smollm_tokenizer):
-    """End to end: six requests behind one cached 420-token prompt (27 blocks: past every
-    vector build's cascade minimum) decode together, their shared prefix read once in tiles
-    and merged with each tail, in float32: transformers' greedy tokens, request by request,
-    and no block left in use."""
+    """End to end, float32: six requests behind one cached 1,050-token prompt (65 blocks:
+    past every vector build's cascade minimum) decode together, their shared prefix read
+    once in tiles and merged with each tail; then one of them alone, its context past 1,024
+    tokens (summed in parts on every vector build). transformers' greedy tokens, request by
+    request, and no block left in use."""
     from transformers import AutoModelForCausalLM
 
     from runtime_helpers import hf_greedy, save_tiny_model, tiny_config
     config = tiny_config("llama", hidden_size=96, head_dim=64, num_attention_heads=6,
-                         num_key_value_heads=2)
+                         num_key_value_heads=2, max_position_embeddings=2048)
     path = save_tiny_model(str(tmp_path / "llama64"), config, smollm_tokenizer)
-    shared = random_prompts(1, lengths=[420], seed=12)[0]
+    shared = random_prompts(1, lengths=[1050], seed=12)[0]
     prompts = [shared + tail for tail in random_prompts(6, lengths=[5, 9, 17, 20, 31, 40],
                                                         seed=13)]
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompts,
                      16)
-    llm = LLM(path, dtype="float32", kv_cache_memory=32 << 20, enable_prefix_caching=True)
+    llm = LLM(path, dtype="float32", kv_cache_memory=64 << 20, enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm.generate([shared], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    assert llm.generate([prompts[2]], params, use_tqdm=False)[0].outputs[0].token_ids == want[2]
     assert_no_blocks_in_use(llm)

@@ -829,15 +829,16 @@ ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
 }  // namespace v8
 #endif
 
-// Each build's kernels: decode rows and extend tiles on its widest vectors. Decode rows are
-// summed in parts (below) on the AVX2 build alone (kDecodeInParts): on the AVX-512 builds,
-// where a row runs on 16 lanes, a batch of 32 rows of 200-700 tokens ran 1.24x slower in
-// parts and a lone row of 2,048 tokens only 0.92x (2-core AMX Xeon; HISTORY.md, session 26);
-// there a cascade's tail is one part.
+// Each build's kernels: decode rows and extend tiles on its widest vectors. A decode row is
+// summed in parts (below) once its context passes kPartsFrom tokens: every row on AVX2 (parts
+// of 128 tokens); on the AVX-512 builds, whose 16-lane rows cost less, rows past 1,024 tokens,
+// in parts of 1,024 (parts of 128 for every row ran a batch of 32 rows of 200-700 tokens
+// 1.24x slower there; 1,024 from 1,024: a lone row of 8,192 tokens 0.76x, 32 rows of
+// 1,500-2,500 0.88-0.95x, rows under 1,024 as before; 2-core AMX Xeon, HISTORY.md, session 26).
 #if defined(__AVX512F__)
 using namespace v16;
 #define QUIRE_FIXED_SHAPE_PATH 1
-constexpr bool kDecodeInParts = false;
+constexpr int kPartsFrom = 1024;
 #if defined(__AVX2__) && defined(__FMA__)
 using v8::fixed_shape_tile;
 using v8::kTileRows;
@@ -845,25 +846,25 @@ using v8::kTileRows;
 #elif defined(__AVX2__) && defined(__FMA__)
 using namespace v8;
 #define QUIRE_FIXED_SHAPE_PATH 1
-constexpr bool kDecodeInParts = true;
+constexpr int kPartsFrom = 0;
 #endif
 
 #if defined(QUIRE_FIXED_SHAPE_PATH) && defined(__AVX2__) && defined(__FMA__)
-// Decode rows in parts. A row's context [lo, len) is summed in parts that end at fixed
-// multiples of kPartTokens (counted from the sequence's first token, so they depend on the row
+// Decode rows in parts. A row's context [lo, len), once longer than kPartsFrom tokens, is
+// summed in parts that end at fixed multiples of kPartTokens (counted from the sequence's first token, so they depend on the row
 // alone, not on the batch or the threads), each KV head's part a work item of its own: one
 // sequence with a long context keeps every thread busy (its 3 KV heads, SmolLM2's, left one of
 // two threads idle half the time, and a KV head's slice of each row is a third of the row, so
 // one thread read it at ~7 GB/s). The parts merge by their log-sum-exps, in order, sinks
-// joining the denominator there. A row of one part (len <= kPartTokens) is summed as before,
-// straight into `out`.
+// joining the denominator there. A row of one part (len <= kPartTokens, or a context of
+// kPartsFrom tokens or fewer) is summed as before, straight into `out`.
 //
 // shared (cascade, or null): tokens of each row already summed by tiles, whose outputs and
 // log-sum-exps (prefix_out [row][head][d], prefix_lse [row][head]) come first in its merge;
 // `tiles` work items, run by run_tile(work), go ahead of the parts in the same loop.
 // Returns false, having done nothing, where the layout has no fixed shape or no row (and no
 // tile) needs a merge: the caller's one-item-per-row path then gives the same bits.
-constexpr int kPartTokens = 128;
+constexpr int kPartTokens = kPartsFrom == 0 ? 128 : 1024;
 constexpr int kMaxHeadDim = 128;  // the fixed shapes' largest head_dim
 
 template <typename T, typename RunTile>
@@ -890,7 +891,7 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
   bool merges = tiles > 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int len = seq_lens[i], lo = first_key(i);
-    const int n = kDecodeInParts && len > lo ? (len - 1) / kPartTokens - lo / kPartTokens + 1 : 1;
+    const int n = len - lo > kPartsFrom ? (len - 1) / kPartTokens - lo / kPartTokens + 1 : 1;
     first_part[i] = int64_t(part_row.size());
     part_row.insert(part_row.end(), n, int32_t(i));
     merges = merges || n > 1;
@@ -907,9 +908,10 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
   const int64_t* const first = first_part.data();
   const int32_t* const row_of = part_row.data();
   const int64_t items = tiles + parts * num_kv_heads;
+  const int grab = tiles == 0 && items >= 64 ? 4 : 1;  // items a grab (as the one-item path)
 #pragma omp parallel
   {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, grab)
     for (int64_t work = 0; work < items; ++work) {
       if (work < tiles) {
         run_tile(work);
@@ -931,8 +933,9 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
         continue;
       }
       const int begin = (lo / kPartTokens + int(p - first[i])) * kPartTokens;
-      const int end = kDecodeInParts ? std::min(len, begin + kPartTokens) : len;
-      part(qh, kc, vc, po + p * width + head, table, end, kDecodeInParts ? std::max(lo, begin) : lo,
+      const bool in_parts = len - lo > kPartsFrom;
+      const int end = in_parts ? std::min(len, begin + kPartTokens) : len;
+      part(qh, kc, vc, po + p * width + head, table, end, in_parts ? std::max(lo, begin) : lo,
            block_stride, row_stride, head_dim, scale, softcap, nullptr,
            pl + p * num_heads + kv_head * group);
     }
@@ -987,7 +990,7 @@ constexpr int kCascadeMinRows = 4;    // rows sharing a prefix, for its tiles to
 // blocks they share: 64 tokens on AVX2; 384 on AVX-512, whose 16-lane rows read alone cost
 // less against the tiles and merges (32 float32 rows sharing 256 tokens ran 1.06x slower
 // through the cascade, sharing 512 0.92x, 1,024 0.65x; HISTORY.md, session 26)
-constexpr int kCascadeMinBlocks = kDecodeInParts ? 4 : 24;
+constexpr int kCascadeMinBlocks = kPartsFrom == 0 ? 4 : 24;
 
 template <typename T>
 bool cascade_decode(const T* q, const T* k_cache, const T* v_cache, T* out,
@@ -1147,7 +1150,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
                      num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
                      sinks, block_stride, row_stride))
     return;
-  if (kDecodeInParts && rows == nullptr && block_size == 16 &&
+  if (rows == nullptr && block_size == 16 &&
       split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, num_heads,
                    num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, window,
                    softcap, sinks, block_stride, row_stride))
