@@ -1,8 +1,9 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place through
 // the block table (no gathered copy), GQA-aware (each K/V row is loaded once and serves its
 // whole group of query heads), online softmax in float32. One work item per (sequence, KV
-// head), over OpenMP threads (the same runtime, and thread count, as torch's); on the AVX2
-// build one per (128-token part of a sequence's context, KV head), merged (decode_in_parts).
+// head), over OpenMP threads (the same runtime, and thread count, as torch's); one per (part of
+// a sequence's context, KV head) where a context is long (every 128 tokens on the AVX2 build,
+// every 1,024 past 1,024 on AVX-512), merged (decode_in_parts).
 // Extend rows (prefill chunks over a cached prefix, verification rows) run in GEMM-shaped
 // tiles of up to 16 rows on every AVX2 or AVX-512 build (extend_tile8).
 //
