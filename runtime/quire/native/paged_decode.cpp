@@ -70,7 +70,7 @@ using Int = std::integral_constant<int, N>;
 
 // The fixed-shape instance of a kernel for this layout, or nullptr (then the general loop
 // runs): query heads per KV head 1-8, head_dim 64 or 128 in kLanes-float chunks, blocks of 16
-// tokens. `make(Int<G>, Int<C>)` names the instance, e.g. decode_item16<T, G, C>.
+// tokens. `make(Int<G>, Int<C>)` names the instance, e.g. decode_item16_lse<T, G, C>.
 template <int C, typename Make>
 auto fixed_shape_for_group(int group, Make make) -> decltype(make(Int<1>{}, Int<C>{})) {
   switch (group) {
@@ -98,15 +98,12 @@ auto fixed_shape(int group, int head_dim, int block_size, Make make)
 }
 
 // The fixed-shape kernels' types, the same in every build: a decode row (one work item: a
-// sequence and a KV head), a part of one (its output float32 and its log-sum-exps, merged
-// later), and a tile of consecutive rows of one sequence (extend and cascade).
-template <typename T>
-using ItemFn = void (*)(const T*, const T*, const T*, T*, const int32_t*, int, int, int64_t,
-                        int64_t, int64_t, float, float, const float*);
-
-template <typename T>
-using ItemPartFn = void (*)(const T*, const T*, const T*, float*, const int32_t*, int, int,
-                            int64_t, int64_t, int64_t, float, float, const float*, float*);
+// sequence and a KV head; O float32 for a part of one, merged later by the log-sum-exps it
+// writes where lse is not null), and a tile of consecutive rows of one sequence (extend and
+// cascade).
+template <typename T, typename O = T>
+using RowFn = void (*)(const T*, const T*, const T*, O*, const int32_t*, int, int, int64_t,
+                       int64_t, int64_t, float, float, const float*, float*);
 
 template <typename T, typename O = T>
 using TileFn = void (*)(const T*, const T*, const T*, O*, const int32_t*, const int32_t*,
@@ -332,26 +329,11 @@ void decode_item16_lse(const T* q, const T* k_cache, const T* v_cache, O* out,
   }
 }
 
-template <typename T, int G, int C>
-void decode_item16(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                   int len, int lo, int64_t block_stride, int64_t row_stride,
-                   int64_t q_head_stride, float scale, float softcap, const float* sinks) {
-  decode_item16_lse<T, G, C>(q, k_cache, v_cache, out, table, len, lo, block_stride, row_stride,
-                             q_head_stride, scale, softcap, sinks, nullptr);
-}
-
 // The fixed-shape path for this layout, or nullptr (then the general loop runs).
-template <typename T>
-ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
-  return fixed_shape<16>(group, head_dim, block_size, [](auto g, auto c) -> ItemFn<T> {
-    return decode_item16<T, decltype(g)::value, decltype(c)::value>;
-  });
-}
-
-template <typename T>
-ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
-  return fixed_shape<16>(group, head_dim, block_size, [](auto g, auto c) -> ItemPartFn<T> {
-    return decode_item16_lse<T, decltype(g)::value, decltype(c)::value, float>;
+template <typename T, typename O = T>
+RowFn<T, O> fixed_shape_row(int group, int head_dim, int block_size) {
+  return fixed_shape<16>(group, head_dim, block_size, [](auto g, auto c) -> RowFn<T, O> {
+    return decode_item16_lse<T, decltype(g)::value, decltype(c)::value, O>;
   });
 }
 
@@ -361,7 +343,7 @@ ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
 #if defined(__AVX2__) && defined(__FMA__)
 namespace v8 {
 // The 8-lane kernels: on the AVX2 build (no AVX-512) every fixed-shape path, the same
-// algorithm as decode_item16 on 8-lane vectors (head_dim / 8 = C chunks, blocks of 16 tokens
+// algorithm as decode_item16_lse on 8-lane vectors (head_dim / 8 = C chunks, blocks of 16 tokens
 // scored as two halves of 8); on the AVX-512 builds their GEMM-shaped tiles (extend and the
 // cascade's shared prefixes), beside v16's decode rows, with the tiles' products on 16 lanes
 // (tile_scores, tile_accumulate) and the rest (transposes, softmax) as on AVX2.
@@ -570,14 +552,6 @@ void decode_item8_lse(const T* q, const T* k_cache, const T* v_cache, O* out,
     for (int d = 0; d < C * 8; ++d) store_scalar(out + g * q_head_stride + d, row[d]);
     if (lse) lse[g] = st.m[g] + std::log(st.l[g]);
   }
-}
-
-template <typename T, int G, int C>
-void decode_item8(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* table,
-                  int len, int lo, int64_t block_stride, int64_t row_stride,
-                  int64_t q_head_stride, float scale, float softcap, const float* sinks) {
-  decode_item8_lse<T, G, C>(q, k_cache, v_cache, out, table, len, lo, block_stride, row_stride,
-                            q_head_stride, scale, softcap, sinks, nullptr);
 }
 
 inline void transpose8(__m256 (&r)[8]) {
@@ -805,10 +779,10 @@ void extend_tile8(const T* q, const T* k_cache, const T* v_cache, O* out, const 
   }
 }
 
-template <typename T>
-ItemFn<T> fixed_shape_item(int group, int head_dim, int block_size) {
-  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemFn<T> {
-    return decode_item8<T, decltype(g)::value, decltype(c)::value>;
+template <typename T, typename O = T>
+RowFn<T, O> fixed_shape_row(int group, int head_dim, int block_size) {
+  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> RowFn<T, O> {
+    return decode_item8_lse<T, decltype(g)::value, decltype(c)::value, O>;
   });
 }
 
@@ -817,13 +791,6 @@ template <typename T, typename O = T>
 TileFn<T, O> fixed_shape_tile(int group, int head_dim, int block_size) {
   return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> TileFn<T, O> {
     return extend_tile8<T, decltype(g)::value, decltype(c)::value, O>;
-  });
-}
-
-template <typename T>
-ItemPartFn<T> fixed_shape_item_part(int group, int head_dim, int block_size) {
-  return fixed_shape<8>(group, head_dim, block_size, [](auto g, auto c) -> ItemPartFn<T> {
-    return decode_item8_lse<T, decltype(g)::value, decltype(c)::value, float>;
   });
 }
 
@@ -852,11 +819,11 @@ constexpr int kPartsFrom = 0;
 
 #if defined(QUIRE_FIXED_SHAPE_PATH) && defined(__AVX2__) && defined(__FMA__)
 // Decode rows in parts. A row's context [lo, len), once longer than kPartsFrom tokens, is
-// summed in parts that end at fixed multiples of kPartTokens (counted from the sequence's first token, so they depend on the row
-// alone, not on the batch or the threads), each KV head's part a work item of its own: one
-// sequence with a long context keeps every thread busy (its 3 KV heads, SmolLM2's, left one of
-// two threads idle half the time, and a KV head's slice of each row is a third of the row, so
-// one thread read it at ~7 GB/s). The parts merge by their log-sum-exps, in order, sinks
+// summed in parts that end at fixed multiples of kPartTokens (counted from the sequence's first
+// token, so they depend on the row alone, not on the batch or the threads), each KV head's
+// part a work item of its own: one sequence with a long context keeps every thread busy (its
+// 3 KV heads, SmolLM2's, left one of two threads idle half the time, and a KV head's slice of
+// each row is a third of the row, so one thread read it at ~7 GB/s). The parts merge by their log-sum-exps, in order, sinks
 // joining the denominator there. A row of one part (len <= kPartTokens, or a context of
 // kPartsFrom tokens or fewer) is summed as before, straight into `out`.
 //
@@ -877,8 +844,8 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
                      int64_t row_stride, const int32_t* shared, const float* prefix_out,
                      const float* prefix_lse, int64_t tiles, RunTile run_tile) {
   const int group = num_heads / num_kv_heads;
-  const ItemFn<T> whole = fixed_shape_item<T>(group, head_dim, 16);
-  const ItemPartFn<T> part = fixed_shape_item_part<T>(group, head_dim, 16);
+  const RowFn<T> whole = fixed_shape_row<T>(group, head_dim, 16);
+  const RowFn<T, float> part = fixed_shape_row<T, float>(group, head_dim, 16);
   if (!whole || !part) return false;
   // parts [first[i], first[i + 1]) are row i's, in order; row_of[p]: part p's row
   static thread_local std::vector<int64_t> first_part;
@@ -930,7 +897,7 @@ bool decode_in_parts(const T* q, const T* k_cache, const T* v_cache, T* out,
       const bool alone = first[i + 1] - first[i] == 1 && !(shared && shared[i]);
       if (alone) {  // the whole context, straight into out, as the one-item path sums it
         whole(qh, kc, vc, out + i * out_stride + head, table, len, lo, block_stride, row_stride,
-              head_dim, scale, softcap, sinks ? sinks + kv_head * group : nullptr);
+              head_dim, scale, softcap, sinks ? sinks + kv_head * group : nullptr, nullptr);
         continue;
       }
       const int begin = (lo / kPartTokens + int(p - first[i])) * kPartTokens;
@@ -985,8 +952,8 @@ bool split_decode(const T* q, const T* k_cache, const T* v_cache, T* out,
 // of them, in GEMM-shaped tiles of up to kTileRows rows: each K/V block then feeds count * G
 // query vectors instead of G. Each row reads its own tail alone, and the two parts merge by
 // their log-sum-exps (the parts stay float32 until merged, whatever the cache's dtype). No
-// sliding window, decode rows only (row i is sequence i). Sinks join at the merge (a row read alone takes
-// its own). Returns false, having done nothing, where no group of rows qualifies.
+// sliding window, decode rows only (row i is sequence i). Sinks join at the merge (a row read
+// alone takes its own). Returns false, having done nothing, where no group of rows qualifies.
 constexpr int kCascadeMinRows = 4;    // rows sharing a prefix, for its tiles to pay
 // blocks they share: 64 tokens on AVX2; 384 on AVX-512, whose 16-lane rows read alone cost
 // less against the tiles and merges (32 float32 rows sharing 256 tokens ran 1.06x slower
@@ -1174,7 +1141,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
     }
 #endif
 #if defined(QUIRE_FIXED_SHAPE_PATH)
-  if (const ItemFn<T> item = fixed_shape_item<T>(group, head_dim, block_size)) {
+  if (const RowFn<T> item = fixed_shape_row<T>(group, head_dim, block_size)) {
 #pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t work = 0; work < items; ++work) {
       const int64_t i = work / num_kv_heads;
@@ -1186,7 +1153,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
            v_cache + int64_t(kv_head) * head_dim, out + qrow * out_stride + head,
            block_tables + seq * bt_stride, len, window > 0 ? std::max(0, len - window) : 0,
            block_stride, row_stride, head_dim, scale, softcap,
-           sinks ? sinks + kv_head * group : nullptr);
+           sinks ? sinks + kv_head * group : nullptr, nullptr);
     }
     return;
   }
