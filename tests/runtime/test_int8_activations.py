@@ -88,13 +88,16 @@ def test_one_value_rounded_the_other_way_is_far_outside_the_bound(march):
     assert ((y - nudged @ w64.T).abs() > 100 * bound).any()
 
 
-def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m():
-    x = _x(23, 576, torch.float32, seed=7)
+@pytest.mark.parametrize("group", [32, 64])
+def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m(group):
+    """Every path: the scalar, AVX2 and AVX512-VNNI rows (tiles of 1-8), the AMX tiles from 3
+    rows (streamed up to 16, expanded beyond: 40 rows are tiles of 16, 16 and 8)."""
+    x = _x(40, 576, torch.float32, seed=7)
     outputs = {}
     for march in BUILDS:
-        packed, _ = _packed(70, 576, 32, "min16", march)
+        packed, _ = _packed(70, 576, group, "min16", march)
         whole = qm.int4_linear(x, packed)
-        for rows in (1, 2, 3, 4, 5, 6, 9):  # tiles of every size (1-4), alone, beside others and past one tile
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 23):  # alone, beside others, past a tile
             parts = torch.cat([qm.int4_linear(x[i:i + rows], packed)
                                for i in range(0, x.shape[0], rows)])
             assert torch.equal(parts, whole), (march, rows)
