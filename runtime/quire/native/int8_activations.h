@@ -17,6 +17,8 @@
 // operations per 32 weights unpacking nibbles to float32 (HISTORY.md, session 18): more than
 // the read. Here it is ~5. What it costs: x is rounded to ~2 decimal digits, so greedy output
 // is no longer transformers' token for token (benchmarks/README.md states the bound).
+// Builds with AVX512-VNNI sum four products a lane (vpdpbusd, q8_quads below), and amx builds
+// run 3 rows or more on the int8 tiles (int8_amx.h): the same exact isums, the same bits.
 
 constexpr int kQ8Block = 32;  // x values per int8 scale (and k per integer sum)
 
