@@ -16,8 +16,8 @@ round in one process.
     python benchmarks/small_m.py --weights bfloat16 --dtype bfloat16 --march avx512_bf16 amx
     python benchmarks/small_m.py --activations float int8   # --activation-quantization's two
 
-`--activations int8` rounds x to int8 in the int4 layers' calls (the engine's
---activation-quantization int8); the Q8_0 lm_head keeps float x either way.
+`--activations int8` rounds x to int8 in the int4 layers and the Q8_0 lm_head (the engine's
+--activation-quantization int8); the Q8_0 lm_head too since int8 weights take them.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def make_step(qm, march: str, weights: str = "gguf"):
 
 
 def use_activations(step, activations: str) -> None:
-    """int8: the int4 layers round x to int8 (PackedWeight.use_int8_activations)."""
+    """int8: the int4 layers and the int8 lm_head round x to int8
+    (PackedWeight.use_int8_activations)."""
     for packed, _ in step:
         packed.use_int8_activations(activations == "int8")
 
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--march", nargs="+", default=["native"],
                     help="kernel builds (loader.ISA_BUILDS), alternated call by call")
     ap.add_argument("--activations", nargs="+", default=["float"], choices=["float", "int8"],
-                    help="x as it is, or rounded to int8 in the int4 layers (alternated)")
+                    help="x as it is, or rounded to int8 (alternated)")
     add_plot_flag(ap, "small_m")
     args = ap.parse_args()
     marches = args.march

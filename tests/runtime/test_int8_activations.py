@@ -1,4 +1,4 @@
-"""int8 activations for int4 weights (native/int8_activations.h, `--activation-quantization
+"""int8 activations for int4 and int8 weights (native/int8_activations.h, `--activation-quantization
 int8`), on every build this CPU can run.
 
 What the kernel promises: each row of x is rounded per 32 values of k, d = max|x| / 127 and
@@ -50,6 +50,17 @@ def rounded_x(x: torch.Tensor) -> torch.Tensor:
     return (xq.clamp(-127, 127).double() * d.double()).reshape(m, k)
 
 
+def _packed_int8(n, k, group, march, seed=0):
+    """An int8 weight (q in -128..127, as GGUF's Q8_0 allows) and its exact values, |w|."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    s = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-4).half().float()
+    packed = qm.pack_int8(q, s, group, _march=march)
+    assert packed.use_int8_activations()
+    w64 = q.double() * s.double().repeat_interleave(group, dim=1)
+    return packed, (w64, w64.abs())
+
+
 def _packed(n, k, group, flavour, march, seed=0):
     qweight, scales, zeros = _int4_case(n, k, group, seed, flavour)
     packed = qm.pack_int4(qweight, scales, zeros, group, _march=march)
@@ -77,6 +88,25 @@ def test_rounded_x_times_the_exact_weight_within_the_bound(march, flavour, group
         assert worst <= 1.0, f"{(m, n, k)}: error {worst:.3g} x the bound"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_weights_rounded_x_times_the_exact_weight_within_the_bound(march, group, dtype):
+    """GGUF's Q8_0 (the default model's LM head) with int8 activations: the same bound."""
+    for m, n, k in SHAPES:
+        if k % group:
+            continue
+        packed, (w64, magnitude) = _packed_int8(n, k, group, march, seed=m)
+        x = _x(m, k, dtype, seed=m + k)
+        y = qm.int8_linear(x, packed)
+        x64 = rounded_x(x)
+        want = x64 @ w64.T
+        bound = (2 * k // 32 + 4) * U32 * (x64.abs() @ magnitude.T)
+        if dtype == torch.bfloat16:
+            bound = bound * (1 + 2.0 ** -8) + 2.0 ** -8 * want.abs()
+        worst = ((y.double() - want).abs() / bound.clamp_min(1e-300)).max().item()
+        assert worst <= 1.0, f"{(m, n, k)}: error {worst:.3g} x the bound"
+
+
 def test_one_value_rounded_the_other_way_is_far_outside_the_bound(march):
     packed, (w64, magnitude) = _packed(64, 256, 32, "min16", march)
     x = _x(1, 256, torch.float32, seed=3)
@@ -88,17 +118,22 @@ def test_one_value_rounded_the_other_way_is_far_outside_the_bound(march):
     assert ((y - nudged @ w64.T).abs() > 100 * bound).any()
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("group", [32, 64])
-def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m(group):
-    """Every path: the scalar, AVX2 and AVX512-VNNI rows (tiles of 1-8), the AMX tiles from 3
+def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m(group, weights):
+    """Every path: the scalar, AVX2 and AVX512-VNNI rows (tiles of 1-8), the AMX tiles from 5
     rows (streamed up to 16, expanded beyond: 40 rows are tiles of 16, 16 and 8)."""
     x = _x(40, 576, torch.float32, seed=7)
     outputs = {}
+    linear = qm.int4_linear if weights == "int4" else qm.int8_linear
     for march in BUILDS:
-        packed, _ = _packed(70, 576, group, "min16", march)
-        whole = qm.int4_linear(x, packed)
+        if weights == "int4":
+            packed, _ = _packed(70, 576, group, "min16", march)
+        else:
+            packed, _ = _packed_int8(70, 576, group, march)
+        whole = linear(x, packed)
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 23):  # alone, beside others, past a tile
-            parts = torch.cat([qm.int4_linear(x[i:i + rows], packed)
+            parts = torch.cat([linear(x[i:i + rows], packed)
                                for i in range(0, x.shape[0], rows)])
             assert torch.equal(parts, whole), (march, rows)
         outputs[march] = whole
@@ -135,8 +170,9 @@ def test_zero_tiny_and_non_finite_blocks(march):
 
 
 def test_weights_it_does_not_apply_to_keep_the_float_path():
-    q8, s8 = torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40, 2) * 0.01
-    int8 = qm.pack_int8(q8, s8, 32)
+    """bfloat16 weights, and int8 ones whose groups are not whole 32-k blocks."""
+    q8, s8 = torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40, 4) * 0.01
+    int8 = qm.pack_int8(q8, s8, 16)
     bf16 = qm.pack_bf16(torch.randn(40, 64).bfloat16())
     x = torch.randn(3, 64)
     for packed, fn in ((int8, qm.int8_linear), (bf16, qm.bf16_linear)):

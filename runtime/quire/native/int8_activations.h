@@ -18,7 +18,7 @@
 // the read. Here it is ~5. What it costs: x is rounded to ~2 decimal digits, so greedy output
 // is no longer transformers' token for token (benchmarks/README.md states the bound).
 // Builds with AVX512-VNNI sum four products a lane (vpdpbusd, q8_quads below), and amx builds
-// run 3 rows or more on the int8 tiles (int8_amx.h): the same exact isums, the same bits.
+// run 5 rows or more on the int8 tiles (int8_amx.h): the same exact isums, the same bits.
 
 constexpr int kQ8Block = 32;  // x values per int8 scale (and k per integer sum)
 
@@ -37,16 +37,23 @@ constexpr int kQ8Tile = 4;
 constexpr int quad_slot(int k) { return k; }
 #endif
 
-// Whether a weight can take int8 activations: the int4 forms, whole 32-k blocks in a group.
+// Whether a weight can take int8 activations: the int4 forms and int8 (GGUF's Q8_0: the
+// default model's LM head), whole 32-k blocks in a group.
 inline bool q8_applies(int form, int64_t K, int64_t G) {
-  return (form == kInt4Symmetric || form == kInt4Zero || form == kInt4Min) && K % kQ8Block == 0 &&
-         G % kQ8Block == 0;
+  return (form == kInt8 || form == kInt4Symmetric || form == kInt4Zero || form == kInt4Min) &&
+         K % kQ8Block == 0 && G % kQ8Block == 0;
 }
 
-// x [M][K] rounded: q [M][K], d [M][K / 32], and per group xs [M][K / G].
+// Bytes of a row block per k: int8 one a row, int4 half
+template <int Form>
+constexpr int64_t q8_bytes_per_k() { return Form == kInt8 ? kRows : kRows / 2; }
+
+// x [M][K] rounded: q [M][K], d [M][K / 32], per group xs [M][K / G], and per 32-k block the
+// integer sum of q, qs [M][K / 32] (the VNNI int8-weight path's offset).
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, xs;
+  std::vector<int32_t> qs;
 };
 
 // Rounds one 32-value block of x; returns sum(q). A block whose largest |x| is below 1e-30
@@ -140,6 +147,7 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t G, int threads, Q8R
   out.q.resize(M * K);
   out.d.resize(M * blocks);
   out.xs.resize(M * groups);
+  out.qs.resize(M * blocks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M >= 16)
   for (int64_t m = 0; m < M; ++m) {
     [[maybe_unused]] alignas(32) float converted[kQ8Block];
@@ -162,6 +170,7 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t G, int threads, Q8R
         }
         const int32_t sum = quantize_block(src, q, d);
 #endif
+        out.qs[m * blocks + j] = sum;
         s = __builtin_fmaf(*d, static_cast<float>(sum), s);
       }
       out.xs[m * groups + g] = s;
@@ -188,13 +197,30 @@ inline V vload_int32(const int32_t* p) {  // exact: the sums stay below 2^24
 // u at k = 0, 2, 4, 6 (`even`) and 1, 3, 5, 7 (`odd`), one byte each (XOR 8 for the forms
 // stored that way). Dword j of 128-bit lane p (rows 4j..4j + 3 of pair p) moves to dword p of
 // lane j, then each lane's 4 x 4 bytes are transposed: 5 operations for 32 weights.
-template <int Form>
-inline void q8_quads(const uint8_t* q, __m512i& even, __m512i& odd) {
+inline __m512i quad_transpose(__m512i v) {  // 128-bit lane p, byte r -> dword r, byte p
   const __m512i lanes = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   const __m512i rows = _mm512_broadcast_i32x4(
       _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lanes, v), rows);
+}
+
+// The same for an int8 row block: 128 bytes (k = 0..7, 16 bytes a k) as `even` (k = 0, 2, 4,
+// 6) and `odd` (1, 3, 5, 7), signed bytes; with `unsigned_`, XOR 0x80 (q + 128, for vpdpbusd).
+template <bool unsigned_>
+inline void q8_quads_int8(const uint8_t* q, __m512i& even, __m512i& odd) {
+  const __m512i a = _mm512_loadu_si512(q), b = _mm512_loadu_si512(q + 64);
+  even = quad_transpose(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+  odd = quad_transpose(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  if constexpr (unsigned_) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    even = _mm512_xor_si512(even, flip), odd = _mm512_xor_si512(odd, flip);
+  }
+}
+
+template <int Form>
+inline void q8_quads(const uint8_t* q, __m512i& even, __m512i& odd) {
   const __m512i low = _mm512_set1_epi8(0x0f);
-  __m512i t = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(lanes, _mm512_loadu_si512(q)), rows);
+  __m512i t = quad_transpose(_mm512_loadu_si512(q));
   if constexpr (Form != kInt4Min) t = _mm512_xor_si512(t, _mm512_set1_epi8(static_cast<char>(0x88)));
   even = _mm512_and_si512(t, low);
   odd = _mm512_and_si512(_mm512_srli_epi32(t, 4), low);
@@ -203,17 +229,25 @@ inline void q8_quads(const uint8_t* q, __m512i& even, __m512i& odd) {
 // q8_isums on AVX512-VNNI: the same exact sums, four products a lane per vpdpbusd (weights
 // unsigned, xq signed, in quad_slot order). Rows of a short call keep two chains each, so a
 // single row's eight steps are not one latency chain.
+// int8 weights: q + 128 unsigned against xq, then 128 * sum(xq) (qs: row 0's, `blocks` apart)
+// taken off: exact.
 template <int Form, int MT>
 inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_t* ahead,
-                     int32_t* isum) {
+                     const int32_t* qs, int64_t blocks, int32_t* isum) {
   constexpr int kChainsPerRow = MT <= 2 ? 2 : 1;
   __m512i acc[MT][2 * kChainsPerRow];
   for (int m = 0; m < MT; ++m)
     for (int c = 0; c < 2 * kChainsPerRow; ++c) acc[m][c] = _mm512_setzero_si512();
-  for (int line = 0; line < 4; ++line) {  // 64 bytes: 8 k
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+  for (int line = 0; line < 4; ++line) {  // 8 k: 64 bytes of int4, 128 of int8
     __m512i even, odd;
-    q8_quads<Form>(q + 64 * line, even, odd);
+    if constexpr (Form == kInt8) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 128 * line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 128 * line + 64), _MM_HINT_T0);
+      q8_quads_int8<true>(q + 128 * line, even, odd);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+      q8_quads<Form>(q + 64 * line, even, odd);
+    }
     const int c = 2 * (line % kChainsPerRow);
     for (int m = 0; m < MT; ++m) {
       int32_t e, o;
@@ -227,6 +261,7 @@ inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_
     __m512i sum = _mm512_add_epi32(acc[m][0], acc[m][1]);
     if constexpr (kChainsPerRow == 2)
       sum = _mm512_add_epi32(sum, _mm512_add_epi32(acc[m][2], acc[m][3]));
+    if constexpr (Form == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qs[m * blocks]));
     _mm512_storeu_si512(isum + m * kRows, sum);
   }
 }
@@ -234,10 +269,51 @@ inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_
 // isum[m][r] = sum over one 32-k block of u[k] * xq[m][k] (row r of a row block; q: the
 // block's 256 bytes of it, xq: row 0's 32 values, rows K apart; u: the nibble read unsigned,
 // XOR 8 for the forms stored that way). Exact in any order. `ahead`: the same bytes of the
-// next row block, fetched meanwhile (decode streams each weight once from memory).
+// next row block, fetched meanwhile (decode streams each weight once from memory). int8
+// weights: u is the signed byte (q8_isums_int8).
+template <int MT>
+inline void q8_isums_int8(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_t* ahead,
+                          int32_t* isum) {
+#if defined(__AVX2__)
+  // Two k of the 16 rows (16 bytes each) interleaved: each row's pair in one 16-bit lane.
+  // vpmaddubsw takes |q| unsigned and xq with q's sign (|q| <= 128, |xq| <= 127: a pair's sum
+  // fits 16 bits, 2 x 128 x 127 = 32512), each step widened to 32 bits.
+  __m256i acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+  for (int k = 0; k < kQ8Block; k += 2) {
+    if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kRows), _MM_HINT_T0);
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kRows));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k + 1) * kRows));
+    const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+    const __m256i magnitude = _mm256_abs_epi8(w);
+    for (int m = 0; m < MT; ++m) {
+      int16_t two;
+      std::memcpy(&two, xq + m * K + k, sizeof two);
+      const __m256i p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi16(two), w));
+      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
+      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + m * kRows + 8 * h), acc[m][h]);
+#else
+  (void)ahead;
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) {
+      int32_t sum = 0;
+      for (int k = 0; k < kQ8Block; ++k)
+        sum += static_cast<int8_t>(q[k * kRows + r]) * xq[m * K + k];
+      isum[m * kRows + r] = sum;
+    }
+#endif
+}
+
 template <int Form, int MT>
 inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_t* ahead,
-                     int32_t* isum) {
+                     const int32_t* qs, int64_t blocks, int32_t* isum) {
+  (void)qs, (void)blocks;
+  if constexpr (Form == kInt8) return q8_isums_int8<MT>(xq, K, q, ahead, isum);
 #if defined(__AVX2__)
   // 32 bytes = two pairs of k for the block's 16 rows (lane 0: k, k + 1; lane 1: the next
   // two). Unpacking the low and high nibbles side by side gives each row's pair of k in one
@@ -290,6 +366,14 @@ inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_
 }
 #endif  // QUIRE_Q8_QUADS
 
+// A group's offset per unit of x: m, z - 8 s, or -8 s (the int4 forms)
+template <int Form, typename S>
+inline V q8_offset(const Block<Form, S>& here, int64_t g, V s) {
+  if constexpr (Form == kInt4Min) return vload(here.offsets + g * kRows);
+  else if constexpr (Form == kInt4Zero) return vfma(vset(-8.f), s, vload(here.offsets + g * kRows));
+  else return vmul(vset(-8.f), s);
+}
+
 // One row block against MT rows of rounded x (from row m0): out[m][r] = y[m0 + m, row r]
 template <int Form, typename S, int MT>
 __attribute__((noinline)) void q8_rows(const Q8Rows& x, int64_t m0, const Weight& w,
@@ -309,17 +393,20 @@ __attribute__((noinline)) void q8_rows(const Q8Rows& x, int64_t m0, const Weight
     V part[MT];
     for (int m = 0; m < MT; ++m) part[m] = vzero();
     for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += kQ8Block) {
-      const uint8_t* q = here.q + k0 / 2 * kRows;
-      q8_isums<Form, MT>(xq + k0, K, q, q + block_bytes, isum);
+      const uint8_t* q = here.q + k0 * q8_bytes_per_k<Form>();
+      q8_isums<Form, MT>(xq + k0, K, q, q + block_bytes,
+                         x.qs.data() + m0 * blocks + k0 / kQ8Block, blocks, isum);
       for (int m = 0; m < MT; ++m)
         part[m] = vfma(vset(xd[m * blocks + k0 / kQ8Block]), vload_int32(isum + m * kRows),
                        part[m]);
     }
     const V s = vload(here.scales + g * kRows);
-    V o;  // the offset per unit of x: m, z - 8 s, or -8 s
-    if constexpr (Form == kInt4Min) o = vload(here.offsets + g * kRows);
-    else if constexpr (Form == kInt4Zero) o = vfma(vset(-8.f), s, vload(here.offsets + g * kRows));
-    else o = vmul(vset(-8.f), s);
+    if constexpr (Form == kInt8) {  // (no offset)
+      for (int m = 0; m < MT; ++m)
+        vstore(out + m * kRows, vfma(s, part[m], vload(out + m * kRows)));
+      continue;
+    }
+    const V o = q8_offset<Form, S>(here, g, s);
     for (int m = 0; m < MT; ++m)
       vstore(out + m * kRows,
              vfma(o, vset(xs[m * groups + g]), vfma(s, part[m], vload(out + m * kRows))));
@@ -342,7 +429,7 @@ void q8_tile(int mt, const Q8Rows& x, int64_t m0, const Weight& w, int64_t block
   }
 }
 
-#include "int8_amx.h"  // (linear_q8_amx: 3 rows or more on an amx build's tiles)
+#include "int8_amx.h"  // (linear_q8_amx: 5 rows or more on an amx build's tiles)
 
 // y [M, N] = dequantized int8 x @ W^T: every M streams the packed weight (a call with more
 // rows than kQ8Tile walks each block once a tile while it stays in cache).

@@ -11,7 +11,11 @@
 // weights against the bfloat16 tiles' ~20 (nibble_pairs), so verification rows and batched
 // decode cost close to one read of the weights.
 #if defined(__AMX_INT8__)
-constexpr int kQ8AmxMinRows = 3;  // calls of this many rows or more run on the tiles
+// Calls of this many rows or more run on the tiles; fewer take the VNNI rows, which were
+// faster there (a SmolLM2 step's int4 matmuls, amx build, tiles from 3 against from 9,
+// alternated, best of 15, ms: 3 rows 3.61 / 2.56, 4 3.69 / 2.99, 5 3.81 / 3.95, 6 3.96 / 4.18,
+// 8 4.42 / 4.48)
+constexpr int kQ8AmxMinRows = 5;
 constexpr int kQ8AmxBatch = 4;    // 32-k blocks in flight, each in its own C tile
 constexpr int kQ8AmxRows = 16;    // rows of x per A tile
 constexpr int kQ8Quads = kQ8Block / 4;  // B tile rows per 32-k block
@@ -37,23 +41,30 @@ inline bool q8_amx_takes(int64_t M) {
 template <int Form>
 inline void q8_b_tiles(const uint8_t* q, int64_t block_bytes, int64_t k0, int blocks,
                        uint8_t* b) {
-  for (int i = 0; i < blocks * kQ8Block / 8; ++i) {  // 64 bytes of q: 8 k
-    const int64_t at = k0 / 2 * kRows + 64 * i;
-    _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + at), _MM_HINT_T0);
+  constexpr int64_t kLine = 8 * q8_bytes_per_k<Form>();  // q bytes of 8 k
+  for (int i = 0; i < blocks * kQ8Block / 8; ++i) {
+    const int64_t at = k0 * q8_bytes_per_k<Form>() + kLine * i;
     __m512i even, odd;
-    q8_quads<Form>(q + at, even, odd);
+    for (int64_t line = 0; line < kLine; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(q + block_bytes + at + line), _MM_HINT_T0);
+    if constexpr (Form == kInt8) q8_quads_int8<false>(q + at, even, odd);
+    else q8_quads<Form>(q + at, even, odd);
     _mm512_store_si512(b + 128 * i, even);
     _mm512_store_si512(b + 128 * i + 64, odd);
   }
 }
 
 // C tile C = A x B for one block: A from xq (rows K bytes apart), B from its 512 bytes
+// (tdpbssd for int8 weights: both signed)
 #define QUIRE_Q8_AMX_BLOCK(C, A, B, xq, K, b) \
   do {                                        \
     _tile_zero(C);                            \
     _tile_loadd(A, xq, K);                    \
     _tile_loadd(B, b, 64);                    \
-    _tile_dpbsud(C, A, B);                    \
+    if constexpr (Form == kInt8)              \
+      _tile_dpbssd(C, A, B);                  \
+    else                                      \
+      _tile_dpbsud(C, A, B);                  \
   } while (0)
 
 // mt (<= 16) rows of rounded x (from row m0) against row block `block`: out[m][r] = y[m0 + m,
@@ -95,14 +106,14 @@ __attribute__((noinline)) void q8_amx_rows(int mt, const Q8Rows& x, int64_t m0, 
       V s = vzero(), o = vzero();
       if (last) {
         s = vload(here.scales + g * kRows);
-        if constexpr (Form == kInt4Min) o = vload(here.offsets + g * kRows);
-        else if constexpr (Form == kInt4Zero) o = vfma(vset(-8.f), s, vload(here.offsets + g * kRows));
-        else o = vmul(vset(-8.f), s);
+        if constexpr (Form != kInt8) o = q8_offset<Form, S>(here, g, s);
       }
       for (int m = 0; m < mt; ++m) {
         const V p = vfma(vset(xd[m * blocks + k_block]), vload_int32(isum[j] + m * kRows),
                          first ? vzero() : vload(part + m * kRows));
-        if (last)
+        if (last && Form == kInt8)  // (no offset)
+          vstore(out + m * kRows, vfma(s, p, vload(out + m * kRows)));
+        else if (last)
           vstore(out + m * kRows,
                  vfma(o, vset(xs[m * groups + g]), vfma(s, p, vload(out + m * kRows))));
         else

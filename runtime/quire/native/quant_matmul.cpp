@@ -1475,6 +1475,7 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
                         w->G};
     threads = std::max(1, threads);
     switch (w->form) {
+      case kInt8: q8_form<kInt8>(x, M, dtype, threads, w->half, weight, y); break;
       case kInt4Symmetric: q8_form<kInt4Symmetric>(x, M, dtype, threads, w->half, weight, y); break;
       case kInt4Zero: q8_form<kInt4Zero>(x, M, dtype, threads, w->half, weight, y); break;
       default: q8_form<kInt4Min>(x, M, dtype, threads, w->half, weight, y); break;

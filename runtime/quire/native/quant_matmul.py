@@ -200,7 +200,7 @@ class PackedWeight:
 
 def int8_activations_apply(form: int, k: int, group: int) -> bool:
     """Whether a weight of this form and shape can take int8 activations (q8_applies)."""
-    return form in (INT4_SYMMETRIC, INT4_ZERO, INT4_MIN) and k % 32 == 0 and group % 32 == 0
+    return form in (INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN) and k % 32 == 0 and group % 32 == 0
 
 
 def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:
