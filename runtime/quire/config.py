@@ -51,8 +51,9 @@ class EngineArgs:
         "help": "input values per int4 scale/zero (--quantization int4)",
         "choices": QUANT_GROUP_SIZES})
     activation_quantization: str = field(default="none", metadata={
-        "help": "int8: the CPU kernels of int4 and int8 weights (a GGUF's Q4_0/Q4_1 and "
-                "Q8_0, --quantization int4/int8, GPTQ/AWQ/compressed-tensors int4) round each "
+        "help": "int8: the CPU kernels of int4 weights (a GGUF's Q4_0/Q4_1, --quantization "
+                "int4, GPTQ/AWQ/compressed-tensors int4) and, with AVX512-VNNI, of int8 ones "
+                "(Q8_0, --quantization int8) round each "
                 "input row to int8 per 32 values, as llama.cpp does: faster decode and "
                 "batched decode (AVX2, AVX512-VNNI, AMX int8 tiles), but greedy output no "
                 "longer equals transformers' token for token (benchmarks/README.md gives the "

@@ -17,7 +17,8 @@
 // operations per 32 weights unpacking nibbles to float32 (HISTORY.md, session 18): more than
 // the read. Here it is ~5. What it costs: x is rounded to ~2 decimal digits, so greedy output
 // is no longer transformers' token for token (benchmarks/README.md states the bound).
-// Builds with AVX512-VNNI sum four products a lane (vpdpbusd, q8_quads below), and amx builds
+// Builds with AVX512-VNNI sum four products a lane (vpdpbusd, q8_quads below) and take int8
+// weights too (q8_applies), and amx builds
 // run 5 rows or more on the int8 tiles (int8_amx.h): the same exact isums, the same bits.
 
 constexpr int kQ8Block = 32;  // x values per int8 scale (and k per integer sum)
@@ -37,10 +38,19 @@ constexpr int kQ8Tile = 4;
 constexpr int quad_slot(int k) { return k; }
 #endif
 
-// Whether a weight can take int8 activations: the int4 forms and int8 (GGUF's Q8_0: the
-// default model's LM head), whole 32-k blocks in a group.
+// Whether a weight can take int8 activations: the int4 forms, whole 32-k blocks in a group;
+// int8 weights (GGUF's Q8_0: the default model's LM head) on builds with AVX512-VNNI only.
+// Without it signed bytes against signed bytes cost more than the float path beyond one row
+// (vpmaddubsw on |q| with x given q's sign, widened each step: the Q8_0 head, avx2 build on
+// the AMX Xeon, 9 rows 4.96 ms against 3.48 with float x, 32 rows 16.9 against 12.4), so
+// there an int8 weight keeps float x.
 inline bool q8_applies(int form, int64_t K, int64_t G) {
-  return (form == kInt8 || form == kInt4Symmetric || form == kInt4Zero || form == kInt4Min) &&
+#if defined(QUIRE_Q8_QUADS)
+  const bool int8 = form == kInt8;
+#else
+  const bool int8 = false;
+#endif
+  return (int8 || form == kInt4Symmetric || form == kInt4Zero || form == kInt4Min) &&
          K % kQ8Block == 0 && G % kQ8Block == 0;
 }
 
@@ -269,51 +279,11 @@ inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_
 // isum[m][r] = sum over one 32-k block of u[k] * xq[m][k] (row r of a row block; q: the
 // block's 256 bytes of it, xq: row 0's 32 values, rows K apart; u: the nibble read unsigned,
 // XOR 8 for the forms stored that way). Exact in any order. `ahead`: the same bytes of the
-// next row block, fetched meanwhile (decode streams each weight once from memory). int8
-// weights: u is the signed byte (q8_isums_int8).
-template <int MT>
-inline void q8_isums_int8(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_t* ahead,
-                          int32_t* isum) {
-#if defined(__AVX2__)
-  // Two k of the 16 rows (16 bytes each) interleaved: each row's pair in one 16-bit lane.
-  // vpmaddubsw takes |q| unsigned and xq with q's sign (|q| <= 128, |xq| <= 127: a pair's sum
-  // fits 16 bits, 2 x 128 x 127 = 32512), each step widened to 32 bits.
-  __m256i acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-  for (int k = 0; k < kQ8Block; k += 2) {
-    if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kRows), _MM_HINT_T0);
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kRows));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k + 1) * kRows));
-    const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
-    const __m256i magnitude = _mm256_abs_epi8(w);
-    for (int m = 0; m < MT; ++m) {
-      int16_t two;
-      std::memcpy(&two, xq + m * K + k, sizeof two);
-      const __m256i p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi16(two), w));
-      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
-      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int h = 0; h < 2; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + m * kRows + 8 * h), acc[m][h]);
-#else
-  (void)ahead;
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kRows; ++r) {
-      int32_t sum = 0;
-      for (int k = 0; k < kQ8Block; ++k)
-        sum += static_cast<int8_t>(q[k * kRows + r]) * xq[m * K + k];
-      isum[m * kRows + r] = sum;
-    }
-#endif
-}
-
+// next row block, fetched meanwhile (decode streams each weight once from memory).
 template <int Form, int MT>
 inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_t* ahead,
                      const int32_t* qs, int64_t blocks, int32_t* isum) {
-  (void)qs, (void)blocks;
-  if constexpr (Form == kInt8) return q8_isums_int8<MT>(xq, K, q, ahead, isum);
+  (void)qs, (void)blocks;  // (int4 forms only here: int8 weights need the quads)
 #if defined(__AVX2__)
   // 32 bytes = two pairs of k for the block's 16 rows (lane 0: k, k + 1; lane 1: the next
   // two). Unpacking the low and high nibbles side by side gives each row's pair of k in one

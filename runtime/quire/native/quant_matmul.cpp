@@ -1383,6 +1383,9 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
 
 extern "C" {
 
+// Whether this build rounds x to int8 for a weight of this form and shape (q8_applies): 1 or 0
+int quire_q8_applies(int form, int64_t K, int64_t G) { return q8_applies(form, K, G) ? 1 : 0; }
+
 // Which vector path this build took: "amx", "avx512-bf16", "avx512", "avx2" or "scalar".
 const char* quire_quant_matmul_isa() { return kIsa; }
 
@@ -1475,7 +1478,9 @@ int quire_quant_linear_packed(const void* x, void* y, int64_t M, int dtype, int 
                         w->G};
     threads = std::max(1, threads);
     switch (w->form) {
+#if defined(QUIRE_Q8_QUADS)
       case kInt8: q8_form<kInt8>(x, M, dtype, threads, w->half, weight, y); break;
+#endif
       case kInt4Symmetric: q8_form<kInt4Symmetric>(x, M, dtype, threads, w->half, weight, y); break;
       case kInt4Zero: q8_form<kInt4Zero>(x, M, dtype, threads, w->half, weight, y); break;
       default: q8_form<kInt4Min>(x, M, dtype, threads, w->half, weight, y); break;

@@ -67,6 +67,8 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_int64]
     lib.quire_dequantize_bf16.restype = ctypes.c_int
     lib.quire_dequantize_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.quire_q8_applies.restype = ctypes.c_int
+    lib.quire_q8_applies.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     lib.quire_quant_matmul_isa.restype = ctypes.c_char_p
     lib.quire_quant_matmul_amx_ready.restype = ctypes.c_int
     lib.quire_quant_matmul_set_amx_min_rows.restype = ctypes.c_int
@@ -156,7 +158,7 @@ class PackedWeight:
     every value is exactly one, else float32."""
 
     __slots__ = ("form", "bits", "n", "k", "group", "qweight", "scales", "offsets", "_struct",
-                 "_address", "_fn")
+                 "_address", "_fn", "_q8_applies")
 
     def __init__(self, form, n, k, group, qweight, scales, offsets, march="native"):
         self.form, self.n, self.k, self.group = form, n, k, group
@@ -166,6 +168,7 @@ class PackedWeight:
         self._hold(qweight, scales, offsets)
         lib = _library(march)
         self._fn = lib.quire_quant_linear_packed if lib is not None else None
+        self._q8_applies = lib.quire_q8_applies if lib is not None else None
 
     def _hold(self, qweight, scales, offsets) -> None:
         """Keep these tensors (the same values, perhaps moved: move_to_huge_pages) and point
@@ -181,10 +184,11 @@ class PackedWeight:
 
     def use_int8_activations(self, on: bool = True) -> bool:
         """Rounds x to int8 per 32 values of k in every call from now on, where the weight
-        takes it (int4 forms, groups of whole 32-k blocks) and the library is there (the
-        torch path keeps float x). Returns whether it does."""
-        self._struct.activations = int(on and self._fn is not None
-                                       and int8_activations_apply(self.form, self.k, self.group))
+        takes it (int4 forms, and int8 on builds with AVX512-VNNI; groups of whole 32-k
+        blocks) and the library is there (the torch path keeps float x). Returns whether it
+        does."""
+        self._struct.activations = int(on and self._q8_applies is not None
+                                       and self._q8_applies(self.form, self.k, self.group) == 1)
         return self.int8_activations
 
     def tensors(self) -> list[torch.Tensor]:
@@ -196,11 +200,6 @@ class PackedWeight:
     def __repr__(self) -> str:
         return (f"PackedWeight(form={self.form}, n={self.n}, k={self.k}, group={self.group}, "
                 f"scales {self.scales.dtype})")
-
-
-def int8_activations_apply(form: int, k: int, group: int) -> bool:
-    """Whether a weight of this form and shape can take int8 activations (q8_applies)."""
-    return form in (INT8, INT4_SYMMETRIC, INT4_ZERO, INT4_MIN) and k % 32 == 0 and group % 32 == 0
 
 
 def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:
