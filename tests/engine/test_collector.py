@@ -9,7 +9,12 @@ import pytest
 
 from quire.collector import collector_paused
 from quire.config import EngineArgs
+from quire.engine import engine as engine_module
 from quire.engine import factory
+
+# imported before any test patches LLMEngine: a first import under the patch would make
+# PoolingEngine subclass the stand-in for the rest of the worker's tests
+from quire.pooling import engine as pooling_module
 
 
 @pytest.fixture
@@ -44,8 +49,8 @@ def test_an_engine_is_built_with_the_collector_paused(runner, fails, monkeypatch
             if fails:
                 raise ValueError("the model cannot load")
 
-    monkeypatch.setattr("quire.engine.engine.LLMEngine", Recorder)
-    monkeypatch.setattr("quire.pooling.engine.PoolingEngine", Recorder)
+    monkeypatch.setattr(engine_module, "LLMEngine", Recorder)
+    monkeypatch.setattr(pooling_module, "PoolingEngine", Recorder)
     monkeypatch.setattr(factory, "engine_runner", lambda args: runner)
     gc.enable()
     if fails:
