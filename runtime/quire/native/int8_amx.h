@@ -2,14 +2,15 @@
 // int8_activations.h: included there after q8_quads and Q8Rows, inside its anonymous namespace.
 //
 // The tile unit's int8 product (tdpbsud: signed xq times unsigned u, four products a 32-bit
-// lane, summed exactly in int32) takes 16 rows of x against a row block's 16 rows per 32-k
+// lane, summed exactly in int32; tdpbssd for int8 weights) takes 16 rows of x against a row block's 16 rows per 32-k
 // block: the A tile is mt rows of 32 xq bytes (quad_slot order), the B tile the block's 8
 // quads of k (q8_quads' two vectors per 8 k, as they are: the tiles' VNNI layout). Each
 // block's C tile holds q8_isums' exact isum, which the vector unit then folds as q8_rows does
 // (part = d * isum + part in block order; y = o * xs + (s * part + y) at a group's end): every
 // row keeps the bits of every other build at any M. Unpacking is ~7 operations per 64 bytes of
-// weights against the bfloat16 tiles' ~20 (nibble_pairs), so verification rows and batched
-// decode cost close to one read of the weights.
+// weights against the bfloat16 tiles' ~20 (nibble_pairs); what a row costs here is mostly the
+// C tile each 32-k block needs and its fold (a SmolLM2 step's matmuls on the 2-core AMX Xeon:
+// 9 rows 1.76x one row, 32 rows 4.1x; the old 4-row vpmaddubsw path 3.1x and 9.5x).
 #if defined(__AMX_INT8__)
 // Calls of this many rows or more run on the tiles; fewer take the VNNI rows, which were
 // faster there (a SmolLM2 step's int4 matmuls, amx build, tiles from 3 against from 9,
