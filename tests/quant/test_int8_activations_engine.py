@@ -84,3 +84,19 @@ def test_an_moe_engine_rounds_for_its_int4_experts(tmp_path, smollm_tokenizer):
     together = _greedy(llm, prompts)
     assert together == [_greedy(llm, [p])[0] for p in prompts]
     assert_no_blocks_in_use(llm)
+
+
+def test_int8_weights_take_them_where_the_cpu_has_vnni(tiny_llama):
+    """Quantized on load to int8 (GGUF's Q8_0 form): with AVX512-VNNI every int8 layer rounds
+    x too (VNNI rows, the AMX int8 tiles from 5 rows), elsewhere it keeps float x; either way
+    a prompt's answer is the same alone or batched, and every KV block comes back."""
+    llm = LLM(tiny_llama, dtype="float32", quantization="int8", activation_quantization="int8",
+              kv_cache_memory=32 << 20)
+    int8 = [p for p in qm.packed_weights(llm.engine.executor.model) if p.bits == 8]
+    assert int8
+    vnni = qm.isa() in ("avx512-bf16", "amx")
+    assert all(p.int8_activations == vnni for p in int8), qm.isa()
+    prompts = random_prompts(lengths=[1, 6, 17, 40])
+    together = _greedy(llm, prompts)
+    assert together == [_greedy(llm, [p])[0] for p in prompts]
+    assert_no_blocks_in_use(llm)
