@@ -16,8 +16,8 @@ round in one process.
     python benchmarks/small_m.py --weights bfloat16 --dtype bfloat16 --march avx512_bf16 amx
     python benchmarks/small_m.py --activations float int8   # --activation-quantization's two
 
-`--activations int8` rounds x to int8 in the int4 layers and the Q8_0 lm_head (the engine's
---activation-quantization int8); the Q8_0 lm_head too since int8 weights take them.
+`--activations int8` rounds x to int8 in the int4 layers, and in the Q8_0 lm_head where the
+build has AVX512-VNNI (the engine's --activation-quantization int8).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def make_step(qm, march: str, weights: str = "gguf"):
 
 
 def use_activations(step, activations: str) -> None:
-    """int8: the int4 layers and the int8 lm_head round x to int8
+    """int8: the int4 layers (and the int8 lm_head, with AVX512-VNNI) round x to int8
     (PackedWeight.use_int8_activations)."""
     for packed, _ in step:
         packed.use_int8_activations(activations == "int8")

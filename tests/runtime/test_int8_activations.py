@@ -20,6 +20,7 @@ import pytest
 import torch
 from test_quant_matmul import BUILDS, INT4_FLAVOURS, U32, _int4_case, _int4_exact, _x
 
+from quire import platform
 from quire.config import EngineArgs
 from quire.native import loader
 from quire.native import quant_matmul as qm
@@ -51,8 +52,10 @@ def rounded_x(x: torch.Tensor) -> torch.Tensor:
 
 
 def _vnni(march) -> bool:
-    """Whether the build has AVX512-VNNI (int8 weights take int8 activations only there)."""
-    return qm.isa(march) in ("avx512-bf16", "amx")
+    """Whether the build has AVX512-VNNI (int8 weights take int8 activations only there): a
+    named build's flags, or this CPU's for the native one."""
+    flags = loader.ISA_BUILDS[march][1] if march in loader.ISA_BUILDS else platform.cpu_flags()
+    return "avx512_vnni" in flags
 
 
 def _packed_int8(n, k, group, march, seed=0):

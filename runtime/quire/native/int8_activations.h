@@ -18,8 +18,8 @@
 // the read. Here it is ~5. What it costs: x is rounded to ~2 decimal digits, so greedy output
 // is no longer transformers' token for token (benchmarks/README.md states the bound).
 // Builds with AVX512-VNNI sum four products a lane (vpdpbusd, q8_quads below) and take int8
-// weights too (q8_applies), and amx builds
-// run 5 rows or more on the int8 tiles (int8_amx.h): the same exact isums, the same bits.
+// weights too (q8_applies); amx builds run 5 rows or more on the int8 tiles (int8_amx.h): the
+// same exact isums, the same bits.
 
 constexpr int kQ8Block = 32;  // x values per int8 scale (and k per integer sum)
 
@@ -131,13 +131,13 @@ inline int32_t quantize_block(__m512 x0, __m512 x1, int8_t* q, float* d) {
     return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
   };
   const __m512i r0 = rounded(x0), r1 = rounded(x1);
-  // each 8 values in quad_slot order
-  const __m128i order = quad_slot(1) == 1
-      ? _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-      : _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(r0), order));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                   _mm_shuffle_epi8(_mm512_cvtepi32_epi8(r1), order));
+  __m128i q0 = _mm512_cvtepi32_epi8(r0), q1 = _mm512_cvtepi32_epi8(r1);
+  if constexpr (quad_slot(1) != 1) {  // each 8 values in quad_slot order
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    q0 = _mm_shuffle_epi8(q0, order), q1 = _mm_shuffle_epi8(q1, order);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), q0);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), q1);
   return _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
 }
 
@@ -336,12 +336,20 @@ inline void q8_isums(const int8_t* xq, int64_t K, const uint8_t* q, const uint8_
 }
 #endif  // QUIRE_Q8_QUADS
 
-// A group's offset per unit of x: m, z - 8 s, or -8 s (the int4 forms)
+// A group's offset per unit of x: m, z - 8 s, or -8 s (the int4 forms; int8 has none)
 template <int Form, typename S>
 inline V q8_offset(const Block<Form, S>& here, int64_t g, V s) {
   if constexpr (Form == kInt4Min) return vload(here.offsets + g * kRows);
   else if constexpr (Form == kInt4Zero) return vfma(vset(-8.f), s, vload(here.offsets + g * kRows));
+  else if constexpr (Form == kInt8) return vzero();
   else return vmul(vset(-8.f), s);
+}
+
+// A group's part folded into a row: acc = o * xs + (s * part + acc); int8: s * part + acc
+template <int Form>
+inline V q8_fold(V acc, V part, V s, V o, float xs) {
+  acc = vfma(s, part, acc);
+  return Form == kInt8 ? acc : vfma(o, vset(xs), acc);
 }
 
 // One row block against MT rows of rounded x (from row m0): out[m][r] = y[m0 + m, row r]
@@ -370,16 +378,10 @@ __attribute__((noinline)) void q8_rows(const Q8Rows& x, int64_t m0, const Weight
         part[m] = vfma(vset(xd[m * blocks + k0 / kQ8Block]), vload_int32(isum + m * kRows),
                        part[m]);
     }
-    const V s = vload(here.scales + g * kRows);
-    if constexpr (Form == kInt8) {  // (no offset)
-      for (int m = 0; m < MT; ++m)
-        vstore(out + m * kRows, vfma(s, part[m], vload(out + m * kRows)));
-      continue;
-    }
-    const V o = q8_offset<Form, S>(here, g, s);
+    const V s = vload(here.scales + g * kRows), o = q8_offset<Form, S>(here, g, s);
     for (int m = 0; m < MT; ++m)
       vstore(out + m * kRows,
-             vfma(o, vset(xs[m * groups + g]), vfma(s, part[m], vload(out + m * kRows))));
+             q8_fold<Form>(vload(out + m * kRows), part[m], s, o, xs[m * groups + g]));
   }
 }
 

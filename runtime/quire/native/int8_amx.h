@@ -104,19 +104,14 @@ __attribute__((noinline)) void q8_amx_rows(int mt, const Q8Rows& x, int64_t m0, 
     for (int j = 0; j < n; ++j) {  // folded in block order, as q8_rows folds
       const int64_t k_block = b0 + j, g = k_block / per_group;
       const bool first = k_block % per_group == 0, last = (k_block + 1) % per_group == 0;
-      V s = vzero(), o = vzero();
-      if (last) {
-        s = vload(here.scales + g * kRows);
-        if constexpr (Form != kInt8) o = q8_offset<Form, S>(here, g, s);
-      }
+      const V s = last ? vload(here.scales + g * kRows) : vzero();
+      const V o = last ? q8_offset<Form, S>(here, g, s) : vzero();
       for (int m = 0; m < mt; ++m) {
         const V p = vfma(vset(xd[m * blocks + k_block]), vload_int32(isum[j] + m * kRows),
                          first ? vzero() : vload(part + m * kRows));
-        if (last && Form == kInt8)  // (no offset)
-          vstore(out + m * kRows, vfma(s, p, vload(out + m * kRows)));
-        else if (last)
+        if (last)
           vstore(out + m * kRows,
-                 vfma(o, vset(xs[m * groups + g]), vfma(s, p, vload(out + m * kRows))));
+                 q8_fold<Form>(vload(out + m * kRows), p, s, o, xs[m * groups + g]));
         else
           vstore(part + m * kRows, p);
       }
