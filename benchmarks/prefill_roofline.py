@@ -36,6 +36,9 @@ FORMATS = {  # name -> LLM keyword arguments
     # the GGUF in bfloat16 with prefill on the matrix engine (native/matrix_engine.py:
     # on an AMX build the library's tiles over dequantized weights, else oneDNN)
     "gguf-matrix": {"dtype": "bfloat16", "quantization": "auto"},
+    # the GGUF with x rounded to int8 (--activation-quantization int8: VNNI rows, or the AMX
+    # int8 tiles on an amx build)
+    "gguf-int8": {"dtype": "auto", "quantization": "auto", "activation_quantization": "int8"},
 }
 MATRIX_FORMATS = {"gguf-matrix"}
 # $QUIRE_MATRIX_ENGINE by format: `gguf` is the exact per-group kernel (0), `gguf-matrix` the

@@ -81,8 +81,14 @@ def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size
     (3, 3, 64, None, False), (1, 8, 128, None, False), (2, 2, 64, 20, False),
     (1, 5, 64, None, True), (3, 3, 64, 300, True),
 ])
+@pytest.mark.parametrize("lengths", [
+    [37, 1, 16, 90, 5, 128, 129, 257, 600, 1100, 2100],
+    # no row in parts on the AVX-512 builds: a sequence a grab, the next one fetched meanwhile
+    # (but past 384 KiB of K/V: 900 tokens of 1 x 128 bfloat16, 600 of float32)
+    [37, 1, 16, 90, 5, 128, 129, 257, 600, 900, 33, 70],
+], ids=["long", "short"])
 def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group, head_dim,
-                                                          window, extras, march):
+                                                          window, extras, lengths, march):
     """Batch invariance of decode attention: a sequence's (sequence, KV head) items are summed
     the same whatever else the call holds and however the threads take them, so a lone
     sequence gets exactly the bits it gets in a batch of eleven, and the batch on one thread
@@ -95,7 +101,7 @@ def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group,
     num_blocks, block_size = 160, 16
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    lens = torch.tensor([37, 1, 16, 90, 5, 128, 129, 257, 600, 1100, 2100], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
     tables = torch.stack([torch.randperm(num_blocks)[:132] for _ in range(len(lens))]).int()
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     kw = {"softcap": 30.0, "sinks": torch.randn(kv_heads * group)} if extras else {}
