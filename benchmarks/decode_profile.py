@@ -188,6 +188,7 @@ def compare_with_baseline(args) -> None:
                     cmd += ["--num-threads", str(args.num_threads)]
                 cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p)]
                 cmd += ["--seeded"] if args.seeded else []
+                cmd += ["--activation-quantization", args.activation_quantization]
                 env = dict(os.environ, PYTHONPATH=path)
                 out = subprocess.run(cmd, env=env, check=True, capture_output=True,
                                      text=True).stdout
