@@ -84,7 +84,8 @@ def test_native_decode_matches_sdpa(dtype, kv_heads, group, head_dim, block_size
 @pytest.mark.parametrize("lengths", [
     [37, 1, 16, 90, 5, 128, 129, 257, 600, 1100, 2100],
     # no row in parts on the AVX-512 builds: a sequence a grab, the next one fetched meanwhile
-    # (but past 384 KiB of K/V: 900 tokens of 1 x 128 bfloat16, 600 of float32)
+    # (one past the fetch's cap, 384 KiB at most: 900 tokens of 1 x 128 bfloat16, 600 of
+    # float32)
     [37, 1, 16, 90, 5, 128, 129, 257, 600, 900, 33, 70],
 ], ids=["long", "short"])
 def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group, head_dim,

@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>  // (sysconf: the L2's size)
+
 #include <omp.h>
 
 #include "bf16.h"
@@ -112,11 +114,6 @@ using TileFn = void (*)(const T*, const T*, const T*, O*, const int32_t*, const 
                         float, float, const float*, float*, int64_t);
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// The rows of the block after this one that this work item will read, asked into L2 a key
-// at a time while this block is summed. The block table scatters blocks, and a KV head's
-// slice of each row (a third of it for SmolLM2) breaks the hardware prefetcher's streams:
-// without this a decode step waited on memory for most of its K/V (1.6-1.8x slower on the
-// AVX2 EPYC). L2, not L1: a block's worth of requests at once would overrun L1's queue.
 // The next sequence a thread will take, every KV head's K/V (whole blocks), asked into L2 a
 // few lines per key while this one's work items are summed: a batch of short rows otherwise
 // starts each sequence on cold memory, and a thread alternates between summing and waiting
@@ -140,6 +137,11 @@ struct Ahead {
   }
 };
 
+// The rows of the block after this one that this work item will read, asked into L2 a key
+// at a time while this block is summed. The block table scatters blocks, and a KV head's
+// slice of each row (a third of it for SmolLM2) breaks the hardware prefetcher's streams:
+// without this a decode step waited on memory for most of its K/V (1.6-1.8x slower on the
+// AVX2 EPYC). L2, not L1: a block's worth of requests at once would overrun L1's queue.
 struct NextBlock {
   const char* k = nullptr;  // null: no next block
   const char* v = nullptr;
@@ -866,11 +868,19 @@ constexpr int kMaxHeadDim = 128;  // the fixed shapes' largest head_dim
 
 // A batch of decode rows taken a sequence (every KV head, every part) a grab, where there are
 // at least two a thread: each thread takes its next sequence before summing this one and
-// fetches that one's K/V meanwhile (Ahead), up to kAheadBytes of it (the L2 then holds this
-// sequence and the next). A row's sums do not depend on who takes it: the same bits as items
-// taken one by one. 32 rows over 30 layers' caches, bfloat16, 150 / 400 keys: 6.5 / 20.5 ms
-// -> 5.0 / 15.3 (avx512_bf16 build, 2-core AMX Xeon; 3.0 / 5.6 with the caches in L2).
-constexpr int64_t kAheadBytes = 384 << 10;
+// fetches that one's K/V meanwhile (Ahead), where it fits in ahead_bytes() (the L2 then holds
+// this sequence and the next). A row's sums do not depend on who takes it: the same bits as
+// items taken one by one. 32 rows over 30 layers' caches, bfloat16, 150 / 400 keys: 6.5 / 20.5
+// ms -> 5.0 / 15.3 (avx512_bf16 build, 2-core AMX Xeon; 3.0 / 5.6 with the caches in L2).
+// A fifth of the L2, at most 384 KiB (the Xeon's 2 MiB; measured there only: a Zen's 512 KiB
+// or 1 MiB L2 gets 100 or 200 KiB).
+inline int64_t ahead_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? std::min<int64_t>(384 << 10, l2 / 5) : int64_t(384) << 10;
+  }();
+  return bytes;
+}
 
 inline bool by_sequence(int64_t num_seqs) { return num_seqs >= 2 * omp_get_max_threads(); }
 
@@ -893,7 +903,7 @@ void grab_sequences(const char* k_cache, const char* v_cache, const int32_t* blo
     ahead.here = fetched;
     if (after < num_seqs) {
       const int first = lo(after) / 16, blocks = (seq_lens[after] + 15) / 16 - first;
-      if (blocks > 0 && 2 * blocks * block_bytes <= kAheadBytes) {
+      if (blocks > 0 && 2 * blocks * block_bytes <= ahead_bytes()) {
         ahead.k = k_cache;
         ahead.v = v_cache;
         ahead.table = block_tables + after * bt_stride + first;
@@ -1212,7 +1222,6 @@ inline std::vector<int64_t> tile_starts(const int32_t* row_seq, const int32_t* l
 }
 #endif
 
-
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* block_tables,
             const int32_t* seq_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
@@ -1257,7 +1266,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
 #endif
 #if defined(QUIRE_FIXED_SHAPE_PATH)
   if (const RowFn<T> item = fixed_shape_row<T>(group, head_dim, block_size)) {
-    if (rows == nullptr && window <= 0 && num_seqs >= 2 * omp_get_max_threads()) {
+    if (rows == nullptr && window <= 0 && by_sequence(num_seqs)) {
       decode_ahead(item, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, group,
                    num_kv_heads, head_dim, q_stride, out_stride, bt_stride, scale, softcap,
                    sinks, block_stride, row_stride);

@@ -955,23 +955,21 @@ inline void amx_configure(int mt) {
 // B tiles come from `expanded` (the whole block's pairs, expand_block's bfloat16 layout) or,
 // when it is null, are unpacked a batch of groups at a time into a small buffer (decode,
 // verification, batched decode: each 16-row tile of x reads the block as it goes).
-// MT = 16 (a full tile of rows: prefill) keeps the 16 rows' accumulators in registers; MT = 0
-// takes mt from the call and keeps them in `out`.
+// MT (1-16, the A tile's rows: amx_rows_for picks it) is known at compile time, so the rows'
+// accumulators stay in registers across the groups (kept in `out` instead, a load and a store
+// a row and group cost ~8% of a SmolLM2 step's matmuls at 9 rows on the AMX Xeon).
 template <int Form, typename S, int MT>
-__attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* xsum,
-                                        const Weight& w, int64_t block,
-                                        const uint32_t* expanded, uint32_t* buffer,
-                                        float* out) {
+__attribute__((noinline)) void amx_rows(const uint16_t* x, const float* xsum, const Weight& w,
+                                        int64_t block, const uint32_t* expanded,
+                                        uint32_t* buffer, float* out) {
+  static_assert(MT >= 1 && MT <= kAmxRows);
   const int64_t K = w.K, G = w.G, groups = K / G;
   const Block<Form, S> here(w, block);
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
   [[maybe_unused]] const __m512i table = nibble_table<Form>();
   alignas(64) float part[kAmxGroups][kAmxRows * kRows];
-  V acc[MT > 0 ? MT : 1];
-  if constexpr (MT > 0)
-    for (int m = 0; m < MT; ++m) acc[m] = vzero();
-  else
-    for (int m = 0; m < mt; ++m) vstore(out + m * kRows, vzero());
+  V acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = vzero();
   for (int64_t g0 = 0; g0 < groups; g0 += kAmxGroups) {
     const int n = static_cast<int>(std::min<int64_t>(kAmxGroups, groups - g0));
     const uint32_t* pairs = expanded ? expanded + g0 * G / 2 * kRows : buffer;
@@ -1006,28 +1004,17 @@ __attribute__((noinline)) void amx_rows(int mt, const uint16_t* x, const float* 
       const int64_t g = g0 + j;
       const V s = vload(here.scales + g * kRows);
       const V z = kOffset ? vload(here.offsets + g * kRows) : vzero();
-      if constexpr (MT > 0) {
-        for (int m = 0; m < MT; ++m)
-          acc[m] = fold<Form>(acc[m], vload(part[j] + m * kRows), s, z,
-                              kOffset ? xsum[m * groups + g] : 0.f);
-      } else {
-        for (int m = 0; m < mt; ++m) {
-          const float xs = kOffset ? xsum[m * groups + g] : 0.f;
-          vstore(out + m * kRows,
-                 fold<Form>(vload(out + m * kRows), vload(part[j] + m * kRows), s, z, xs));
-        }
-      }
+      for (int m = 0; m < MT; ++m)
+        acc[m] = fold<Form>(acc[m], vload(part[j] + m * kRows), s, z,
+                            kOffset ? xsum[m * groups + g] : 0.f);
     }
   }
-  if constexpr (MT > 0)
-    for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
+  for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
 }
 
-// amx_rows with the row count known at compile time, whose accumulators then stay in registers
-// across the groups (MT = 0 keeps them in `out`: a load and a store a row and group, ~8% of a
-// SmolLM2 step's matmuls at 9 rows on the AMX Xeon)
+// amx_rows for mt rows (1-16)
 template <int Form, typename S>
-using AmxRowsFn = void (*)(int, const uint16_t*, const float*, const Weight&, int64_t,
+using AmxRowsFn = void (*)(const uint16_t*, const float*, const Weight&, int64_t,
                            const uint32_t*, uint32_t*, float*);
 template <int Form, typename S, int... MT>
 AmxRowsFn<Form, S> amx_rows_pick(int mt, std::integer_sequence<int, MT...>) {
@@ -1140,7 +1127,7 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
           amx_rows_bf16(mt, x + m0 * w.K, w, b, aligned, tile);
         else
           amx_rows_for<Form, S>(mt)(
-              mt, x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
+              x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
               expand ? reinterpret_cast<const uint32_t*>(scratch.data()) : nullptr, aligned,
               tile);
         store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
