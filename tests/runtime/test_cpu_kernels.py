@@ -92,7 +92,7 @@ def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group,
                                                           window, extras, lengths, march):
     """Batch invariance of decode attention: a sequence's (sequence, KV head) items are summed
     the same whatever else the call holds and however the threads take them, so a lone
-    sequence gets exactly the bits it gets in a batch of eleven, and the batch on one thread
+    sequence gets exactly the bits it gets in a batch of eleven or more, and the batch on one thread
     the bits it gets on all (with a window, soft-capping and sinks too). Rows past 128 tokens
     are summed in parts on the AVX2 build (ending at fixed multiples of 128 of the row's own
     context, merged in order; on the AVX-512 builds rows past 1,024 tokens, in parts of
@@ -102,7 +102,9 @@ def test_a_sequence_alone_has_the_bits_it_has_in_a_batch(dtype, kv_heads, group,
     num_blocks, block_size = 160, 16
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    lens = torch.tensor(lengths, dtype=torch.int32)
+    # at least two rows a thread, so that a batch is taken a sequence a grab on any host
+    count = max(len(lengths), 2 * torch.get_num_threads())
+    lens = torch.tensor([lengths[i % len(lengths)] for i in range(count)], dtype=torch.int32)
     tables = torch.stack([torch.randperm(num_blocks)[:132] for _ in range(len(lens))]).int()
     q = torch.randn(len(lens), kv_heads * group, head_dim, dtype=dtype)
     kw = {"softcap": 30.0, "sinks": torch.randn(kv_heads * group)} if extras else {}
