@@ -15,9 +15,12 @@ round in one process.
     python benchmarks/small_m.py --march avx512_bf16 amx --dtype bfloat16   # builds side by side
     python benchmarks/small_m.py --weights bfloat16 --dtype bfloat16 --march avx512_bf16 amx
     python benchmarks/small_m.py --activations float int8   # --activation-quantization's two
+    python benchmarks/small_m.py --march amx --dtype bfloat16 --m 1 9 --tile-costs
 
 `--activations int8` rounds x to int8 in the int4 layers, and in the Q8_0 lm_head where the
-build has AVX512-VNNI (the engine's --activation-quantization int8).
+build has AVX512-VNNI (the engine's --activation-quantization int8). `--tile-costs` (an AMX
+CPU) adds what the tile unit's fixed steps cost a group of 16 weight rows x 32 k at each M
+(amx_tile_costs.cpp: one thread, hot data), beside what a group of the step took per thread.
 """
 
 from __future__ import annotations
@@ -59,6 +62,27 @@ def make_step(qm, march: str, weights: str = "gguf"):
     return step
 
 
+GROUP_TILES = sum((n + 15) // 16 * (k // 32) for _, n, k in STEP_MATMULS)  # 16 rows x 32 k
+TILE_COSTS = ["products", "+ C stores", "+ C loads", "B stores", "all"]
+
+
+def tile_costs(m: int) -> list[float] | None:
+    """amx_tile_costs.cpp's ns a group for m rows (TILE_COSTS), or None without the tiles."""
+    import ctypes
+    import os
+
+    from quire.native.loader import isa_builds, load_library
+
+    if "amx" not in isa_builds():
+        return None
+    lib = load_library(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                    "amx_tile_costs.cpp"), "amx")
+    if lib is None:
+        return None
+    out = (ctypes.c_double * len(TILE_COSTS))()
+    return list(out) if lib.quire_amx_tile_costs(m, out) else None
+
+
 def use_activations(step, activations: str) -> None:
     """int8: the int4 layers (and the int8 lm_head, with AVX512-VNNI) round x to int8
     (PackedWeight.use_int8_activations)."""
@@ -83,6 +107,8 @@ def main() -> None:
                     help="kernel builds (loader.ISA_BUILDS), alternated call by call")
     ap.add_argument("--activations", nargs="+", default=["float"], choices=["float", "int8"],
                     help="x as it is, or rounded to int8 (alternated)")
+    ap.add_argument("--tile-costs", action="store_true",
+                    help="the tile unit's fixed steps a group at each M (an AMX CPU)")
     add_plot_flag(ap, "small_m")
     args = ap.parse_args()
     marches = args.march
@@ -131,6 +157,8 @@ def main() -> None:
             print(f"{m:>4} {best[b, m] * 1e3:8.2f} {best[b, m] / base:7.2f} "
                   f"{weight_mb / 1e3 / best[b, m]:6.1f} {gflops:8.1f} "
                   f"{100 * gflops / peak if peak else 0:7.0f}% {floor:12.2f}")
+    if args.tile_costs:
+        print_tile_costs(args.m, {b: {m: best[b, m] for m in args.m} for b in builds}, name)
     print(f"steal: {steal.steal_percent}% of CPU time during the runs")
     if args.plot:
         print("plot:", line_panels(
@@ -141,6 +169,23 @@ def main() -> None:
              (f"x M={args.m[0]}", {name(b): (args.m, [best[b, m] / best[b, args.m[0]]
                                                       for m in args.m]) for b in builds})],
             caption=cpu_flags()))
+
+
+def print_tile_costs(ms, best, name) -> None:
+    """The tile unit's fixed steps a group (one thread, hot data) beside the step's ns a group
+    a thread at each M (what every step above took, over its 16 x 32 groups)."""
+    threads = torch.get_num_threads()
+    rows = {m: tile_costs(m) for m in ms if m <= 16}
+    if not rows or any(r is None for r in rows.values()):
+        print("\ntile costs: no AMX tiles here")
+        return
+    print(f"\ntile unit's fixed steps, ns a group of 16 weight rows x 32 k (amx_tile_costs.cpp: "
+          f"one thread, hot data); a step's {GROUP_TILES} groups at {threads} threads:")
+    print(f"{'M':>4} " + " ".join(f"{c:>10}" for c in TILE_COSTS) + "  "
+          + "  ".join(f"{name(b) + ' step':>24}" for b in best))
+    for m, row in rows.items():
+        step = "  ".join(f"{best[b][m] * 1e9 * threads / GROUP_TILES:24.1f}" for b in best)
+        print(f"{m:>4} " + " ".join(f"{v:10.1f}" for v in row) + "  " + step)
 
 
 if __name__ == "__main__":

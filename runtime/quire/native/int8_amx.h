@@ -72,13 +72,14 @@ inline void q8_b_tiles(const uint8_t* q, int64_t block_bytes, int64_t k0, int bl
 // row r]. B tiles from `expanded` (the whole block's, q8_b_tiles) or, when null, unpacked a
 // batch at a time into `buffer` (kQ8AmxBatch blocks' worth, 64-byte aligned).
 template <int Form, typename S>
-__attribute__((noinline)) void q8_amx_rows(int mt, const Q8Rows& x, int64_t m0, const Weight& w,
-                                           int64_t block, const uint8_t* expanded,
-                                           uint8_t* buffer, float* out) {
+__attribute__((noinline)) void q8_amx_rows(int mt, const Q8Rows& x, const int8_t* rounded,
+                                           int64_t m0, const Weight& w, int64_t block,
+                                           const uint8_t* expanded, uint8_t* buffer,
+                                           float* out) {
   const int64_t K = w.K, G = w.G, groups = K / G, blocks = K / kQ8Block;
   const int64_t per_group = G / kQ8Block, block_bytes = weight_bytes(Form, K) * kRows;
   const Block<Form, S> here(w, block);
-  const int8_t* xq = x.q.data() + m0 * K;
+  const int8_t* xq = rounded + m0 * K;
   const float* xd = x.d.data() + m0 * blocks;
   const float* xs = x.xs.data() + m0 * groups;
   alignas(64) int32_t isum[kQ8AmxBatch][kQ8AmxRows * kRows];
@@ -120,6 +121,18 @@ __attribute__((noinline)) void q8_amx_rows(int mt, const Q8Rows& x, int64_t m0, 
 }
 #undef QUIRE_Q8_AMX_BLOCK
 
+// The rounded x as this thread's own copy, 64-byte aligned: the calling thread rounds x every
+// call, and the other threads' tile loads of those lines (each 16-row tile of a row block reads
+// them again) then wait on the caller's core (as amx_x_order's copies, quant_matmul.cpp).
+inline const int8_t* q8_own_copy(const int8_t* q, int64_t n) {
+  static thread_local std::vector<int8_t> copy;
+  copy.resize(n + 64);
+  int8_t* own = reinterpret_cast<int8_t*>(
+      (reinterpret_cast<uintptr_t>(copy.data()) + 63) & ~uintptr_t{63});
+  std::memcpy(own, q, n);
+  return own;
+}
+
 // linear_q8 on the tiles: up to 16 rows read the packed weights as they go (a batch of blocks
 // unpacked at a time); more rows unpack each row block once, then every 16-row tile of x uses
 // it (prefill, batched decode).
@@ -138,6 +151,7 @@ void linear_q8_amx(const Q8Rows& x, void* y, int64_t M, int dtype, int threads, 
         (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
     int configured = -1;
     alignas(64) float tile[kQ8AmxRows * kRows];
+    const int8_t* rounded = q8_own_copy(x.q.data(), M * w.K);
 #pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units; ++u)
       for (int64_t b = u * span, last = std::min(blocks, b + span); b < last; ++b) {
@@ -148,7 +162,8 @@ void linear_q8_amx(const Q8Rows& x, void* y, int64_t M, int dtype, int threads, 
         for (int64_t m0 = 0; m0 < M; m0 += kQ8AmxRows) {
           const int mt = static_cast<int>(std::min<int64_t>(kQ8AmxRows, M - m0));
           if (configured != mt) q8_amx_configure(mt), configured = mt;
-          q8_amx_rows<Form, S>(mt, x, m0, w, b, expand ? aligned : nullptr, aligned, tile);
+          q8_amx_rows<Form, S>(mt, x, rounded, m0, w, b, expand ? aligned : nullptr, aligned,
+                               tile);
           store_rows(tile, mt, static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows)), y,
                      dtype, w.N, m0, b * kRows);
         }

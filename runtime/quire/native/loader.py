@@ -44,8 +44,9 @@ ISA_BUILDS = {
     "avx2": (["-march=x86-64-v3"], _V3),
     "avx512": (["-march=x86-64-v4"], _V4),
     "avx512_bf16": (_BF16, _V4 + ("avx512_bf16", "avx512_vnni")),
-    "amx": (_BF16 + ["-mamx-tile", "-mamx-int8", "-mamx-bf16"],
-            _V4 + ("avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")),
+    "amx": (_BF16 + ["-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
+            _V4 + ("avx512_bf16", "avx512_vnni", "avx512vbmi", "amx_tile", "amx_int8",
+                   "amx_bf16")),
 }
 
 

@@ -921,6 +921,46 @@ constexpr int kAmxK = 32;     // k per tile product (64 bytes of bfloat16 per ro
 
 using quire_amx::TileConfig, quire_amx::amx_permitted;
 
+// int4 weights' B tiles a 64-byte line at a time. A line of a row block holds pairs kp..kp+3
+// of k for its 16 rows (16 bytes a pair); vpermb gathers each row's four bytes (its eight k, a
+// nibble each, in k order) into one 32-bit lane, and B row j of the four (j = 0-3) is then
+// each lane's nibbles j and j + 4 in its two words: a shift and the table (vpermw reads a
+// word's low 5 bits). Two operations a B row where nibble_pairs takes four (two of them on
+// port 5). The tiles then pair k as (0, 4) (1, 5) (2, 6) (3, 7) of every eight, so their A
+// tiles come from x in that order (amx_x_order). Nine rows of a step's int4 weights, 2-core
+// AMX Xeon, a C++ loop over 56 MB of them, ns a group of 16 rows x 32 k a thread: 39.7 -> 31.5
+// (one row on the FMAs: 18).
+inline __m512i line_rows() {  // byte 4r + i <- byte 16i + r
+  alignas(64) uint8_t index[64];
+  for (int r = 0; r < kRows; ++r)
+    for (int i = 0; i < 4; ++i) index[4 * r + i] = static_cast<uint8_t>(16 * i + r);
+  return _mm512_load_si512(index);
+}
+inline void nibble_lines(const uint8_t* p, __m512i rows, __m512i table, uint32_t* out) {
+  const __m512i line = _mm512_permutexvar_epi8(rows, _mm512_loadu_si512(p));
+#pragma GCC unroll 4
+  for (unsigned j = 0; j < 4; ++j)
+    _mm512_storeu_si512(out + j * kRows,
+                        _mm512_permutexvar_epi16(_mm512_srli_epi32(line, 4 * j), table));
+}
+
+// x [M][K] in nibble_lines' order (within every eight k: 0 4 1 5 2 6 3 7), each thread's own
+// copy: one made by the calling thread and read by the others' tile loads, written again every
+// call, took those threads 46-49 ns a group instead of 31 (the lines move between cores).
+inline const uint16_t* amx_x_order(const uint16_t* x, int64_t n) {
+  static thread_local std::vector<uint16_t> copy;
+  alignas(64) static const uint16_t order[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,
+                                                 13, 10, 14, 11, 15, 16, 20, 17, 21, 18, 22,
+                                                 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
+  const __m512i index = _mm512_load_si512(order);
+  copy.resize(n + 32);
+  uint16_t* ordered = reinterpret_cast<uint16_t*>(  // (64-byte rows for the tile loads)
+      (reinterpret_cast<uintptr_t>(copy.data()) + 63) & ~uintptr_t{63});
+  for (int64_t i = 0; i < n; i += 32)  // (n: whole 32-k tiles)
+    _mm512_store_si512(ordered + i, _mm512_permutexvar_epi16(index, _mm512_loadu_si512(x + i)));
+  return ordered;
+}
+
 // Up to kAmxGroups groups are in flight at once, each in its own tiles: group j of a batch
 // sums into C tile j from A tile 4 + j % 2 (mt rows of 32 bfloat16 x) and B tile 6 + j % 2
 // (16 pairs of k of the block's 16 rows). One C tile for every group serialized each group's
@@ -966,7 +1006,7 @@ __attribute__((noinline)) void amx_rows(const uint16_t* x, const float* xsum, co
   const int64_t K = w.K, G = w.G, groups = K / G;
   const Block<Form, S> here(w, block);
   constexpr bool kOffset = Form == kInt4Zero || Form == kInt4Min;
-  [[maybe_unused]] const __m512i table = nibble_table<Form>();
+  [[maybe_unused]] const __m512i table = nibble_table<Form>(), rows = line_rows();
   alignas(64) float part[kAmxGroups][kAmxRows * kRows];
   V acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = vzero();
@@ -983,13 +1023,18 @@ __attribute__((noinline)) void amx_rows(const uint16_t* x, const float* xsum, co
       // 16 x 32 block, against 15 hot and 34-36 for the read alone)
       for (int j = 0; j < n; ++j)
         fetch_group_scales<Form>(here.scales, here.offsets, (groups + g0 + j) * kRows);
-      for (int64_t i = 0; i < n * G / 2; ++i) {
-        const int64_t kp = g0 * G / 2 + i;
-        fetch_next_block<Form>(here.q, K, kp);
-        _mm512_store_si512(buffer + i * kRows,
-                           Form == kInt8 ? int8_pairs(here.q + 2 * kp * kRows)
-                                         : nibble_pairs(here.q + kp * kRows, table));
-      }
+      if constexpr (Form == kInt8)
+        for (int64_t i = 0; i < n * G / 2; ++i) {
+          const int64_t kp = g0 * G / 2 + i;
+          fetch_next_block<Form>(here.q, K, kp);
+          _mm512_store_si512(buffer + i * kRows, int8_pairs(here.q + 2 * kp * kRows));
+        }
+      else
+        for (int64_t i = 0; i < n * G / 2; i += 4) {
+          const int64_t kp = g0 * G / 2 + i;
+          fetch_next_block<Form>(here.q, K, kp);
+          nibble_lines(here.q + kp * kRows, rows, table, buffer + i * kRows);
+        }
     }
     const int64_t stride = G / 2 * kRows;  // one group's pairs
     QUIRE_AMX_GROUP(0, 4, 6)(x, K, g0 * G, G, pairs);
@@ -1010,6 +1055,25 @@ __attribute__((noinline)) void amx_rows(const uint16_t* x, const float* xsum, co
     }
   }
   for (int m = 0; m < MT; ++m) vstore(out + m * kRows, acc[m]);
+}
+
+// Row block `block`'s B tiles, all of K, in amx_rows' order (prefill, batched decode)
+template <int Form>
+void amx_expand_block(const Weight& w, int64_t block, uint32_t* pairs) {
+  const int64_t K = w.K;
+  const uint8_t* q = w.q + block * weight_bytes(Form, K) * kRows;
+  if constexpr (Form == kInt8) {
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
+      fetch_next_block<Form>(q, K, kp);
+      _mm512_storeu_si512(pairs + kp * kRows, int8_pairs(q + 2 * kp * kRows));
+    }
+  } else {
+    const __m512i table = nibble_table<Form>(), rows = line_rows();
+    for (int64_t kp = 0; kp < K / 2; kp += 4) {
+      fetch_next_block<Form>(q, K, kp);
+      nibble_lines(q + kp * kRows, rows, table, pairs + kp * kRows);
+    }
+  }
 }
 
 // amx_rows for mt rows (1-16)
@@ -1103,6 +1167,8 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
   const bool expand = Form != kBf16 && M > kAmxStreamRows;  // (BF16: interleaving is cheap)
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
   {
+    const uint16_t* xo = x;
+    if constexpr (Form != kBf16 && Form != kInt8) xo = amx_x_order(x, M * w.K);
     std::vector<float> scratch(expand ? w.K * kRows / 2 : 0);
     std::vector<uint32_t> buffer(
         expand ? 0 : (Form == kBf16 ? kBf16Steps * kAmxK : kAmxGroups * w.G) / 2 * kRows + 16);
@@ -1119,15 +1185,15 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
 #pragma omp for schedule(guided, 2)
     for (int64_t b = 0; b < blocks; ++b) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
-      if (expand) expand_block<Form, uint16_t>(w, b, scratch.data());
+      if (expand) amx_expand_block<Form>(w, b, reinterpret_cast<uint32_t*>(scratch.data()));
       for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
         const int mt = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
         if (mt != configured) amx_configure(configured = mt);
         if constexpr (Form == kBf16)
-          amx_rows_bf16(mt, x + m0 * w.K, w, b, aligned, tile);
+          amx_rows_bf16(mt, xo + m0 * w.K, w, b, aligned, tile);
         else
           amx_rows_for<Form, S>(mt)(
-              x + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
+              xo + m0 * w.K, xsum ? xsum + m0 * groups : nullptr, w, b,
               expand ? reinterpret_cast<const uint32_t*>(scratch.data()) : nullptr, aligned,
               tile);
         store_rows(tile, mt, rows, y, dtype, w.N, m0, b * kRows);
