@@ -944,9 +944,13 @@ inline void nibble_lines(const uint8_t* p, __m512i rows, __m512i table, uint32_t
                         _mm512_permutexvar_epi16(_mm512_srli_epi32(line, 4 * j), table));
 }
 
-// x [M][K] in nibble_lines' order (within every eight k: 0 4 1 5 2 6 3 7), each thread's own
-// copy: one made by the calling thread and read by the others' tile loads, written again every
-// call, took those threads 46-49 ns a group instead of 31 (the lines move between cores).
+// x [M][K] as this thread's own 64-byte-aligned copy, in nibble_lines' order where `Reorder`
+// (within every eight k: 0 4 1 5 2 6 3 7). Tile loads of lines another core wrote are slow:
+// one copy made by the calling thread, written again every call and read by the other
+// thread's tiles, cost it 46-49 ns a group of nine int4 rows instead of 31; x straight from
+// the caller (the previous kernel's output) costs the same way, so decode-sized calls of the
+// other forms copy it too (bf16-32 steps 31.4 -> 29.9 ms, decode_profile.py --baseline).
+template <bool Reorder>
 inline const uint16_t* amx_x_order(const uint16_t* x, int64_t n) {
   static thread_local std::vector<uint16_t> copy;
   alignas(64) static const uint16_t order[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,
@@ -956,8 +960,10 @@ inline const uint16_t* amx_x_order(const uint16_t* x, int64_t n) {
   copy.resize(n + 32);
   uint16_t* ordered = reinterpret_cast<uint16_t*>(  // (64-byte rows for the tile loads)
       (reinterpret_cast<uintptr_t>(copy.data()) + 63) & ~uintptr_t{63});
-  for (int64_t i = 0; i < n; i += 32)  // (n: whole 32-k tiles)
-    _mm512_store_si512(ordered + i, _mm512_permutexvar_epi16(index, _mm512_loadu_si512(x + i)));
+  for (int64_t i = 0; i < n; i += 32) {  // (n: whole 32-k tiles)
+    const __m512i v = _mm512_loadu_si512(x + i);
+    _mm512_store_si512(ordered + i, Reorder ? _mm512_permutexvar_epi16(index, v) : v);
+  }
   return ordered;
 }
 
@@ -1168,7 +1174,9 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
   {
     const uint16_t* xo = x;
-    if constexpr (Form != kBf16 && Form != kInt8) xo = amx_x_order(x, M * w.K);
+    if constexpr (Form != kBf16 && Form != kInt8) xo = amx_x_order<true>(x, M * w.K);
+    else if (M <= kAmxStreamRows) xo = amx_x_order<false>(x, M * w.K);  // (prefill: x is
+    // large, each line used by many more tiles)
     std::vector<float> scratch(expand ? w.K * kRows / 2 : 0);
     std::vector<uint32_t> buffer(
         expand ? 0 : (Form == kBf16 ? kBf16Steps * kAmxK : kAmxGroups * w.G) / 2 * kRows + 16);
