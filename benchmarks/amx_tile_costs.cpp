@@ -34,7 +34,7 @@ float sink;
 template <bool Stores, bool Products, bool StoreC, bool LoadC>
 double batch_ns(int mt) {
   double best = 1e30;
-  for (int round = 0; round < 5; ++round) {
+  for (int round = 0; round < 9; ++round) {
     __m512 acc = _mm512_setzero_ps();
     const auto start = std::chrono::steady_clock::now();
     for (int b = 0; b < kBatches; ++b) {
