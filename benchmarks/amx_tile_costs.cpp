@@ -29,6 +29,16 @@ alignas(64) uint32_t pairs[2][kGroups][16 * 16];  // a batch's B tiles (16 pairs
 alignas(64) float part[kGroups][16 * 16];         // its C tiles
 float sink;
 
+// Group C of a batch, as amx_rows runs it: C = A (mt rows of x, K = 576 apart) x B. (The tile
+// intrinsics paste their register numbers into the instruction: literals, hence a macro.)
+#define QUIRE_GROUP(C, A, B, a, b) \
+  do {                             \
+    _tile_zero(C);                 \
+    _tile_loadd(A, a, 1152);       \
+    _tile_loadd(B, b, 64);         \
+    _tile_dpbf16ps(C, A, B);       \
+  } while (0)
+
 // One batch of kGroups groups: `Stores` the B rows (16 vector stores a group), `Products`
 // (zero, load A, load B, dot product), `StoreC` the C tiles, `LoadC` their mt rows back.
 template <bool Stores, bool Products, bool StoreC, bool LoadC>
@@ -44,24 +54,12 @@ double batch_ns(int mt) {
         for (int g = 0; g < kGroups; ++g)
           for (int r = 0; r < 16; ++r) _mm512_store_si512(B[g] + 16 * r, v);
       }
-      if constexpr (Products) {  // (the tile intrinsics are statements: asm with literals)
+      if constexpr (Products) {
         const uint16_t* a = x + 32 * (b % 16);
-        _tile_zero(0);
-        _tile_loadd(4, a, 1152);
-        _tile_loadd(6, B[0], 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_zero(1);
-        _tile_loadd(5, a + 32, 1152);
-        _tile_loadd(7, B[1], 64);
-        _tile_dpbf16ps(1, 5, 7);
-        _tile_zero(2);
-        _tile_loadd(4, a + 64, 1152);
-        _tile_loadd(6, B[2], 64);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_zero(3);
-        _tile_loadd(5, a + 96, 1152);
-        _tile_loadd(7, B[3], 64);
-        _tile_dpbf16ps(3, 5, 7);
+        QUIRE_GROUP(0, 4, 6, a, B[0]);
+        QUIRE_GROUP(1, 5, 7, a + 32, B[1]);
+        QUIRE_GROUP(2, 4, 6, a + 64, B[2]);
+        QUIRE_GROUP(3, 5, 7, a + 96, B[3]);
       }
       if constexpr (StoreC) {
         _tile_stored(0, part[0], 64);
