@@ -927,9 +927,9 @@ using quire_amx::TileConfig, quire_amx::amx_permitted;
 // each lane's nibbles j and j + 4 in its two words: a shift and the table (vpermw reads a
 // word's low 5 bits). Two operations a B row where nibble_pairs takes four (two of them on
 // port 5). The tiles then pair k as (0, 4) (1, 5) (2, 6) (3, 7) of every eight, so their A
-// tiles come from x in that order (amx_x_order). Nine rows of a step's int4 weights, 2-core
-// AMX Xeon, a C++ loop over 56 MB of them, ns a group of 16 rows x 32 k a thread: 39.7 -> 31.5
-// (one row on the FMAs: 18).
+// tiles come from x in that order (amx_x_order). Nine rows of Q4_1 weights on the 2-core AMX
+// Xeon (a C++ loop over 56 MB of them, 2 threads), ns a group of 16 rows x 32 k a thread:
+// 37.9 -> 28.8 with each thread's own copy of x (one row on the FMAs: 17-18).
 inline __m512i line_rows() {  // byte 4r + i <- byte 16i + r
   alignas(64) uint8_t index[64];
   for (int r = 0; r < kRows; ++r)
@@ -944,12 +944,14 @@ inline void nibble_lines(const uint8_t* p, __m512i rows, __m512i table, uint32_t
                         _mm512_permutexvar_epi16(_mm512_srli_epi32(line, 4 * j), table));
 }
 
-// x [M][K] as this thread's own 64-byte-aligned copy, in nibble_lines' order where `Reorder`
-// (within every eight k: 0 4 1 5 2 6 3 7). Tile loads of lines another core wrote are slow:
-// one copy made by the calling thread, written again every call and read by the other
-// thread's tiles, cost it 46-49 ns a group of nine int4 rows instead of 31; x straight from
-// the caller (the previous kernel's output) costs the same way, so decode-sized calls of the
-// other forms copy it too (bf16-32 steps 31.4 -> 29.9 ms, decode_profile.py --baseline).
+// x [M][K] as this thread's 64-byte-aligned copy, in nibble_lines' order where `Reorder`
+// (within every eight k: 0 4 1 5 2 6 3 7). Decode-sized calls give each thread its own: tile
+// loads of lines another core just wrote are slow (one copy made by the calling thread and
+// read by the other's tiles cost that thread 46-49 ns a group of nine int4 rows instead of
+// 31), and x straight from the previous kernel costs the same way, so the other forms copy it
+// too (bf16-32 steps 31.4 -> 29.9 ms, decode_profile.py --baseline). Prefill-sized calls
+// share the calling thread's copy: each line then serves many row blocks' tiles, and a copy
+// a thread would hold M x K for every thread.
 template <bool Reorder>
 inline const uint16_t* amx_x_order(const uint16_t* x, int64_t n) {
   static thread_local std::vector<uint16_t> copy;
@@ -1171,12 +1173,12 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
                 int threads, const Weight& w) {
   const int64_t blocks = (w.N + kRows - 1) / kRows, groups = w.K / w.G;
   const bool expand = Form != kBf16 && M > kAmxStreamRows;  // (BF16: interleaving is cheap)
+  constexpr bool kReorder = Form != kBf16 && Form != kInt8;
+  const bool own = M <= kAmxStreamRows;  // a copy of x a thread (amx_x_order)
+  const uint16_t* shared = kReorder && !own ? amx_x_order<true>(x, M * w.K) : x;
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
   {
-    const uint16_t* xo = x;
-    if constexpr (Form != kBf16 && Form != kInt8) xo = amx_x_order<true>(x, M * w.K);
-    else if (M <= kAmxStreamRows) xo = amx_x_order<false>(x, M * w.K);  // (prefill: x is
-    // large, each line used by many more tiles)
+    const uint16_t* xo = own ? amx_x_order<kReorder>(x, M * w.K) : shared;
     std::vector<float> scratch(expand ? w.K * kRows / 2 : 0);
     std::vector<uint32_t> buffer(
         expand ? 0 : (Form == kBf16 ? kBf16Steps * kAmxK : kAmxGroups * w.G) / 2 * kRows + 16);
