@@ -121,9 +121,10 @@ __attribute__((noinline)) void q8_amx_rows(int mt, const Q8Rows& x, const int8_t
 }
 #undef QUIRE_Q8_AMX_BLOCK
 
-// The rounded x as this thread's own copy, 64-byte aligned: the calling thread rounds x every
-// call, and the other threads' tile loads of those lines (each 16-row tile of a row block reads
-// them again) then wait on the caller's core (as amx_x_order's copies, quant_matmul.cpp).
+// The rounded x as this thread's own copy, 64-byte aligned, for up to 16 rows: the calling
+// thread rounds x every call, and the other threads' tile loads of those lines then wait on
+// its core (as amx_x_order's copies, quant_matmul.cpp; prefill-sized calls use each line for
+// many row blocks and read x as it is)
 inline const int8_t* q8_own_copy(const int8_t* q, int64_t n) {
   static thread_local std::vector<int8_t> copy;
   copy.resize(n + 64);
@@ -151,7 +152,7 @@ void linear_q8_amx(const Q8Rows& x, void* y, int64_t M, int dtype, int threads, 
         (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
     int configured = -1;
     alignas(64) float tile[kQ8AmxRows * kRows];
-    const int8_t* rounded = q8_own_copy(x.q.data(), M * w.K);
+    const int8_t* rounded = expand ? x.q.data() : q8_own_copy(x.q.data(), M * w.K);
 #pragma omp for schedule(runtime)
     for (int64_t u = 0; u < units; ++u)
       for (int64_t b = u * span, last = std::min(blocks, b + span); b < last; ++b) {
