@@ -930,11 +930,16 @@ using quire_amx::TileConfig, quire_amx::amx_permitted;
 // tiles come from x in that order (amx_x_order). Nine rows of Q4_1 weights on the 2-core AMX
 // Xeon (a C++ loop over 56 MB of them, 2 threads), ns a group of 16 rows x 32 k a thread:
 // 37.9 -> 28.8 with each thread's own copy of x (one row on the FMAs: 17-18).
-inline __m512i line_rows() {  // byte 4r + i <- byte 16i + r
+struct LineRows {  // vpermb's index: byte 4r + i <- byte 16i + r (built once)
   alignas(64) uint8_t index[64];
-  for (int r = 0; r < kRows; ++r)
-    for (int i = 0; i < 4; ++i) index[4 * r + i] = static_cast<uint8_t>(16 * i + r);
-  return _mm512_load_si512(index);
+  LineRows() {
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i) index[4 * r + i] = static_cast<uint8_t>(16 * i + r);
+  }
+};
+inline __m512i line_rows() {
+  static const LineRows rows;
+  return _mm512_load_si512(rows.index);
 }
 inline void nibble_lines(const uint8_t* p, __m512i rows, __m512i table, uint32_t* out) {
   const __m512i line = _mm512_permutexvar_epi8(rows, _mm512_loadu_si512(p));
@@ -1067,16 +1072,14 @@ __attribute__((noinline)) void amx_rows(const uint16_t* x, const float* xsum, co
 
 // Row block `block`'s B tiles, all of K, in amx_rows' order (prefill, batched decode)
 template <int Form>
-void amx_expand_block(const Weight& w, int64_t block, uint32_t* pairs) {
-  const int64_t K = w.K;
-  const uint8_t* q = w.q + block * weight_bytes(Form, K) * kRows;
-  if constexpr (Form == kInt8) {
-    for (int64_t kp = 0; kp < K / 2; ++kp) {
-      fetch_next_block<Form>(q, K, kp);
-      _mm512_storeu_si512(pairs + kp * kRows, int8_pairs(q + 2 * kp * kRows));
-    }
+void amx_expand_block(const Weight& w, int64_t block, float* scratch) {
+  if constexpr (Form == kInt8) {  // (k paired in order: the dot-product path's expansion)
+    expand_block<Form, uint16_t>(w, block, scratch);
   } else {
+    const int64_t K = w.K;
+    const uint8_t* q = w.q + block * weight_bytes(Form, K) * kRows;
     const __m512i table = nibble_table<Form>(), rows = line_rows();
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(scratch);
     for (int64_t kp = 0; kp < K / 2; kp += 4) {
       fetch_next_block<Form>(q, K, kp);
       nibble_lines(q + kp * kRows, rows, table, pairs + kp * kRows);
@@ -1195,7 +1198,7 @@ void linear_amx(const uint16_t* x, const float* xsum, void* y, int64_t M, int dt
 #pragma omp for schedule(guided, 2)
     for (int64_t b = 0; b < blocks; ++b) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, w.N - b * kRows));
-      if (expand) amx_expand_block<Form>(w, b, reinterpret_cast<uint32_t*>(scratch.data()));
+      if (expand) amx_expand_block<Form>(w, b, scratch.data());
       for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
         const int mt = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
         if (mt != configured) amx_configure(configured = mt);
