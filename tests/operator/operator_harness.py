@@ -212,10 +212,10 @@ def operator_process(cluster, tmp_path: pathlib.Path, identity: str = "operator"
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")}
     env.update(KUBECONFIG=str(kubeconfig), QUIRE_DEFAULT_IMAGE="quire-test:latest")
     log = (tmp_path / f"{identity}.log").open("w")
-    process = subprocess.Popen(
+    process = subprocess.Popen(die_with_parent(
         [sys.executable, "-m", "quire_operator", "--all-namespaces", "--liveness", "", "--identity", identity,
-         "--lease-name", lease, "--lease-namespace", "default", *TIMINGS],
-        env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+         "--lease-name", lease, "--lease-namespace", "default", *TIMINGS]),
+        env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield process
     finally:

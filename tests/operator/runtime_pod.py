@@ -232,8 +232,8 @@ def quire_processes(specs: list[tuple[str, int, list[str], dict[str, str] | None
     with ExitStack() as stack:
         processes = []
         for _, _, args, env in specs:
-            process = subprocess.Popen([str(quire), *args], env={**os.environ, **(env or {})},
-                                       preexec_fn=die_with_parent)
+            process = subprocess.Popen(die_with_parent([str(quire), *args]),
+                                       env={**os.environ, **(env or {})})
             stack.callback(_stop, process)
             processes.append(process)
         deadline = time.monotonic() + ready_timeout
@@ -293,8 +293,8 @@ def fixed_router_pod(ip: str, port: int, pending: int = 0) -> Iterator[RuntimePo
 @contextmanager
 def real_router(ip: str, port: int, *args: str, ready_timeout: float = 120) -> Iterator[subprocess.Popen]:
     """`python -m quire.router` at ip:port with these arguments, until the block ends."""
-    process = subprocess.Popen([sys.executable, "-m", "quire.router", "--host", ip, "--port", str(port), *args],
-                               preexec_fn=die_with_parent)
+    process = subprocess.Popen(die_with_parent(
+        [sys.executable, "-m", "quire.router", "--host", ip, "--port", str(port), *args]))
     try:
         _wait_ready(process, f"http://{ip}:{port}/health", time.monotonic() + ready_timeout,
                     f"quire router on {ip}:{port}", poll=0.2)

@@ -69,8 +69,8 @@ class Proc:
 
     def launch(self) -> Proc:
         """Start the process without waiting (so several can load at once)."""
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=ROOT, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(die_with_parent(self.cmd), stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> Proc:

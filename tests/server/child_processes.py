@@ -1,20 +1,20 @@
 """The tests' child processes end with the process that started them.
 
-`die_with_parent` is a Popen `preexec_fn`: the kernel sends the child SIGTERM when the thread
-that started it ends (Linux's PR_SET_PDEATHSIG), so a server a test worker started cannot
-outlive that worker, however it ends (a crash, a kill, pytest-xdist tearing it down without
-running atexit handlers). `survivors` finds the processes of this test session still alive:
-tests/conftest.py fails the run with them at its end.
+`die_with_parent(cmd)` is the command run through util-linux's `setpriv --pdeathsig`: the
+kernel sends the child SIGTERM when the thread that started it ends (Linux's
+PR_SET_PDEATHSIG), so a server a test worker started cannot outlive that worker, however it
+ends (a crash, a kill, pytest-xdist tearing it down without running atexit handlers).
+`survivors` finds the processes of this test session still alive: tests/conftest.py fails the
+run with them at its end.
 """
 
 from __future__ import annotations
 
-import ctypes
-import signal
-import sys
+import shutil
 
 SESSION_MARK = "QUIRE_TEST_SESSION"  # in the environment of everything the session starts
-_PR_SET_PDEATHSIG = 1
+# util-linux (Debian: essential); an absolute path, as some tests give the child a bare PATH
+_SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 _shared: list = []  # stop() of the processes shared by several tests of this process
 
 
@@ -29,13 +29,18 @@ def stop_shared() -> None:
         _shared.pop().stop()
 
 
-def die_with_parent() -> None:
-    """Popen(preexec_fn=die_with_parent): SIGTERM to the child when its parent goes away.
-    Call Popen from a thread that lives as long as the child should (the kernel watches the
-    thread, not the process): the tests start servers from the main thread."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def die_with_parent(cmd: list) -> list[str]:
+    """`cmd` run so that it gets SIGTERM when its parent goes away. Popen it from a thread that
+    lives as long as the child should (the kernel watches the thread, not the process): the
+    tests start servers from the main thread.
+
+    Not a Popen `preexec_fn` (prctl in the forked child): Python code between fork and exec
+    runs the at-fork handlers of whatever the test process holds, and with a gRPC server in
+    it (the OTLP receiver) about 1 child in 100 aborted there ("Epoll1Poller encountered
+    epoll_wait error: Bad file descriptor"). Without a preexec_fn, Popen execs at once
+    (vfork), and setpriv sets the signal in the child before it execs `cmd` (it is kept across
+    exec)."""
+    return [_SETPRIV, "--pdeathsig", "TERM", "--", *map(str, cmd)]
 
 
 def survivors(mark: str, exclude: set[int]) -> list:

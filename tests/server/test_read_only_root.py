@@ -111,8 +111,8 @@ class PodLikeServer(ServerProcess):
     def start(self) -> None:
         cmd = [*self.launcher, "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.exact_env, cwd=ROOT, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(die_with_parent(cmd), stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=self.exact_env, cwd=ROOT)
         self._poller = threading.Thread(target=self._poll_until_ready, daemon=True)
         self._poller.start()
 
