@@ -77,6 +77,8 @@ def pip_installs(lines):
     """The pip install commands of Makefile or Dockerfile lines, normalized."""
     found = []
     for line in lines:
+        if line.strip().startswith("#"):  # a comment: prose, not shell words (its quotes unpaired)
+            continue
         for command in re.split(r"&&|;", line):
             words = shlex.split(command.replace("$(PY) -m pip", "pip"))
             if words[:2] == ["pip", "install"]:
