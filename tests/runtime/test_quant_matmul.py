@@ -465,6 +465,27 @@ def test_streamed_bf16_rows_add_each_pair_of_k_odd_first(bits, march):
         assert torch.equal(linear(x, packed), want.expand(40, n))
 
 
+@pytest.mark.parametrize("m, group", [(1, 32), (9, 32), (17, 64), (3, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_groups_sum_of_x_adds_its_k_in_order(m, group, dtype, march):
+    """The offset's term sums x over each group in k order (one chain a group, whatever lanes
+    the groups share): x = [1, 2^24, -2^24, 1] at a different place in each group sums to 1
+    in k order (0 with each pair's k + 1 first, 2 backwards). Nibbles 0 under the min form
+    (w = s q + m, m = 1) leave y = m * sum(x) alone. M x groups: 1, 2 lanes' worth and ragged
+    tails (9 x 18 = 162 groups)."""
+    n, k = 16, 576 if group == 32 else 384
+    packed = qm.pack_int4(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // group),
+                          torch.full((n, k // group), 9.0), group, _march=march)
+    assert packed.form == qm.INT4_MIN
+    x = torch.zeros(m, k)
+    for row in range(m):
+        for g in range(k // group):
+            at = g * group + (row + 3 * g) % (group - 3)
+            x[row, at:at + 4] = torch.tensor([1.0, 2.0 ** 24, -2.0 ** 24, 1.0])
+    y = qm.int4_linear(x.to(dtype), packed)
+    assert torch.equal(y, torch.full((m, n), float(k // group), dtype=dtype))
+
+
 @pytest.mark.parametrize("flavour", ["min16", "symmetric32", "int8-g32"])
 def test_amx_min_rows_one_puts_every_bf16_row_in_one_order(flavour, march):
     """QUIRE_AMX_MIN_ROWS=1 (the library's threshold at 1): on an AMX build every bfloat16
