@@ -123,11 +123,15 @@ def apply(kube: Kube, namespace: str, desired: dict) -> tuple[str, dict]:
         raise
 
 
-def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce: Announce) -> None:
-    """Apply the spec; a spec that cannot apply is reported and changes nothing."""
+def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce: Announce, *,
+              fresh: bool = False) -> None:
+    """Apply the spec (the live one where it is newer than `body`, unless `fresh` says body was
+    read under this lock); a spec that cannot apply is reported and changes nothing."""
     meta = body["metadata"]
-    namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
+    namespace, name = meta["namespace"], meta["name"]
     with _lock_for(namespace, name):
+        body = body if fresh else _newest(kube, body)
+        generation = body["metadata"].get("generation")
         try:
             check_name(name)
             spec = parse_spec(body.get("spec"))
@@ -143,6 +147,20 @@ def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce:
         log.debug("%s/%s: %s at generation %s", namespace, name, deployment.get("kind"),
                   deployment.get("metadata", {}).get("generation"))
         refresh_status(kube, namespace, name, blocked=None, spec=spec, generation=generation, announce=announce)
+
+
+def _newest(kube: Kube, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The live LLMDeployment where its spec is newer than `body`'s. kopf hands a handler the
+    body of the event it processes, and a child's event or the resync (which read it afresh)
+    may have applied a later spec meanwhile: applying the older one would roll the pods back
+    to it, then forward again on the next event, and set observedGeneration back."""
+    meta = body["metadata"]
+    live = kube.get_llmdeployment(meta["namespace"], meta["name"])
+    if live is not None and (live["metadata"].get("generation") or 0) > (meta.get("generation") or 0):
+        log.debug("%s/%s: generation %s is live; the handler's body has %s", meta["namespace"],
+                  meta["name"], live["metadata"].get("generation"), meta.get("generation"))
+        return live
+    return body
 
 
 def repair(kube: Kube, namespace: str, name: str, default_image: str, announce_for: Callable[[dict], Announce],
@@ -162,7 +180,7 @@ def repair(kube: Kube, namespace: str, name: str, default_image: str, announce_f
             refresh_status(kube, namespace, name)  # only the rollout figures may have changed
             return
         log.debug("%s/%s: re-applying the spec (%s)", namespace, name, why)
-        reconcile(kube, owner, default_image, announce_for(owner))
+        reconcile(kube, owner, default_image, announce_for(owner), fresh=True)
 
 
 def _apply_children(kube: Kube, namespace: str, owner: dict, spec: LLMSpec, default_image: str,

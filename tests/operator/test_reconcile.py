@@ -165,3 +165,35 @@ def test_a_deleted_deployment_is_put_back_and_an_unwanted_pdb_removed(cluster):
 
         cluster.patch(LLMD_API, names.PLURAL, "chat", {"spec": {"podDisruptionBudget": {"enabled": False}}})
         wait_for(lambda: cluster.get("policy/v1", "poddisruptionbudgets", "chat") is None, what="the PDB to go")
+
+
+def test_a_handlers_older_body_leaves_a_newer_applied_spec_alone(cluster):
+    """kopf hands a handler the body of the event it processes, while a child's event or the
+    resync (which read the LLMDeployment afresh) may already have applied a newer spec. Applying
+    the older body would roll the pods back to it, and forward again on the next event: two
+    rolls for one edit, and observedGeneration set back. Here the handler of the edit before
+    `pvc://` runs after the edit's own reconcile."""
+    import os
+
+    import kubernetes
+
+    from quire_operator.kube import Kube
+    from quire_operator.reconcile import reconcile
+
+    kube = Kube(kubernetes.config.new_client_from_config(config_file=os.environ["KUBECONFIG"]))
+    quiet = lambda *_: None  # noqa: E731 (no Events needed)
+    sql = {"name": "sql", "source": "/mnt/loras/sql"}
+    cluster.create(llmdeployment("chat", adapters=[sql]))
+    older = cluster.llmd("chat")
+    reconcile(kube, older, "quire-test:latest", quiet)
+    cluster.patch(LLMD_API, names.PLURAL, "chat",
+                  {"spec": {"adapters": [sql, {"name": "b", "source": "pvc://loras/b"}]}})
+    newer = cluster.llmd("chat")
+    reconcile(kube, newer, "quire-test:latest", quiet)
+    mounted = cluster.deployment("chat")
+    claims = [v.get("persistentVolumeClaim") for v in mounted["spec"]["template"]["spec"]["volumes"]]
+    assert {"claimName": "loras", "readOnly": True} in claims
+
+    reconcile(kube, older, "quire-test:latest", quiet)  # the late handler
+    assert cluster.deployment("chat")["metadata"] == mounted["metadata"]  # not written again
+    assert cluster.llmd("chat")["status"]["observedGeneration"] == newer["metadata"]["generation"]
