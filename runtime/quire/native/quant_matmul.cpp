@@ -1468,8 +1468,6 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
   else linear<Form, float>(xf, xsum, y, M, dtype, threads, w);
 }
 
-}  // namespace
-
 // xsum[i] = the sum of x's group i (G values from x + i * G) in k order: the fold's xsum,
 // one chain a group as every path sums it, for `n` groups of x float32 (dtype 0) or bfloat16.
 // Groups side by side in vector lanes (a gather of each k), so one chain does not wait on
@@ -1551,6 +1549,8 @@ void group_sums(const void* x, int dtype, int64_t n, int64_t G, float* xsum) {
   }
 }
 #endif
+
+}  // namespace
 
 extern "C" {
 
