@@ -130,6 +130,7 @@ def test_unknown_architecture_is_refused_naming_it_and_the_supported(tmp_path):
         assert arch in message
 
 
+@pytest.mark.filterwarnings("error:The given NumPy array is not writable")  # (an F32 tensor's view)
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp_path,
                                                                      smollm_tokenizer,

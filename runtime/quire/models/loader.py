@@ -498,7 +498,9 @@ def _iter_gguf(path: str, cfg: ModelConfig, reader=None) -> Iterator[tuple[str, 
             raise ValueError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) "
                              f"in {path!r}: {e}") from None
         w = fix(name, w.reshape(tuple(int(d) for d in reversed(tensor.shape))))
-        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        # a writable array: an F32 tensor comes back as a view of the read-only file mapping,
+        # which torch would wrap with a warning (writing to it undefined); others are fresh
+        yield name, torch.from_numpy(np.require(w, dtype=np.float32, requirements=["C", "W"]))
 
 
 def _gguf_value_fix(arch: str, cfg: ModelConfig):
