@@ -17,7 +17,8 @@ MATRYOSHKA_DIMENSIONS = [16, 32, 64]
 
 def save_embedding_model(path: str) -> str:
     import transformers
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     helpers = runtime_helpers()
     config = helpers.tiny_config("qwen3")
     config.is_matryoshka = True
@@ -33,10 +34,9 @@ def save_embedding_model(path: str) -> str:
     raw = path + "-base"
     base.save_pretrained(raw)
     tokenizer.save_pretrained(raw)
-    transformer = models.Transformer(raw)
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(),
-                             pooling_mode="lasttoken")
-    st = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu",
+    transformer = Transformer(raw)
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
+    st = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu",
                              prompts={"query": QUERY_PROMPT, "document": ""},
                              default_prompt_name="query")
     st.save(path)

@@ -37,7 +37,8 @@ def st(model_path):
 
 
 def _close(ours, theirs) -> None:
-    ours, theirs = torch.as_tensor(ours, dtype=torch.float32), torch.as_tensor(theirs)
+    ours = torch.tensor(ours, dtype=torch.float32)  # (a copy: base64 decodes to a read-only array)
+    theirs = torch.as_tensor(theirs)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() < TOL
 
