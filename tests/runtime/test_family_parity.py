@@ -7,8 +7,10 @@ a KV budget small enough to preempt, then again with prefix-cache hits."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+import torch
 
 from quire import LLM, SamplingParams
 from quire.worker.kv_cache import bytes_per_block
@@ -155,6 +157,12 @@ def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp
     reader_init = gguf_py.GGUFReader.__init__
     monkeypatch.setattr(gguf_py.GGUFReader, "__init__", lambda self, path, *a, **k: (
         parses.append(os.path.basename(path)), reader_init(self, path, *a, **k))[1])
+    # every array the loader gives torch is writable (torch warns of a read-only one only once
+    # a process, so the warning alone would miss it after another test's)
+    writable, from_numpy = [], torch.from_numpy
+    monkeypatch.setattr(torch, "from_numpy", lambda a: (
+        sys._getframe(1).f_code.co_filename == loader.__file__
+        and writable.append(a.flags.writeable), from_numpy(a))[1])
     folder = save_tiny_model(str(tmp_path / family), tiny_config(family), smollm_tokenizer)
     gguf = convert(folder, str(tmp_path / f"{family}.gguf"))
     prompts = random_prompts()
@@ -163,6 +171,7 @@ def test_family_from_a_gguf_written_by_llamacpp_matches_transformers(family, tmp
         llm = LLM(gguf, dtype="float32", quantization=quantization, kv_cache_memory=8 << 20)
         got = [o.token_ids for o in _greedy(llm, prompts)]
         assert _diverging(got, expected, prompts) == [], quantization
+    assert writable and all(writable)
     assert parsed.count("gguf") == 1
     assert parses == [f"{family}.gguf"] * 2, parses
     assert isinstance(gguf_py.GGUFReader, type)  # transformers' reader is gguf's own again
