@@ -1475,71 +1475,7 @@ void linear_form(const void* x, const float* xf, const float* xsum, void* y, int
 // matmul's threads start, in each of a SmolLM2 step's 121 calls: a chain a group took 1.75
 // us of 9 rows x 576 k alone (0.40 gathered), and one step's matmuls at 9 rows 6.8-7.1 ->
 // 5.9-6.1 ms (small_m.py, 2-core AMX Xeon, the two trees alternated).
-#if defined(__AVX512F__) || defined(__AVX2__)
-#if defined(__AVX512F__)
-constexpr int kSumLanes = 16;
-using SumMask = __mmask16;
-inline __m512i lane_offsets(int64_t stride) {  // lane j: j * stride 32-bit words on
-  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                            _mm512_set1_epi32(static_cast<int>(stride)));
-}
-inline __m512i gather_words(__m512i at, const void* base, SumMask lanes) {
-  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at, base, 4);
-}
-inline __m512 as_float(__m512i v) { return _mm512_castsi512_ps(v); }
-inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-inline __m512i low_bf16(__m512i v) { return _mm512_slli_epi32(v, 16); }
-inline __m512i high_bf16(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(-65536)); }
-inline void store_lanes(float* out, __m512 v, SumMask lanes) { _mm512_mask_storeu_ps(out, lanes, v); }
-inline SumMask first_lanes(int n) { return static_cast<SumMask>((1u << n) - 1); }
-using SumVector = __m512;
-using WordVector = __m512i;
-inline SumVector sum_zero() { return _mm512_setzero_ps(); }
-#else
-constexpr int kSumLanes = 8;
-using SumMask = __m256i;
-inline __m256i lane_offsets(int64_t stride) {
-  return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                            _mm256_set1_epi32(static_cast<int>(stride)));
-}
-inline __m256i gather_words(__m256i at, const void* base, SumMask lanes) {
-  return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), static_cast<const int*>(base), at,
-                                     lanes, 4);
-}
-inline __m256 as_float(__m256i v) { return _mm256_castsi256_ps(v); }
-inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-inline __m256i low_bf16(__m256i v) { return _mm256_slli_epi32(v, 16); }
-inline __m256i high_bf16(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(-65536)); }
-inline void store_lanes(float* out, __m256 v, SumMask lanes) { _mm256_maskstore_ps(out, lanes, v); }
-inline SumMask first_lanes(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-using SumVector = __m256;
-using WordVector = __m256i;
-inline SumVector sum_zero() { return _mm256_setzero_ps(); }
-#endif
-void group_sums(const void* x, int dtype, int64_t n, int64_t G, float* xsum) {
-  // (G even, as for every int4 form: a bfloat16 pair of k is one 32-bit word)
-  const WordVector at = lane_offsets(dtype == 1 ? G / 2 : G);
-  for (int64_t i0 = 0; i0 < n; i0 += kSumLanes) {
-    const SumMask lanes = first_lanes(static_cast<int>(std::min<int64_t>(kSumLanes, n - i0)));
-    SumVector sum = sum_zero();
-    if (dtype == 1) {
-      const uint16_t* base = static_cast<const uint16_t*>(x) + i0 * G;
-      for (int64_t k = 0; k < G; k += 2) {
-        const WordVector pair = gather_words(at, base + k, lanes);
-        sum = add(sum, as_float(low_bf16(pair)));
-        sum = add(sum, as_float(high_bf16(pair)));
-      }
-    } else {
-      const float* base = static_cast<const float*>(x) + i0 * G;
-      for (int64_t k = 0; k < G; ++k) sum = add(sum, as_float(gather_words(at, base + k, lanes)));
-    }
-    store_lanes(xsum + i0, sum, lanes);
-  }
-}
-#else
-void group_sums(const void* x, int dtype, int64_t n, int64_t G, float* xsum) {
+void group_sums_chained(const void* x, int dtype, int64_t n, int64_t G, float* xsum) {
   for (int64_t i = 0; i < n; ++i) {
     float sum = 0.f;
     for (int64_t k = 0; k < G; ++k)
@@ -1548,7 +1484,64 @@ void group_sums(const void* x, int dtype, int64_t n, int64_t G, float* xsum) {
     xsum[i] = sum;
   }
 }
+#if defined(__AVX512F__)
+constexpr int kSumLanes = 16;
+using SumVector = __m512;
+using WordVector = __m512i;
+inline __m512i lane_offsets(int stride) {  // lane j: j * stride 32-bit words on
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(stride));
+}
+inline __m512i gather_words(__m512i at, const void* base) {
+  return _mm512_i32gather_epi32(at, base, 4);
+}
+inline __m512 add_words(__m512 a, __m512i b) { return _mm512_add_ps(a, _mm512_castsi512_ps(b)); }
+inline __m512i low_bf16(__m512i v) { return _mm512_slli_epi32(v, 16); }
+inline __m512i high_bf16(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(-65536)); }
+inline void store_sums(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline __m512 sum_zero() { return _mm512_setzero_ps(); }
+#elif defined(__AVX2__)
+constexpr int kSumLanes = 8;
+using SumVector = __m256;
+using WordVector = __m256i;
+inline __m256i lane_offsets(int stride) {
+  return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+}
+inline __m256i gather_words(__m256i at, const void* base) {
+  return _mm256_i32gather_epi32(static_cast<const int*>(base), at, 4);
+}
+inline __m256 add_words(__m256 a, __m256i b) { return _mm256_add_ps(a, _mm256_castsi256_ps(b)); }
+inline __m256i low_bf16(__m256i v) { return _mm256_slli_epi32(v, 16); }
+inline __m256i high_bf16(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(-65536)); }
+inline void store_sums(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+inline __m256 sum_zero() { return _mm256_setzero_ps(); }
 #endif
+void group_sums(const void* x, int dtype, int64_t n, int64_t G, float* xsum) {
+  int64_t i0 = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  // whole lanes of groups; G is even for every int4 form, so a bfloat16 pair of k is one
+  // 32-bit word
+  const WordVector at = lane_offsets(static_cast<int>(dtype == 1 ? G / 2 : G));
+  for (; i0 + kSumLanes <= n; i0 += kSumLanes) {
+    SumVector sum = sum_zero();
+    if (dtype == 1) {
+      const uint16_t* base = static_cast<const uint16_t*>(x) + i0 * G;
+      for (int64_t k = 0; k < G; k += 2) {
+        const WordVector pair = gather_words(at, base + k);
+        sum = add_words(sum, low_bf16(pair));
+        sum = add_words(sum, high_bf16(pair));
+      }
+    } else {
+      const float* base = static_cast<const float*>(x) + i0 * G;
+      for (int64_t k = 0; k < G; ++k) sum = add_words(sum, gather_words(at, base + k));
+    }
+    store_sums(xsum + i0, sum);
+  }
+#endif
+  // the last groups (and every group on builds without the vectors): a chain each
+  const int64_t bytes = dtype == 1 ? 2 : 4;
+  group_sums_chained(static_cast<const char*>(x) + i0 * G * bytes, dtype, n - i0, G, xsum + i0);
+}
 
 }  // namespace
 
