@@ -1,8 +1,13 @@
 """Create, update, resume, delete: the children and the status an LLMDeployment gets."""
 
+import os
 import time
 
+import kubernetes
+
 from quire_operator import names
+from quire_operator.kube import Kube
+from quire_operator.reconcile import reconcile
 
 from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
@@ -173,13 +178,6 @@ def test_a_handlers_older_body_leaves_a_newer_applied_spec_alone(cluster):
     the older body would roll the pods back to it, and forward again on the next event: two
     rolls for one edit, and observedGeneration set back. Here the handler of the edit before
     `pvc://` runs after the edit's own reconcile."""
-    import os
-
-    import kubernetes
-
-    from quire_operator.kube import Kube
-    from quire_operator.reconcile import reconcile
-
     kube = Kube(kubernetes.config.new_client_from_config(config_file=os.environ["KUBECONFIG"]))
     quiet = lambda *_: None  # noqa: E731 (no Events needed)
     sql = {"name": "sql", "source": "/mnt/loras/sql"}
