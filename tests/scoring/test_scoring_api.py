@@ -134,6 +134,27 @@ def test_streamed_echo_carries_the_prompt_logprobs_first(srv, reference):
     assert len(tokens) == len(prompt) + 3
 
 
+def test_streamed_echo_with_max_tokens_0_counts_and_shows_no_generated_token(srv, reference):
+    """The engine samples one token to score the prompt; the client never sees it, so a
+    stream's usage and token ids leave it out, as the whole response's usage does."""
+    prompt = random_prompts(lengths=[12], seed=14)[0]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    with requests.post(srv.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] == len(prompt)
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert sum((c["token_ids"] for c in choices), []) == []
+    assert choices[0]["prompt_token_ids"] == prompt
+    tokens = sum((c["logprobs"]["tokens"] for c in choices if c["logprobs"]), [])
+    assert len(tokens) == len(prompt)
+    _assert_echo_matches(choices[0], prompt, reference(prompt), 1)
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -2}, "prompt_logprobs"),

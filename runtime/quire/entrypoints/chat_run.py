@@ -139,6 +139,8 @@ class ChatChunks:
     reasoning parser, delta.reasoning_content pieces; when the answer is read for tool calls,
     delta.tool_calls pieces from its content)."""
 
+    generates = True
+
     def __init__(self, request_id: str, model: str, params: SamplingParams,
                  tools: ToolUse, reasoning: ReasoningUse | None = None) -> None:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}

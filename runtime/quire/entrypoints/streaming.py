@@ -25,6 +25,10 @@ from quire.outputs import CompletionOutput, RequestOutput
 
 
 class ChunkFormat(Protocol):
+    # False where the outputs' tokens are the engine's own, not the client's (echo-only
+    # scoring samples one token it never shows): then usage counts none and no ids are sent
+    generates: bool
+
     def opening(self) -> list[BaseModel]:
         """Chunks sent before any token (chat: the role of each choice)."""
 
@@ -94,7 +98,8 @@ async def sse_events(serving, request_id: str, guard: StreamGuard, n: int, fmt: 
                 i = p * n + c.index
                 if i in done:
                     continue
-                completion_tokens += len(c.token_ids)
+                shown = c.token_ids if fmt.generates else []
+                completion_tokens += len(shown)
                 if c.finish_reason is not None:
                     done.add(i)
                 chunk = fmt.choice(i, p, out, c)
@@ -103,7 +108,7 @@ async def sse_events(serving, request_id: str, guard: StreamGuard, n: int, fmt: 
                         yield sse(chunk)
                     continue
                 ids = pending.setdefault(i, [])
-                ids.extend(c.token_ids)
+                ids.extend(shown)
                 if chunk is not None:
                     first = i not in prompted
                     prompted.add(i)

@@ -136,6 +136,7 @@ class CompletionChunks:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}
         self.params, self.echoes, self.scoring = params, echoes, scoring
         self.offsets: dict[int, int] = {}  # characters sent per choice (logprobs' offsets)
+        self.generates = not scoring.echo_only
 
     def opening(self) -> list:
         return []
