@@ -31,7 +31,7 @@ from quire.entrypoints.openai_protocol import ChatCompletionRequest
 
 # chat's names for what the Messages API calls otherwise (in the 400s chat's checks raise)
 RENAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
-           "response_format": "output_config"}
+           "response_format": "output_config", "continue_final_message": "messages"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "cache_salt")
 
 
@@ -94,6 +94,26 @@ def _user_content(pieces: list) -> str | list[dict]:
             for p in pieces]
 
 
+def _continued(req: MessagesFields) -> dict:
+    """A final assistant message is the reply's start: the answer continues its text (the
+    prompt ends inside it, chat_continuation). As Anthropic, that text may not end in
+    whitespace (the model would continue after a space it did not write)."""
+    if not req.messages or req.messages[-1].role != "assistant":
+        return {}
+    last, where = req.messages[-1], f"messages[{len(req.messages) - 1}].content"
+    blocks = [] if isinstance(last.content, str) else last.content
+    if any(isinstance(b, ToolUseBlockIn) for b in blocks):
+        raise bad_request(f"{where}: a final assistant message is continued as the reply, so "
+                          "it can't hold tool_use blocks (their tool_result comes in a user "
+                          "message after it)", "messages")
+    text = last.content if isinstance(last.content, str) else \
+        "\n".join(b.text for b in blocks if isinstance(b, TextBlockIn))
+    if text != text.rstrip():
+        raise bad_request(f"{where}: final assistant content cannot end with trailing "
+                          "whitespace", "messages")
+    return {"add_generation_prompt": False, "continue_final_message": True}
+
+
 def tool_fields(req: MessagesFields) -> dict:
     """tools, tool_choice and parallel_tool_calls in chat's spelling."""
     fields: dict = {}
@@ -123,7 +143,7 @@ def template_kwargs(req: MessagesFields) -> dict | None:
 
 def chat_request(req: MessagesFields, stream: bool = False) -> ChatCompletionRequest:
     body: dict = {"model": req.model, "messages": chat_messages(req), "stream": stream,
-                  **tool_fields(req)}
+                  **tool_fields(req), **_continued(req)}
     kwargs = template_kwargs(req)
     if kwargs is not None:
         body["chat_template_kwargs"] = kwargs

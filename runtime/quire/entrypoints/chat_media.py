@@ -7,7 +7,7 @@ Public interface:
     image_parts(messages) -> [(where, url)]     the image parts, each with its place
                                                 ("messages[0].content[1].image_url.url")
     await image_chat_prompt(serving, messages, add_generation_prompt, info, chat_template,
-                            tools, template_kwargs) -> ProcessedPrompt
+                            tools, template_kwargs, continue_final_message) -> ProcessedPrompt
         400s (OpenAIError) naming the part: a text-only model ("the model is not
         multimodal"), too many images, a URL that isn't a data URL when fetching is off, bad
         base64, a payload that isn't an image, one over the pixel limit, a failed fetch
@@ -19,6 +19,7 @@ import copy
 import threading
 
 from quire.entrypoints import request_chat_template
+from quire.entrypoints.chat_continuation import template_rejected
 from quire.entrypoints.errors import bad_request, engine_error
 from quire.entrypoints.limits import check_prompt_tokens
 from quire.multimodal.chat import render_image_chat
@@ -49,7 +50,8 @@ def image_parts(messages) -> list[tuple[str, str]]:
 
 async def image_chat_prompt(serving, messages, add_generation_prompt: bool, info,
                             chat_template: str | None, tools: list[dict] | None,
-                            template_kwargs: dict | None) -> ProcessedPrompt:
+                            template_kwargs: dict | None,
+                            continue_final_message: bool = False) -> ProcessedPrompt:
     parts = image_parts(messages)
     if info.mm_processor is None:
         where = parts[0][0].removesuffix(".url")
@@ -68,7 +70,7 @@ async def image_chat_prompt(serving, messages, add_generation_prompt: bool, info
             serving.limits.prompt_chars(info.max_model_len))
         processed = await serving.pool.run(_render_and_process, info.mm_processor,
                                            conversation, images, add_generation_prompt,
-                                           own, extra)
+                                           own, extra, continue_final_message)
     except (QuireValidationError, ValueError) as e:
         raise engine_error(e) from None
     check_prompt_tokens("messages", len(processed.token_ids), info.max_model_len)
@@ -96,7 +98,8 @@ def _special_tokens(mm_processor) -> dict[str, str]:
 
 
 def _render_and_process(tokenizer, mm_processor, conversation, images,
-                        add_generation_prompt, own_template, extra) -> ProcessedPrompt:
+                        add_generation_prompt, own_template, extra,
+                        continue_final_message=False) -> ProcessedPrompt:
     """In a pool thread, with that thread's own copies (a fast tokenizer is not to be shared
     between threads). `own_template`: (a request's own template, its time and size budget),
     rendered in the sandbox; None: the processor's."""
@@ -109,15 +112,15 @@ def _render_and_process(tokenizer, mm_processor, conversation, images,
     if own_template is not None:
         template, timeout, max_chars = own_template
         text = request_chat_template.render(template, conversation, add_generation_prompt,
-                                            _special_tokens(mine), timeout, max_chars, extra)
+                                            _special_tokens(mine), timeout, max_chars, extra,
+                                            continue_final_message)
         return mine.process(text, images, add_special_tokens=False)
     try:
         text = render_image_chat(mine, tokenizer, conversation, add_generation_prompt,
-                                 **extra)
+                                 continue_final_message=continue_final_message, **extra)
     except QuireValidationError:
         raise
     except Exception as e:  # noqa: BLE001 - templates raise on conversations they reject
-        raise bad_request(f"the chat template rejected these messages: {e}",
-                          "messages") from None
+        raise template_rejected(e) from None
     # the rendered text has the template's special tokens: the tokenizer adds none
     return mine.process(text, images, add_special_tokens=False)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from quire.engine.async_engine import RequestStream
+from quire.entrypoints.chat_continuation import check_continuation
 from quire.entrypoints.chat_media import image_chat_prompt, image_parts
 from quire.entrypoints.chat_reasoning import (
     ReasoningDeltas,
@@ -85,12 +86,13 @@ async def start_chat(serving, req: ChatCompletionRequest, request_id: str,
         check_chat_template(req.chat_template, serving.limits)
         images = await image_chat_prompt(serving, req.messages, req.add_generation_prompt,
                                          info, req.chat_template, tools.tools,
-                                         req.chat_template_kwargs)
+                                         req.chat_template_kwargs, req.continue_final_message)
         prompt = images.token_ids
     else:
         prompt = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                                req.chat_template, tools=tools.tools,
-                                               template_kwargs=req.chat_template_kwargs)
+                                               template_kwargs=req.chat_template_kwargs,
+                                               continue_final_message=req.continue_final_message)
     prompt = continued_prompts([prompt], req)[0]  # a migrated request goes on where it was
     reasoning = await reasoning_use(serving, req, prompt, params.guided_decoding is not None)
     if reasoning.parser is not None and reasoning.parser.needs_special_tokens:
@@ -113,6 +115,18 @@ def check_chat_request(req: ChatCompletionRequest, limits, vocab_size: int) -> N
         raise bad_request("prompt_logprobs are not available when stream is true",
                           "prompt_logprobs")
     check_stop(req.stop, req.stop_token_ids, limits, vocab_size)
+    check_continuation(req.add_generation_prompt, req.continue_final_message, req.messages)
+
+
+def echoed(req: ChatCompletionRequest) -> str:
+    """What `echo` puts before the answer: the last message's text when it is the
+    assistant's (the answer's role), as vLLM does; else nothing."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    content = req.messages[-1].content
+    if isinstance(content, list):
+        return "\n".join(p.text for p in content if p.type == "text" and p.text is not None)
+    return content or ""
 
 
 # --- whole answers ----------------------------------------------------------------------
@@ -142,17 +156,22 @@ class ChatChunks:
     generates = True
 
     def __init__(self, request_id: str, model: str, params: SamplingParams,
-                 tools: ToolUse, reasoning: ReasoningUse | None = None) -> None:
+                 tools: ToolUse, reasoning: ReasoningUse | None = None,
+                 echo: str = "") -> None:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}
-        self.params = params
+        self.params, self.echo = params, echo
         self.tool_calls = ToolCallDeltas(tools.parser) if tools.parser is not None else None
         self.reasoning = ReasoningDeltas(reasoning) if reasoning is not None and \
             reasoning.parser is not None else None
 
     def opening(self) -> list[ChatCompletionChunk]:
-        return [ChatCompletionChunk(**self.head, choices=[ChatStreamChoice(
+        chunks = [ChatCompletionChunk(**self.head, choices=[ChatStreamChoice(
             index=i, delta=ChatDelta(role="assistant", content=""))])
             for i in range(self.params.n)]
+        if self.echo:
+            chunks += [ChatCompletionChunk(**self.head, choices=[ChatStreamChoice(
+                index=i, delta=ChatDelta(content=self.echo))]) for i in range(self.params.n)]
+        return chunks
 
     def choice(self, index: int, prompt_index: int, out: RequestOutput,
                c: CompletionOutput) -> ChatCompletionChunk | None:

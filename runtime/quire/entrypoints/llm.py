@@ -123,28 +123,36 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None,
              tools: list[dict] | None = None,
-             cache_salt: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+             cache_salt: str | Sequence[str | None] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
         tokenizer's chat template. `tools`: OpenAI function tools the template is given
         (assistant tool_calls and role 'tool' messages render too); parse the replies with
         quire.entrypoints.tool_calls. `cache_salt`: as in generate(). A message's content
         may be a list of parts: text, and images as {'type': 'image_url', 'image_url': {'url':
         'data:image/...;base64,...'}} or {'type': 'image_pil', 'image_pil': PIL image}
-        (a vision-language model's; rendered by its processor's chat template)."""
+        (a vision-language model's; rendered by its processor's chat template).
+        `continue_final_message` (with add_generation_prompt False): the prompt ends inside
+        the last message, which the answer continues, as vLLM's LLM.chat."""
+        if continue_final_message and add_generation_prompt:
+            raise QuireValidationError(
+                "continue_final_message", "continue_final_message continues the last message, "
+                "so add_generation_prompt must be False (it opens a new one)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in conversations:
             rendered, images = chat_images(c, self.engine.args.max_image_pixels)
             if images:
                 prompts.append(self._image_chat_prompt(rendered, images, add_generation_prompt,
-                                                       chat_template))
+                                                       chat_template, continue_final_message))
             else:
                 prompts.append({"prompt_token_ids": self.apply_chat_template(
-                    c, add_generation_prompt, chat_template, tools)})
+                    c, add_generation_prompt, chat_template, tools, continue_final_message)})
         return self.generate(prompts, sampling_params, use_tqdm, cache_salt=cache_salt)
 
     def _image_chat_prompt(self, messages: list[dict], images: list,
-                           add_generation_prompt: bool, chat_template: str | None) -> dict:
+                           add_generation_prompt: bool, chat_template: str | None,
+                           continue_final_message: bool = False) -> dict:
         """The conversation's text through the processor's template (which places the image
         token per image part), with its images: the prompt dict generate() takes."""
         processor = getattr(self.engine, "mm_processor", None)
@@ -154,24 +162,26 @@ class LLM:
                 f"{self.engine.model_config.architecture} takes text only, so messages can't "
                 "carry image parts")
         text = render_image_chat(processor, self.tokenizer, messages, add_generation_prompt,
-                                 chat_template)
+                                 chat_template, continue_final_message=continue_final_message)
         # the rendered text has the template's special tokens: the tokenizer adds none
         return {"prompt": text, "multi_modal_data": {"image": images},
                 "add_special_tokens": False}
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None,
+                            continue_final_message: bool = False) -> list[int]:
         if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
             from quire.entrypoints.tool_calls import render_chat_prompt  # tool calling
             return render_chat_prompt(self.tokenizer, messages, tools, chat_template,
-                                      add_generation_prompt)
+                                      add_generation_prompt, continue_final_message)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise QuireValidationError(
                 "chat_template", "this model's tokenizer has no chat template; pass "
                 "chat_template")
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True,
             chat_template=chat_template, return_dict=False)
         return list(ids)
 

@@ -281,6 +281,12 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltFie
     stream: bool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the last message (no end of turn), which the answer
+    # continues; needs add_generation_prompt false
+    continue_final_message: bool = False
+    # vLLM's: the answer's content starts with the last message's, when that is the
+    # assistant's (with continue_final_message: the whole message, not just its new end)
+    echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = Field(
         None, description="a JSON object of extra chat template variables, as "
@@ -311,6 +317,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict | None = Field(
         None, description="a JSON object of extra chat template variables")
 

@@ -25,6 +25,7 @@ from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from quire.entrypoints.chat_continuation import cut_at_tag, tag_final_message, template_rejected
 from quire.entrypoints.errors import OpenAIError, bad_request
 
 MAX_EXPONENT = 1024        # `a ** b` beyond this is refused: huge integers cost time and memory
@@ -124,9 +125,15 @@ def _raise(message: str):
 
 def render(template: str, conversation: list[dict], add_generation_prompt: bool,
            special_tokens: dict[str, str], timeout: float, max_chars: int,
-           extra: dict | None = None) -> str:
+           extra: dict | None = None, continue_final_message: bool = False) -> str:
     """The rendered prompt, or OpenAIError 400 naming chat_template. `extra`: more template
-    variables (the request's `tools` and chat_template_kwargs)."""
+    variables (the request's `tools` and chat_template_kwargs); `continue_final_message`: the
+    prompt ends inside the last message (chat_continuation)."""
+    if continue_final_message:
+        try:
+            conversation = tag_final_message(conversation)
+        except ValueError as e:
+            raise template_rejected(e) from None
     env = _BudgetedSandbox(time.monotonic() + timeout, max_chars)
     tracer = _Tracer(env)
     previous = sys.gettrace()
@@ -142,7 +149,7 @@ def render(template: str, conversation: list[dict], add_generation_prompt: bool,
             if size > max_chars:
                 raise BudgetExceeded("its output is past its size budget")
             pieces.append(piece)
-        return "".join(pieces)
+        text = "".join(pieces)
     except BudgetExceeded as e:
         raise _rejected(f"the chat template was stopped: {e}") from None
     except (TemplateError, SecurityError) as e:
@@ -152,6 +159,12 @@ def render(template: str, conversation: list[dict], add_generation_prompt: bool,
         raise _rejected(f"the chat template failed: {type(e).__name__}: {e}") from None
     finally:
         sys.settrace(previous)
+    if not continue_final_message:
+        return text
+    try:
+        return cut_at_tag(text)
+    except ValueError as e:
+        raise template_rejected(e) from None
 
 
 def _rejected(message: str) -> OpenAIError:

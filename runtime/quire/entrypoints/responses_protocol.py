@@ -159,6 +159,10 @@ class ResponsesRequest(CacheSaltField):
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
     background: bool = False
+    # OpenAI's hosted state (the Conversations API, stored prompt templates): this server
+    # keeps neither, so a request naming one is refused rather than answered without it
+    conversation: str | dict | None = None
+    prompt: dict | None = None
     truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

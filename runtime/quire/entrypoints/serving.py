@@ -138,9 +138,10 @@ class Serving:
                               chat_template: str | None = None,
                               check_length: bool = True,
                               tools: list[dict] | None = None,
-                              template_kwargs: dict | None = None) -> list[int]:
+                              template_kwargs: dict | None = None,
+                              continue_final_message: bool = False) -> list[int]:
         """`template_kwargs`: the request's chat_template_kwargs (over the server's
-        defaults)."""
+        defaults); `continue_final_message`: the prompt ends inside the last message."""
         check_messages(messages, self.limits, info.max_model_len)
         check_chat_template(chat_template, self.limits)
         check_chat_template_kwargs(template_kwargs, self.limits, info.max_model_len)
@@ -148,7 +149,8 @@ class Serving:
         ids = await self.pool.chat(conversation, add_generation_prompt, chat_template,
                                    self.limits.chat_template_timeout,
                                    self.limits.prompt_chars(info.max_model_len), tools,
-                                   self.template_kwargs(template_kwargs))
+                                   self.template_kwargs(template_kwargs),
+                                   continue_final_message)
         if check_length:
             check_prompt_tokens("messages", len(ids), info.max_model_len)
         return ids

@@ -18,6 +18,7 @@ import copy
 import threading
 
 from quire.entrypoints import request_chat_template
+from quire.entrypoints.chat_continuation import template_rejected
 from quire.entrypoints.errors import bad_request, server_busy
 from quire.entrypoints.tool_calls.render import template_inputs
 
@@ -74,13 +75,16 @@ class TokenizerPool:
     async def chat(self, conversation: list[dict], add_generation_prompt: bool,
                    request_template: str | None = None, timeout: float = 1.0,
                    max_chars: int = 1 << 20, tools: list[dict] | None = None,
-                   template_kwargs: dict | None = None) -> list[int]:
+                   template_kwargs: dict | None = None,
+                   continue_final_message: bool = False) -> list[int]:
         """The prompt's token ids: the model's own template (trusted), or a request's own
         (sandboxed, within `timeout` seconds and `max_chars` characters). Tools, assistant
         tool calls and tool results go through the template as tool_calls/render.py says;
-        `template_kwargs` are more template variables (chat_template_kwargs)."""
+        `template_kwargs` are more template variables (chat_template_kwargs);
+        `continue_final_message`: the prompt ends inside the last message."""
         return await self.run(_chat, conversation, add_generation_prompt, request_template,
-                              timeout, max_chars, tools, template_kwargs)
+                              timeout, max_chars, tools, template_kwargs,
+                              continue_final_message)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -92,7 +96,8 @@ def _decode(tokenizer, token_ids: list[int]) -> str:
 
 
 def _chat(tokenizer, conversation, add_generation_prompt, request_template, timeout,
-          max_chars, tools=None, template_kwargs=None) -> list[int]:
+          max_chars, tools=None, template_kwargs=None,
+          continue_final_message=False) -> list[int]:
     template = request_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions",
@@ -108,13 +113,13 @@ def _chat(tokenizer, conversation, add_generation_prompt, request_template, time
         special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
         text = request_chat_template.render(request_template, conversation,
                                             add_generation_prompt, special, timeout, max_chars,
-                                            extra)
+                                            extra, continue_final_message)
         return _encode(tokenizer, text, add_special_tokens=False)
     try:
         ids = tokenizer.apply_chat_template(conversation,
                                             add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
                                             tokenize=True, return_dict=False, **extra)
     except Exception as e:  # noqa: BLE001 - templates raise on conversations they reject
-        raise bad_request(f"the chat template rejected these messages: {e}",
-                          "messages") from None
+        raise template_rejected(e) from None
     return list(ids)

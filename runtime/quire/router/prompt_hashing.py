@@ -89,7 +89,9 @@ class PromptHasher:
                 return None
             ids = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in messages],
-                add_generation_prompt=body.get("add_generation_prompt", True), tokenize=True,
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False) is True,
+                tokenize=True,
                 chat_template=body.get("chat_template"), return_dict=False)
             return list(ids)
         prompt = body.get("prompt")

@@ -10,7 +10,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from quire.entrypoints.chat_run import ChatChunks, answer_parts, start_chat
+from quire.entrypoints.chat_run import ChatChunks, answer_parts, echoed, start_chat
 from quire.entrypoints.logprobs import prompt_logprobs_out
 from quire.entrypoints.openai_protocol import (
     ChatChoice,
@@ -36,10 +36,11 @@ async def chat_completions(request: Request):
     req = await read_body(request, ChatCompletionRequest)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = await start_chat(serving, req, request_id, priority=req.priority)
+    echo = echoed(req)
     if req.stream:
         guard = StreamGuard(serving, run.streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatChunks(request_id, run.model, run.params, run.tools, run.reasoning)
+        fmt = ChatChunks(request_id, run.model, run.params, run.tools, run.reasoning, echo)
         return GuardedStreamingResponse(
             sse_events(serving, request_id, guard, run.params.n, fmt, include_usage,
                        token_ids=req.return_token_ids), guard,
@@ -49,8 +50,9 @@ async def chat_completions(request: Request):
     for c in sorted(out.outputs, key=lambda c: c.index):
         completion_tokens += len(c.token_ids)
         parts = answer_parts(run, c)
+        content = echo + parts.content if echo and parts.content else echo or parts.content
         choices.append(ChatChoice(
-            index=c.index, message=ChatMessageOut(content=parts.content,
+            index=c.index, message=ChatMessageOut(content=content,
                                                   reasoning_content=parts.reasoning,
                                                   tool_calls=parts.tool_calls),
             logprobs=parts.logprobs, finish_reason=parts.finish_reason,

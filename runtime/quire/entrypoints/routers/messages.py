@@ -93,8 +93,10 @@ async def count_tokens(request: Request):
         info = serving.check_model(chat.model)
         template = serving.chat_template(None)
         tools = await tool_use(serving, chat, template)
-        prompt = await serving.chat_prompt_ids(chat.messages, True, info, tools=tools.tools,
-                                               template_kwargs=chat.chat_template_kwargs)
+        prompt = await serving.chat_prompt_ids(
+            chat.messages, chat.add_generation_prompt, info, tools=tools.tools,
+            template_kwargs=chat.chat_template_kwargs,
+            continue_final_message=chat.continue_final_message)
     return json_response(TokenCount(input_tokens=len(prompt)))
 
 

@@ -121,6 +121,12 @@ def response_not_found(response_id: str, param: str) -> OpenAIError:
 def _check(req: ResponsesRequest) -> None:
     if req.background:
         raise bad_request("background responses are not supported", "background")
+    if req.conversation is not None:
+        raise bad_request("conversation is not supported (OpenAI's Conversations API): carry "
+                          "the context with previous_response_id or in input", "conversation")
+    if req.prompt is not None:
+        raise bad_request("prompt (a stored prompt template) is not supported: send the "
+                          "instructions and input themselves", "prompt")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise bad_request(f"top_logprobs must be an integer in [0, 20], got "
                           f"{req.top_logprobs}", "top_logprobs")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from quire.entrypoints.chat_continuation import check_continuation
 from quire.entrypoints.errors import bad_request
 from quire.entrypoints.limits import check_prompt_chars
 from quire.entrypoints.openai_protocol import DetokenizeRequest, TokenizeRequest
@@ -23,9 +24,11 @@ async def tokenize(request: Request):
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     if req.messages is not None:
+        check_continuation(req.add_generation_prompt, req.continue_final_message, req.messages)
         tokens = await serving.chat_prompt_ids(req.messages, req.add_generation_prompt, info,
                                                check_length=False,
-                                               template_kwargs=req.chat_template_kwargs)
+                                               template_kwargs=req.chat_template_kwargs,
+                                               continue_final_message=req.continue_final_message)
     else:
         check_prompt_chars("prompt", len(req.prompt),
                            serving.limits.prompt_chars(info.max_model_len))

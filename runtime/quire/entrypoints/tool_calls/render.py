@@ -26,7 +26,8 @@ def template_knows_tools(chat_template: str | None) -> bool:
 
 def render_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                        chat_template: str | None = None,
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True,
+                       continue_final_message: bool = False) -> list[int]:
     """Token ids of the conversation through the chat template, tools included."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -34,6 +35,7 @@ def render_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None
             "chat_template", "this model's tokenizer has no chat template; pass chat_template")
     messages, kwargs = template_inputs(template, messages, tools)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
                                         tokenize=True, chat_template=chat_template,
                                         return_dict=False, **kwargs)
     return list(ids)
