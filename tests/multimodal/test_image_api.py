@@ -144,14 +144,18 @@ def test_responses_and_anthropic_images_match_transformers(servers, hf_oracle):
                                            {"type": "input_image",
                                             "image_url": data_url(IMAGES[0])}]}])
     assert response.output_text == want
-    message = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0
-                                  ).messages.create(
-        model=srv.args[0], max_tokens=MAX_NEW, extra_body={"temperature": 0}, messages=[{
-            "role": "user", "content": [
-                {"type": "text", "text": "Describe"},
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                             "data": data_url(IMAGES[0]).split(",", 1)[1]}}]}])
+    aclient = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Describe"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": data_url(IMAGES[0]).split(",", 1)[1]}}]}]
+    message = aclient.messages.create(model=srv.args[0], max_tokens=MAX_NEW,
+                                      extra_body={"temperature": 0}, messages=messages)
     assert message.content[0].text == want
+    # count_tokens renders the images as the message does: its placeholders counted
+    counted = aclient.messages.count_tokens(model=srv.args[0], messages=messages)
+    assert counted.input_tokens == (message.usage.input_tokens
+                                    + message.usage.cache_read_input_tokens)
 
 
 def test_fetched_image_is_the_same_image(servers, origin, hf_oracle):
@@ -220,6 +224,14 @@ def test_text_only_model_says_it_is_not_multimodal(servers):
     assert error["message"].startswith("the model is not multimodal:")
     assert "messages[0].content[1].image_url" in error["message"]
     assert error["param"] == "messages[0].content[1].image_url"
+    # count_tokens refuses the image the same way (in Anthropic's shape)
+    r = requests.post(srv.url + "/v1/messages/count_tokens", json={
+        "model": srv.args[0], "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data_url(IMAGES[0]).split(",", 1)[1]}}]}]},
+        timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("the model is not multimodal:")
     # text still works, and the encoder's metrics are a multimodal model's only
     assert chat(srv, "Hello").choices[0].finish_reason in ("stop", "length")
     samples = wait_idle(srv)

@@ -210,6 +210,7 @@ def test_stored_responses_are_retrieved_and_unknown_ids_are_404(client, srv):
     assert body["error"]["code"] == "response_not_found"
 
 
+NO_TEXT = [{"role": "user", "content": [{"type": "input_text"}]}]
 BAD_FIELDS = [
     ({"input": 5}, "input"),
     ({"input": []}, "input"),
@@ -254,6 +255,7 @@ BAD_FIELDS = [
     ({"include": "everything"}, "include"),
     ({"metadata": {"a": 1}}, "metadata"),
     ({"max_tool_calls": 0}, "max_tool_calls"),
+    ({"input": NO_TEXT}, "input"),
 ]
 
 
@@ -265,6 +267,8 @@ def test_bad_fields_get_400_naming_them(srv, fields, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+    if fields.get("input") == NO_TEXT:  # a known part missing its text: said so, not "unsupported"
+        assert "needs its 'text'" in error["message"], error
 
 
 def test_unknown_model_is_404_and_priority_is_accepted(srv, client):

@@ -81,9 +81,12 @@ def _text(content: str | list[TextPart], where: str) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type not in TEXT_PARTS or part.text is None:
+        if part.type not in TEXT_PARTS:
             raise bad_request(f"{where}[{j}]: parts of type {part.type!r} are not supported; "
                               f"only input_text, output_text and input_image parts",
+                              "input")
+        if part.text is None:
+            raise bad_request(f"{where}[{j}]: an {part.type} part needs its 'text' (a string)",
                               "input")
         texts.append(part.text)
     return "\n".join(texts)

@@ -36,6 +36,7 @@ from quire.entrypoints.anthropic_protocol import (
     TokenCount,
     ToolUseBlock,
 )
+from quire.entrypoints.chat_media import image_chat_prompt, image_parts
 from quire.entrypoints.chat_run import (
     ChatRun,
     StreamTally,
@@ -93,10 +94,15 @@ async def count_tokens(request: Request):
         info = serving.check_model(chat.model)
         template = serving.chat_template(None)
         tools = await tool_use(serving, chat, template)
-        prompt = await serving.chat_prompt_ids(
-            chat.messages, chat.add_generation_prompt, info, tools=tools.tools,
-            template_kwargs=chat.chat_template_kwargs,
-            continue_final_message=chat.continue_final_message)
+        if image_parts(chat.messages):  # as /v1/messages renders them (or refuses them)
+            prompt = (await image_chat_prompt(
+                serving, chat.messages, chat.add_generation_prompt, info, None, tools.tools,
+                chat.chat_template_kwargs, chat.continue_final_message)).token_ids
+        else:
+            prompt = await serving.chat_prompt_ids(
+                chat.messages, chat.add_generation_prompt, info, tools=tools.tools,
+                template_kwargs=chat.chat_template_kwargs,
+                continue_final_message=chat.continue_final_message)
     return json_response(TokenCount(input_tokens=len(prompt)))
 
 
