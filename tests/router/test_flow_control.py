@@ -162,6 +162,15 @@ def test_the_wait_bound_gives_a_503_and_bad_priorities_a_400(replicas):
                                 timeout=30, json={"prompt": "x", "max_tokens": 2})
         assert unknown.status_code == 200
         assert metric(r, "quire_router:unknown_objectives_total") == 1
+        # A known objective on a request without a JSON object body: nothing to put the
+        # priority in, so it goes on as it came (the replica answers it), never a 500.
+        models = requests.get(r.url + "/v1/models", headers={OBJECTIVE: "chat"}, timeout=30)
+        assert models.status_code == 200 and models.json()["data"]
+        for body in (b"[1, 2]", b"not json"):
+            answer = requests.post(r.url + "/v1/completions", headers={OBJECTIVE: "chat"},
+                                   data=body, timeout=30)
+            assert answer.status_code == requests.post(p.url + "/v1/completions", data=body,
+                                                       timeout=30).status_code, answer.text
         saturate(r, (p, q), 10)
         started = time.monotonic()
         late = requests.post(r.url + "/v1/completions", timeout=30,
@@ -170,6 +179,29 @@ def test_the_wait_bound_gives_a_503_and_bad_priorities_a_400(replicas):
         assert "saturated" in late.json()["error"]["message"]
         assert 0.9 <= time.monotonic() - started < 10
         assert metric(r, "quire_router:rejected_requests_total", reason="flow_timeout") == 1
+
+
+def test_replicas_that_died_saturated_fail_fast_instead_of_holding():
+    """A replica that stops answering keeps no say: its last figures (saturated) made every
+    request wait the whole bound for room that could never come; with no live replica the
+    request fails at once, as without saturation."""
+    with running_fakes("d", 61) as fakes:
+        d = fakes["d"]
+        with router("--backend", d.url, "--flow-max-wait", "30", "--scrape-interval", "0.2",
+                    "--saturation-queue-depth", "1") as r:
+            saturate(r, (d,), 10)
+            shed = requests.post(r.url + "/v1/completions", timeout=30, json={
+                "prompt": "x", "max_tokens": 2, "priority": 2})
+            assert shed.status_code == 429  # alive and saturated: sheddable work is shed
+            d.stop()
+            wait_until(lambda: router_state(r)["backends"][0].get("down"), 30,
+                       "the router to find the replica gone")
+            for body in ({}, {"priority": 2}):
+                started = time.monotonic()
+                answer = requests.post(r.url + "/v1/completions", timeout=60, json={
+                    "prompt": "x", "max_tokens": 2, **body})
+                assert answer.status_code == 502, answer.text
+                assert time.monotonic() - started < 10
 
 
 def test_the_endpoint_picker_makes_the_same_decisions(replicas):

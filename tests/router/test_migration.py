@@ -105,6 +105,9 @@ def check_one_stream(events: list, prompt_len: int, expected_ids: list[int], tex
     assert usage == [{**usage[0], "prompt_tokens": prompt_len,
                       "completion_tokens": len(expected_ids),
                       "total_tokens": prompt_len + len(expected_ids)}]
+    # the continuation's cache hits on the continued tokens are not the prompt's
+    cached = (usage[0].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert 0 <= cached <= prompt_len
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     return "".join(text_key(e["choices"][0]) or "" for e in chunks)
 

@@ -3,6 +3,7 @@ EndpointSlice reading."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from quire.engine import block_hash
 from quire.engine.block_pool import BlockPool
 from quire.engine.kv_cache_manager import KVCacheManager
-from quire.router import prompt_hashing
+from quire.router import migration, prompt_hashing
 from quire.router.backends import Backend, BackendSet
 from quire.router.discovery_k8s import ready_urls
 from quire.router.load_scraper import parse_load
@@ -137,3 +138,43 @@ def test_prompt_hashes_are_salted_with_the_model_as_the_engine_salts_an_adapters
     assert not set(base) & set(adapter)  # no block of one is a prefix hit for the other
     assert hasher.hashes("/v1/completions", {"model": "sql", "prompt": prompt}) == adapter
     assert hasher.hashes("/v1/completions", {"prompt": prompt}) == block_hashes([ord(c) for c in prompt], 4)
+
+
+def test_a_clients_own_chat_template_is_never_run_by_the_router():
+    """The replica runs a request's template in its sandbox (or refuses it); the router would
+    run it unbounded before routing, so such a chat is routed without prefix hashes, and the
+    template is never called."""
+    calls = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **kwargs):
+            calls.append(kwargs)
+            return [1, 2, 3, 4, 5, 6, 7, 8]
+
+    hasher = prompt_hashing.PromptHasher(Tokenizer(), 4)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert len(hasher.hashes("/v1/chat/completions", chat)) == 2 and len(calls) == 1
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    assert hasher.hashes("/v1/chat/completions", {**chat, "chat_template": slow}) == []
+    assert len(calls) == 1 and "chat_template" not in calls[0]
+
+
+def test_a_continuations_usage_counts_only_the_clients_prompt_as_cached():
+    """The continuation's replica was given prompt + continued tokens and may have found all
+    of them cached; the client's usage is of its own prompt: cached_tokens <= prompt_tokens."""
+    stream = migration.MigratingStream("/v1/completions", {"prompt": "x", "stream": True})
+
+    def event(obj) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    stream.feed(event({"id": "a", "choices": [{"index": 0, "text": "de", "token_ids": [4, 5],
+                                               "prompt_token_ids": [1, 2, 3]}]}))
+    stream.restart()
+    out = stream.feed(event({"id": "b", "choices": [{
+        "index": 0, "text": "f", "token_ids": [6], "prompt_token_ids": [1, 2, 3, 4, 5],
+        "finish_reason": "length"}]}) + event({"id": "b", "choices": [], "usage": {
+            "prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+            "prompt_tokens_details": {"cached_tokens": 5}}}))
+    usage = [json.loads(e[6:]) for e in out.split(b"\n\n") if e][-1]["usage"]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                     "prompt_tokens_details": {"cached_tokens": 3}}

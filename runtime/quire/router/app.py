@@ -82,7 +82,8 @@ def build_app(state: RouterState, background=(), admin_api: bool = False,
             "routing": state.policy.name,
             "backends": [{"url": b.url, "in_flight": b.in_flight, "waiting": b.waiting,
                           "running": b.running, "kv_cache_usage": b.kv_usage,
-                          "load": b.load(), "models": sorted(b.models) if b.models is not None else None}
+                          "load": b.load(), "down": b.down,
+                          "models": sorted(b.models) if b.models is not None else None}
                          for b in state.backends.all()]})
 
     async def backends(request: Request):

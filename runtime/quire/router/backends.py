@@ -36,6 +36,7 @@ class Backend:
     added_at: float = field(default_factory=time.monotonic)
     cooling_until: float = 0.0    # monotonic time; see FAILURE_COOLDOWN
     models: frozenset[str] | None = None  # ids its /v1/models listed (base + LoRA adapters); None: unknown
+    down: bool = False            # its last scrape found no one listening (connection refused)
 
     def may_serve(self, model: str) -> bool:
         """False only when its last /v1/models said it does not serve this model (or adapter)."""
@@ -58,6 +59,7 @@ class Backend:
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
         self.in_flight_at_scrape = self.in_flight
         self.scraped_at = time.monotonic()
+        self.down = False
 
 
 def normalize_url(url: str, scheme: str = "http") -> str:

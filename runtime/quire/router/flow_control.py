@@ -105,9 +105,12 @@ class FlowControl:
         return self._queued
 
     def all_saturated(self, candidates: list[Backend] | None = None) -> bool:
-        """True when there are replicas and none has room (no replica: the hold's business)."""
+        """True when there are live replicas and none has room (no replica: the hold's
+        business; none live: a request fails fast at the proxy, instead of waiting on figures
+        the dead ones last reported)."""
         backends = self.backends.all() if candidates is None else candidates
-        return bool(backends) and all(self.saturation.saturated(b) for b in backends)
+        live = [b for b in backends if not b.down]
+        return bool(live) and all(self.saturation.saturated(b) for b in live)
 
     def recent_releases(self) -> list[dict]:
         """The last waiters let go, oldest first: priority, tenant and seconds waited. The

@@ -77,6 +77,9 @@ class LoadScraper:
             r.raise_for_status()
             backend.record_scrape(*parse_load(r.text))
         except (httpx.HTTPError, ValueError) as e:
+            # no one listening: its last figures say nothing of a replica that is gone (a
+            # slow or failing answer keeps them: it may be busy)
+            backend.down = isinstance(e, httpx.ConnectError)
             if backend.url not in self._failing:
                 logger.warning("cannot read %s/metrics: %s", backend.url, e)
                 self._failing.add(backend.url)

@@ -147,6 +147,11 @@ class MigratingStream:
         if self.continued and isinstance(usage, dict):
             usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.continued
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.continued
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                # the replica's cache hit covers a prefix of prompt + continued tokens; of the
+                # client's prompt, at most all of it was cached
+                details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
         return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() \
             + b"\n\n"
 

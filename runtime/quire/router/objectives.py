@@ -87,7 +87,10 @@ def request_priority(headers: dict[str, str], body, table: ObjectiveTable,
     if objective:
         priority = table.get(objective)
         if priority is not None:
-            forward = None if own is not None else _clamp(-priority)
+            # forwarded in a JSON object's body only (any other body is the replica's to
+            # refuse, or has no priority: GET /v1/models)
+            forward = None if own is not None or not isinstance(body, dict) \
+                else _clamp(-priority)
             return priority, forward or None
         metrics.unknown_objectives.inc()
         logger.debug("unknown InferenceObjective %r: the default priority", objective)

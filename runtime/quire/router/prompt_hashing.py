@@ -87,12 +87,16 @@ class PromptHasher:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 return None
+            if body.get("chat_template") is not None:
+                # a client's own template is a program: the replica runs it in its sandbox,
+                # within a time and size budget (or refuses it); the router, unbounded, would
+                # let one request tie up routing for everyone. Such a request is not hashed.
+                return None
             ids = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in messages],
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False) is True,
-                tokenize=True,
-                chat_template=body.get("chat_template"), return_dict=False)
+                tokenize=True, return_dict=False)
             return list(ids)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
