@@ -211,6 +211,8 @@ def test_stored_responses_are_retrieved_and_unknown_ids_are_404(client, srv):
 
 
 NO_TEXT = [{"role": "user", "content": [{"type": "input_text"}]}]
+BAD_CALL = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "not json"},
+            {"type": "function_call_output", "call_id": "c1", "output": "x"}]
 BAD_FIELDS = [
     ({"input": 5}, "input"),
     ({"input": []}, "input"),
@@ -256,6 +258,7 @@ BAD_FIELDS = [
     ({"metadata": {"a": 1}}, "metadata"),
     ({"max_tool_calls": 0}, "max_tool_calls"),
     ({"input": NO_TEXT}, "input"),
+    ({"instructions": "Be brief", "input": BAD_CALL}, "input"),
 ]
 
 
@@ -269,6 +272,8 @@ def test_bad_fields_get_400_naming_them(srv, fields, param):
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     if fields.get("input") == NO_TEXT:  # a known part missing its text: said so, not "unsupported"
         assert "needs its 'text'" in error["message"], error
+    if fields.get("input") == BAD_CALL:  # named by its item, not by chat's message
+        assert error["message"].startswith("input[0].arguments"), error
 
 
 def test_unknown_model_is_404_and_priority_is_accepted(srv, client):

@@ -7,6 +7,7 @@ OpenAI's API.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from quire.entrypoints.chat_run import AnswerParts
@@ -46,6 +47,7 @@ def conversation_of(req: ResponsesRequest, previous: StoredResponse | None) -> l
             messages.append({"role": item.role,
                              "content": _parts(item.content, f"input[{i}].content")})
         elif isinstance(item, FunctionCallItem):
+            _check_arguments(item.arguments, f"input[{i}].arguments")
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
@@ -58,6 +60,16 @@ def conversation_of(req: ResponsesRequest, previous: StoredResponse | None) -> l
                              "content": _text(item.output, f"input[{i}].output")})
         # reasoning items: not part of the prompt
     return messages
+
+
+def _check_arguments(arguments: str, where: str) -> None:
+    """chat's check (tool_calls/render.py), named by the item's own place: chat's would name
+    its message's, whose index differs."""
+    try:
+        json.loads(arguments or "{}")
+    except ValueError:
+        raise bad_request(f"{where} must be a JSON object's text, got {arguments[:100]!r}",
+                          "input") from None
 
 
 def _parts(content: str | list[TextPart], where: str) -> str | list[dict]:
