@@ -75,17 +75,26 @@ def test_n_samples_stop_strings_and_max_tokens_cut_proposals(spec_models):
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
 
 
-def test_a_grammar_keeps_its_tokens_with_speculation(spec_models):
+@pytest.mark.parametrize("method,regex,ignore_eos", [("self-draft", r"[a-z ]{4,40}\.", False),
+                                                     ("ngram", r"[a-c]{3,20}", False),
+                                                     ("ngram", r"[a-c]{3,20}", True)])
+def test_a_grammar_keeps_its_tokens_with_speculation(spec_models, method, regex, ignore_eos):
+    """The answer ends where the grammar does, token for token: a verification step's token
+    after the grammar's last (EOS, the only one its mask allows) is not part of it."""
     from quire.structured.params import GuidedDecodingParams
-    prompts = copy_heavy_prompts()[-2:]
-    params = SamplingParams(temperature=0, max_tokens=24,
-                            guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{4,40}\."))
+    prompts = copy_heavy_prompts()[-6:]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=ignore_eos,
+                            guided_decoding=GuidedDecodingParams(regex=regex))
     base = engine(spec_models["target"])
-    llm = engine(spec_models["target"], speculative_config=spec_configs(spec_models)["self-draft"])
-    want = [o.outputs[0].text for o in base.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want and all(t.endswith(".") for t in got)
+    llm = engine(spec_models["target"], speculative_config=spec_configs(spec_models)[method])
+
+    def answers(e):
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                for o in e.generate(prompts, params, use_tqdm=False)]
+    want, got = answers(base), answers(llm)
+    assert got == want and all(finish == "stop" for _, _, finish in got)
     assert llm.engine.speculator.counters.num_accepted_tokens > 0
+    assert_no_blocks_in_use(llm)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

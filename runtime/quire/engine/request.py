@@ -135,8 +135,9 @@ class Request:
         self.token_ids.append(token_id)
 
     def drop_output_tokens_after(self, num_output_tokens: int) -> None:
-        """A stop string ended the text at this many output tokens: the tokens after it
-        (accepted proposals of the same step) are not part of the output."""
+        """A stop string or a grammar ended the answer at this many output tokens: the tokens
+        after it (accepted proposals of the same step) are not part of the output. (Their
+        logprobs never exist: a sequence that returns logprobs does not speculate.)"""
         del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
 
     # --- state ---------------------------------------------------------------------------

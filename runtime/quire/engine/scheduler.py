@@ -458,7 +458,18 @@ class Scheduler:
         """The output processor has their text: features that follow the tokens (grammars)
         take them now, after the text, so a grammar's end keeps the text's."""
         for f in self.features:
-            f.updated(seqs, self.finish)
+            f.updated(seqs, self)
+
+    def end_answer(self, seq: Request, num_output_tokens: int) -> None:
+        """A feature (a grammar) ended the answer after this many output tokens: the later
+        ones of its step (a verification's) are not part of it, and one that ended this step
+        by its EOS or its length ended here instead, as without speculation."""
+        past = num_output_tokens < seq.num_output_tokens
+        seq.drop_output_tokens_after(num_output_tokens)
+        if not seq.finished:
+            self.finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif past:
+            seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, None
 
     def _accept(self, seq: Request, tokens: list[int] | int) -> None:
         if isinstance(tokens, int):  # its proposals were all cut (a grammar): a plain decode

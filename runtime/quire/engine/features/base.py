@@ -24,7 +24,9 @@ The hooks, in the order a step runs them (each is a no-op unless a feature needs
     update()      sampled(seqs, out, sampled, logprobs, scheduler) -> seqs
                                           each sequence's new tokens: verification counts; a
                                           beam search takes its beams (returns the rest)
-    after_output  updated(seqs, finish)   the text is done: grammars advance
+    after_output  updated(seqs, scheduler)
+                                          the text is done: grammars advance (and end
+                                          answers: scheduler.finish, scheduler.end_answer)
     any time      finished(seqs)          these ended (finished, aborted, failed)
                   record(events)          move metrics into the step's events
                   waiting(), wait(timeout)
@@ -69,7 +71,7 @@ class Feature:
     def sampled(self, seqs, out, sampled, logprobs, scheduler):
         return seqs
 
-    def updated(self, seqs, finish) -> None:
+    def updated(self, seqs, scheduler) -> None:
         pass
 
     def finished(self, seqs) -> None:

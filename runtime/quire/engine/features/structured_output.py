@@ -7,8 +7,10 @@ accepted tokens.
   may_admit(seq)         a waiting sequence runs only once its grammar is compiled
   sampling_masks(rows)   one int32 bitmask row per sampled row (all ones: no grammar); the
                          sampler applies it first
-  updated(seqs, finish)  after the text: each new token advances its matcher; a terminated
-                         grammar finishes its sequence
+  updated(seqs, sched)   after the text: each new token advances its matcher; a terminated
+                         grammar ends its sequence's answer there (scheduler.end_answer: a
+                         verification step's later tokens dropped, even where that step's
+                         EOS or length had ended it: its grammar is kept until then)
   fork(parent, child)    beam search: a new beam copies its parent's matcher
   preempted(seqs)        a matcher always matches the tokens its sequence keeps
 """
@@ -60,6 +62,10 @@ class StructuredOutput(Feature):
         self.compiler = GrammarCompiler(
             lambda: Backend(tokenizer, vocab_size, eos_token_ids), cache_size)
         self.states: dict[str, GrammarState] = {}  # sequence id -> its grammar
+        # grammars of sequences that ended this step by a token (EOS, stop id) or their
+        # length, until their step's tokens have been read (updated): a verification step's
+        # tokens may run past the grammar's end, which then ends the answer first
+        self._ending: dict[str, GrammarState] = {}
         self._compiling: list[list[Request]] = []  # sibling groups whose grammar is pending
         # metrics, moved into StepEvents by record()
         self.num_requests = 0
@@ -127,7 +133,11 @@ class StructuredOutput(Feature):
 
     def finished(self, seqs) -> None:
         for s in seqs:
-            self.states.pop(s.request_id, None)
+            state = self.states.pop(s.request_id, None)
+            if state is not None and state.matcher is not None and s.status in (
+                    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) \
+                    and state.num_accepted < s.num_output_tokens - 1:
+                self._ending[s.request_id] = state
 
     # --- sampling ------------------------------------------------------------------------
     def sampling_masks(self, rows: list[Request], groups) -> torch.Tensor | None:
@@ -179,29 +189,36 @@ class StructuredOutput(Feature):
         return proposals[:matcher.valid_prefix_length(proposals)]
 
     # --- after sampling ------------------------------------------------------------------
-    def updated(self, seqs, finish) -> None:
-        self.advance([s for s in seqs if s.lockstep_group is None], finish)
+    def updated(self, seqs, scheduler) -> None:
+        try:
+            self.advance([s for s in seqs if s.lockstep_group is None], scheduler)
+        finally:
+            self._ending.clear()
 
-    def advance(self, seqs: list[Request], finish=None) -> None:
+    def advance(self, seqs: list[Request], scheduler=None) -> None:
         """Each sequence's new tokens (one, or the accepted proposals of a step) enter its
-        matcher; `finish(seq, status)` ends a sequence whose grammar has terminated (nothing
-        but EOS could follow). Beams pass no `finish`: their group ends them, and a
-        terminated grammar's mask leaves only EOS."""
+        matcher; the scheduler ends the answer of a sequence whose grammar has terminated
+        (nothing but EOS could follow: its step's later tokens are dropped) and fails one
+        whose token the grammar refused. Beams pass no scheduler: their group ends them, and
+        a terminated grammar's mask leaves only EOS."""
         for seq in seqs:
-            state = self.states.get(seq.request_id)
-            if state is None or state.matcher is None or seq.finished:
+            state = self.states.get(seq.request_id) or self._ending.get(seq.request_id)
+            if state is None or state.matcher is None or state.matcher.is_terminated():
                 continue
             while state.num_accepted < seq.num_output_tokens:
                 token = seq.token_ids[seq.num_prompt_tokens + state.num_accepted]
                 if not state.matcher.accept(token):
                     logger.error("request %s: token %d rejected by its grammar: %s",
                                  seq.request_id, token, state.matcher.error())
-                    if finish is not None:
-                        finish(seq, RequestStatus.FINISHED_ERROR)
+                    if scheduler is not None and not seq.finished:
+                        scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
                     break
                 state.num_accepted += 1
-                if finish is not None and state.matcher.is_terminated():
-                    finish(seq, RequestStatus.FINISHED_STOPPED)
+                if scheduler is not None and state.matcher.is_terminated():
+                    # the answer ends with the grammar, as without speculation: a
+                    # verification step's later tokens (EOS, all the terminated grammar's
+                    # mask allows) are not part of it
+                    scheduler.end_answer(seq, state.num_accepted)
                     break
 
     def fork(self, parent: Request, child: Request) -> None:
