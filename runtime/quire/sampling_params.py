@@ -56,14 +56,16 @@ class SamplingParams:
 
     def _validate(self) -> None:
         check_int("n", self.n, lo=1)
-        check_number("temperature", self.temperature, lo=0.0, hi=None, what=">= 0")
+        check_number("temperature", self.temperature, lo=0.0, hi=None,
+                     what="a finite number >= 0")
         check_number("top_p", self.top_p, lo=0.0, hi=1.0, what="in (0, 1]")
         if self.top_p <= 0.0:
             raise QuireValidationError("top_p", f"top_p must be in (0, 1], got {self.top_p}",
                                        self.top_p)
         check_int("top_k", self.top_k, lo=0, what="0 or -1 (disabled) or a positive integer")
         check_number("min_p", self.min_p, lo=0.0, hi=1.0, what="in [0, 1]")
-        check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None, what="> 0")
+        check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None,
+                     what="a finite number > 0")
         if self.repetition_penalty <= 0.0:
             raise QuireValidationError(
                 "repetition_penalty",

@@ -4,6 +4,8 @@ answers with OpenAI's `param` without reading the message (DESIGN.md's conventio
 
 from __future__ import annotations
 
+import math
+
 _NO_VALUE = object()
 
 
@@ -40,7 +42,9 @@ def check_int(name: str, value: object, lo: int, hi: int | None = None,
 
 
 def check_number(name: str, value: object, lo: float, hi: float | None, what: str) -> None:
+    """A finite number in [lo, hi] (`hi` None: no upper bound; inf and NaN never pass, as the
+    server's bodies refuse them: an infinite temperature divides the masks into NaN)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and value == value and value >= lo and (hi is None or value <= hi)  # NaN fails
+    ok = ok and math.isfinite(value) and value >= lo and (hi is None or value <= hi)
     if not ok:
         raise QuireValidationError(name, f"{name} must be {what}, got {value!r}", value)

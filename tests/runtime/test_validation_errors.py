@@ -21,12 +21,19 @@ def test_sampling_params_raise_a_typed_error_that_is_still_a_value_error():
         SamplingParams(temperature=-1)
     assert isinstance(e.value, QuireValidationError)
     assert e.value.field == "temperature" and e.value.value == -1
-    assert str(e.value) == e.value.message == "temperature must be >= 0, got -1"
+    assert str(e.value) == e.value.message == \
+        "temperature must be a finite number >= 0, got -1"
 
 
 CHECKS = [
     (lambda: SamplingParams(top_p=0), "top_p", "(0, 1]"),
     (lambda: SamplingParams(repetition_penalty=0), "repetition_penalty", "> 0"),
+    # infinite values divide masks into NaN (an infinite temperature made top_k and grammars
+    # no-ops): refused as the server refuses them
+    (lambda: SamplingParams(temperature=float("inf")), "temperature", "a finite number"),
+    (lambda: SamplingParams(repetition_penalty=float("inf")), "repetition_penalty", "finite"),
+    (lambda: BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("-inf")),
+     "length_penalty", "a finite number"),
     (lambda: SamplingParams(stop=["a", ""]), "stop", "non-empty strings"),
     (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids", "non-negative"),
     (lambda: SamplingParams(ignore_eos="yes"), "ignore_eos", "a boolean"),

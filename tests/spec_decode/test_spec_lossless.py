@@ -73,6 +73,18 @@ def test_the_rejection_sampler_draws_from_the_target_distribution():
     assert _rejects(kept, exact_first)
 
 
+def test_distributions_at_any_scale_are_verified_as_normalised():
+    """min_p zeroes tokens without renormalising (sampling takes any scale): the verifier
+    must read p(d) of the normalised row, or it under-accepts the proposal."""
+    kept = torch.tensor([[0.30, 0.25, 0.20, 0.0, 0.0]])  # min_p 0.5 over .3/.25/.2/.05 x 5
+    generator = torch.Generator().manual_seed(1)
+    n = 20000
+    first = Counter(rejection.verify_sampled(kept.repeat(2, 1), [0], generator)[0]
+                    for _ in range(n))
+    exact = Counter({t: round(float(p) * n) for t, p in enumerate(kept[0] / kept[0].sum())})
+    assert not _rejects(first, exact)
+
+
 def _second_and_third_tokens(llm, prompt, params_list) -> Counter:
     outs = llm.generate([prompt] * len(params_list), params_list, use_tqdm=False)
     return Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outs)

@@ -37,7 +37,7 @@ class BeamSearchParams:
         check_int("beam_width", self.beam_width, lo=1, hi=MAX_BEAM_WIDTH)
         check_int("max_tokens", self.max_tokens, lo=1, what="a positive integer")
         check_number("length_penalty", self.length_penalty, lo=-math.inf, hi=None,
-                     what="a number")
+                     what="a finite number")
         if not isinstance(self.ignore_eos, bool):
             raise QuireValidationError(
                 "ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}",

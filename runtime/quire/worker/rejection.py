@@ -32,9 +32,12 @@ def verify_greedy(target_argmax: list[int], proposals: list[int]) -> list[int]:
 
 def verify_sampled(probs: torch.Tensor, proposals: list[int],
                    generator: torch.Generator | None) -> list[int]:
-    """probs: [k+1, vocab] target distributions. Returns the accepted proposals, then one
-    drawn token. Draws k uniforms and one token from `generator`, in order, so a seeded
-    sequence repeats itself."""
+    """probs: [k+1, vocab] target distributions, at any scale per row (as draw_rows takes
+    them: min_p zeroes tokens without renormalising); acceptance reads p(d) as a probability,
+    so each row is normalised first. Returns the accepted proposals, then one drawn token.
+    Draws k uniforms and one token from `generator`, in order, so a seeded sequence repeats
+    itself."""
+    probs = probs / probs.sum(dim=-1, keepdim=True)
     k = len(proposals)
     ids = torch.tensor(proposals, dtype=torch.long, device=probs.device)
     p = probs[:k].gather(1, ids[:, None])[:, 0]
