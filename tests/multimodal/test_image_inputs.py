@@ -55,6 +55,27 @@ def test_chat_with_image_parts_matches_transformers(llm, hf_oracle):
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparent_images_are_laid_over_white_as_transformers_does(llm, hf_oracle, mode):
+    """transformers' processors composite transparency onto white (convert_to_rgb); dropping
+    the alpha channel instead shows the colours under it, and the answer differs."""
+    import numpy as np
+    from PIL import Image
+    model, processor = hf_oracle
+    pixels = np.array(random_image(23, (48, 40)).convert("RGBA"))
+    pixels[:, :24, 3] = 0  # the left half transparent (its colours hidden)
+    image = Image.fromarray(pixels, "RGBA")
+    if mode == "P":  # a palette with a transparent index
+        image = image.convert("RGB").quantize(16)
+        image.info["transparency"] = 0
+    elif mode == "LA":
+        image = image.convert("LA")
+    text = "USER: <image>\nWhat is this? ASSISTANT:"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY,
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy_mm(model, processor, text, [image], 6)
+
+
 @pytest.mark.parametrize("data, field", [
     ({"image": "not an image"}, "multi_modal_data"),
     ({"image": [random_image(0), 3]}, "multi_modal_data"),

@@ -100,7 +100,7 @@ class MultiModalProcessor:
                 FIELD, f"the prompt has {text.count(self.image_token)} {self.image_token} "
                 f"placeholders for {len(images)} images in {FIELD}; write one per image, in "
                 "order")
-        images = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
+        images = [_rgb(im) for im in images]
         try:
             out = self.processor(text=text, images=images, return_tensors="pt",
                                  add_special_tokens=add_special_tokens)
@@ -155,3 +155,13 @@ def _per_image(out, num_images: int) -> list[dict]:
         for i, part in enumerate(parts):
             keep[i][key] = part.clone()
     return keep
+
+
+def _rgb(image):
+    """RGB as transformers' processors make it (convert_to_rgb): transparency laid over white,
+    not dropped (PIL's convert would show the colours hidden under it)."""
+    if image.mode == "RGB" and "transparency" not in image.info:
+        return image
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+    return Image.fromarray(convert_to_rgb(image, return_numpy=True))
