@@ -236,3 +236,26 @@ def test_text_only_model_says_it_is_not_multimodal(servers):
     assert chat(srv, "Hello").choices[0].finish_reason in ("stop", "length")
     samples = wait_idle(srv)
     assert not any(name.startswith("quire:mm_encoder") for name, _ in samples)
+
+
+def test_tools_reach_an_image_chats_prompt_on_the_server(servers, hf_oracle):
+    """As in a text chat, the tools are in the prompt (Hermes-style for LLaVA's template):
+    transformers' answer to that rendering."""
+    from quire.entrypoints.tool_calls.render import template_inputs
+    model, processor = hf_oracle
+    srv = servers["llava"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages, extra = template_inputs(processor.chat_template, [{"role": "user", "content": [
+        {"type": "text", "text": "What is this? "}, {"type": "image"}]}], tools)
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True,
+                                           tokenize=False, **extra)
+    assert "get_weather" in prompt
+    out = chat(srv, [{"type": "text", "text": "What is this? "},
+                     {"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}],
+               tools=tools)
+    ids = hf_greedy_mm(model, processor, prompt, IMAGES[:1], MAX_NEW)
+    assert out.usage.prompt_tokens == len(processor(text=prompt, images=IMAGES[:1],
+                                                    add_special_tokens=False)["input_ids"][0])
+    assert out.choices[0].message.content == processor.tokenizer.decode(
+        ids, skip_special_tokens=True)

@@ -55,6 +55,28 @@ def test_chat_with_image_parts_matches_transformers(llm, hf_oracle):
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_tools_reach_a_prompt_with_images(llm, hf_oracle):
+    """Tools go into an image chat's prompt as into a text one's (the template's own way, or
+    Hermes-style in the system prompt): they were dropped, so tool_choice forced calls of
+    tools the model was never shown."""
+    from quire.entrypoints.tool_calls.render import template_inputs
+    model, processor = hf_oracle
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    image = random_image(24)
+    out = llm.chat([{"role": "user", "content": [
+        {"type": "text", "text": "Weather where this is?"}, {"type": "image_pil", "image_pil": image}]}],
+        GREEDY, use_tqdm=False, tools=tools)[0]
+    template = [{"role": "user", "content": [{"type": "text", "text": "Weather where this is?"},
+                                             {"type": "image"}]}]
+    messages, extra = template_inputs(processor.chat_template, template, tools)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **extra)
+    assert "get_weather" in text and text.count("<image>") == 1
+    assert out.prompt_token_ids == list(processor(text=text, images=[image])["input_ids"][0])
+    assert out.outputs[0].token_ids == hf_greedy_mm(model, processor, text, [image], 6)
+
+
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
 def test_transparent_images_are_laid_over_white_as_transformers_does(llm, hf_oracle, mode):
     """transformers' processors composite transparency onto white (convert_to_rgb); dropping

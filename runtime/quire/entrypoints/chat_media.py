@@ -22,7 +22,7 @@ from quire.entrypoints import request_chat_template
 from quire.entrypoints.chat_continuation import template_rejected
 from quire.entrypoints.errors import bad_request, engine_error
 from quire.entrypoints.limits import check_prompt_tokens
-from quire.multimodal.chat import render_image_chat
+from quire.multimodal.chat import render_image_chat, with_tools
 from quire.multimodal.images import image_from_bytes, image_from_url
 from quire.multimodal.inputs import ProcessedPrompt
 from quire.multimodal.limits import check_image_count
@@ -63,14 +63,13 @@ async def image_chat_prompt(serving, messages, add_generation_prompt: bool, info
         images = [await _load(serving, info.max_image_pixels, where, url)
                   for where, url in parts]
         conversation = [m.as_template_message(image_parts=True) for m in messages]
-        extra = {**serving.template_kwargs(template_kwargs), **({"tools": tools} if tools
-                                                                 else {})}
+        extra = serving.template_kwargs(template_kwargs)
         own = None if chat_template is None else (  # a request's own: in the sandbox
             chat_template, serving.limits.chat_template_timeout,
             serving.limits.prompt_chars(info.max_model_len))
         processed = await serving.pool.run(_render_and_process, info.mm_processor,
                                            conversation, images, add_generation_prompt,
-                                           own, extra, continue_final_message)
+                                           own, extra, continue_final_message, tools)
     except (QuireValidationError, ValueError) as e:
         raise engine_error(e) from None
     check_prompt_tokens("messages", len(processed.token_ids), info.max_model_len)
@@ -99,7 +98,7 @@ def _special_tokens(mm_processor) -> dict[str, str]:
 
 def _render_and_process(tokenizer, mm_processor, conversation, images,
                         add_generation_prompt, own_template, extra,
-                        continue_final_message=False) -> ProcessedPrompt:
+                        continue_final_message=False, tools=None) -> ProcessedPrompt:
     """In a pool thread, with that thread's own copies (a fast tokenizer is not to be shared
     between threads). `own_template`: (a request's own template, its time and size budget),
     rendered in the sandbox; None: the processor's."""
@@ -111,13 +110,15 @@ def _render_and_process(tokenizer, mm_processor, conversation, images,
         mine = copies[id(mm_processor)] = copy.deepcopy(mm_processor)
     if own_template is not None:
         template, timeout, max_chars = own_template
+        conversation, extra = with_tools(template, conversation, tools, extra)
         text = request_chat_template.render(template, conversation, add_generation_prompt,
                                             _special_tokens(mine), timeout, max_chars, extra,
                                             continue_final_message)
         return mine.process(text, images, add_special_tokens=False)
     try:
         text = render_image_chat(mine, tokenizer, conversation, add_generation_prompt,
-                                 continue_final_message=continue_final_message, **extra)
+                                 tools=tools, continue_final_message=continue_final_message,
+                                 **extra)
     except QuireValidationError:
         raise
     except Exception as e:  # noqa: BLE001 - templates raise on conversations they reject

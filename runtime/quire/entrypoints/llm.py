@@ -144,7 +144,8 @@ class LLM:
             rendered, images = chat_images(c, self.engine.args.max_image_pixels)
             if images:
                 prompts.append(self._image_chat_prompt(rendered, images, add_generation_prompt,
-                                                       chat_template, continue_final_message))
+                                                       chat_template, continue_final_message,
+                                                       tools))
             else:
                 prompts.append({"prompt_token_ids": self.apply_chat_template(
                     c, add_generation_prompt, chat_template, tools, continue_final_message)})
@@ -152,7 +153,8 @@ class LLM:
 
     def _image_chat_prompt(self, messages: list[dict], images: list,
                            add_generation_prompt: bool, chat_template: str | None,
-                           continue_final_message: bool = False) -> dict:
+                           continue_final_message: bool = False,
+                           tools: list[dict] | None = None) -> dict:
         """The conversation's text through the processor's template (which places the image
         token per image part), with its images: the prompt dict generate() takes."""
         processor = getattr(self.engine, "mm_processor", None)
@@ -162,7 +164,8 @@ class LLM:
                 f"{self.engine.model_config.architecture} takes text only, so messages can't "
                 "carry image parts")
         text = render_image_chat(processor, self.tokenizer, messages, add_generation_prompt,
-                                 chat_template, continue_final_message=continue_final_message)
+                                 chat_template, tools=tools,
+                                 continue_final_message=continue_final_message)
         # the rendered text has the template's special tokens: the tokenizer adds none
         return {"prompt": text, "multi_modal_data": {"image": images},
                 "add_special_tokens": False}

@@ -78,6 +78,13 @@ def _normalize(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _with_text(content: str | list, text: str) -> str | list:
+    """Text added at the end of a message's content: a string, or a vision chat's parts."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return content + text
+
+
 def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     out = []
     for m in messages:
@@ -86,7 +93,7 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
                 "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
                                               "arguments": c["function"].get("arguments", {})})
                 + "\n</tool_call>" for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": (m["content"] + calls)})
+            out.append({"role": "assistant", "content": _with_text(m["content"], calls)})
         elif m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n"
                                                    f"</tool_response>"})
@@ -95,7 +102,7 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
     if tools:
         system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+            out[0] = {"role": "system", "content": _with_text(out[0]["content"], "\n\n" + system)}
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
