@@ -150,6 +150,53 @@ def test_tool_choice_grammar_makes_parsable_calls(llm, family, tool_choice, para
         assert streamed == [(t.name, t.arguments) for t in parsed.tool_calls]
 
 
+def _pydantic_tools():
+    """What openai.pydantic_function_tool makes of nested models: $defs and #/$defs refs
+    (and a recursive one: a reference to the root, '#')."""
+    address = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                 "zip": {"type": "integer", "minimum": 0,
+                                                         "maximum": 99999}},
+               "required": ["city", "zip"], "additionalProperties": False}
+    lookup = {"type": "object", "$defs": {"Address": address},
+              "properties": {"who": {"type": "string", "maxLength": 12},
+                             "address": {"$ref": "#/$defs/Address"}},
+              "required": ["who", "address"], "additionalProperties": False}
+    tree = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 8},
+                                             "child": {"anyOf": [{"$ref": "#"},
+                                                                 {"type": "null"}]}},
+            "required": ["label", "child"], "additionalProperties": False}
+    return [{"type": "function", "function": {"name": "lookup", "parameters": lookup}},
+            {"type": "function", "function": {"name": "tree", "parameters": tree}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "lookup"}}])
+def test_tools_with_references_keep_them_in_the_calls_grammar(llm, tool_choice):
+    """A tool's parameters sit inside the calls' schema, so its '#'-rooted references are
+    re-rooted there: forced calls compile and validate against the tool's own schema."""
+    import jsonschema
+    tools = _pydantic_tools()
+    guided = tool_choice_guided_decoding(tools, tool_choice, False, "hermes")
+    outs = llm.generate(["Look it up."] * 4,
+                        [SamplingParams(temperature=1.0, seed=s, max_tokens=300,
+                                        guided_decoding=guided) for s in range(4)],
+                        use_tqdm=False)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        (call,) = get_tool_parser("hermes").parse(c.text).tool_calls
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_two_tools_of_one_name_are_refused():
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "get_weather",
+                                                          "parameters": {"type": "object"}}}]
+    with pytest.raises(ValueError, match=r"tools\[1\].function.name 'get_weather' is "
+                                         r"tools\[0\]'s too"):
+        tool_choice_guided_decoding(tools, "required")
+
+
 @pytest.mark.parametrize("tool_choice, error", [
     ({"type": "function", "function": {"name": "nope"}}, "nope"),
     ("sometimes", "tool_choice"),

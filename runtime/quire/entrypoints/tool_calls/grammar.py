@@ -36,6 +36,11 @@ def validate_tools(tools: list[dict] | None) -> dict[str, dict]:
         if not isinstance(params, dict):
             raise QuireValidationError(
                 "tools", f"tools[{i}].function.parameters must be a JSON schema object", params)
+        if fn["name"] in out:
+            first = next(j for j, t in enumerate(tools) if t["function"]["name"] == fn["name"])
+            raise QuireValidationError(
+                "tools", f"tools[{i}].function.name {fn['name']!r} is tools[{first}]'s too; "
+                "each function needs its own name", fn["name"])
         out[fn["name"]] = params
     return out
 
@@ -76,11 +81,14 @@ def tool_choice_guided_decoding(tools: list[dict] | None, tool_choice,
         return None
     many = parallel_tool_calls and not isinstance(tool_choice, dict)
     args_key = "parameters" if parser == "llama3_json" else "arguments"
+    one = len(tools_by_name) == 1
     schemas = [{"type": "object",
-                "properties": {"name": {"const": name}, args_key: params},
+                "properties": {"name": {"const": name}, args_key: _rooted(
+                    params, f"#/properties/{args_key}" if one else
+                    f"#/anyOf/{i}/properties/{args_key}")},
                 "required": ["name", args_key], "additionalProperties": False}
-               for name, params in tools_by_name.items()]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+               for i, (name, params) in enumerate(tools_by_name.items())]
+    schema = schemas[0] if one else {"anyOf": schemas}
     schema = {**schema, "x-guidance": _COMPACT}
     body = f"body: %json {json.dumps(schema)}\n"
     if parser == "llama3_json":
@@ -93,6 +101,29 @@ def tool_choice_guided_decoding(tools: list[dict] | None, tool_choice,
     start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
     call = 'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
     return _grammar(start + call + body)
+
+
+# keywords whose values are data, not schemas: a "$ref" key there is not a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rooted(schema, at: str):
+    """A tool's parameters schema placed at JSON pointer `at` of the calls' schema: its own
+    references (#/$defs/..., #, #/properties/...: pydantic's nested models) rewritten to
+    point there, since '#' is now the calls' schema's root."""
+    if isinstance(schema, list):
+        return [_rooted(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = at + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rooted(value, at)
+    return out
 
 
 def _grammar(text: str) -> GuidedDecodingParams:
