@@ -48,13 +48,13 @@ def add_request(self, request_id, prompt, *args, **kwargs):
 def _rejecting(engine, advance):
     """The structured manager's advance, refusing the marked requests' tokens as a grammar
     that rejects one does: the sequence is finished with an error status, nothing else."""
-    def wrapped(seqs, finish=None):
+    def wrapped(seqs, scheduler=None):
         for seq in seqs:
-            if seq.client_request_id in engine.rejected and finish is not None \
+            if seq.client_request_id in engine.rejected and scheduler is not None \
                     and not seq.finished:
                 logger.error("request %s: token rejected (injected)", seq.request_id)
-                finish(seq, RequestStatus.FINISHED_ERROR)
-        return advance(seqs, finish)
+                scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+        return advance(seqs, scheduler)
     return wrapped
 
 

@@ -158,6 +158,13 @@ ERRORS = [
     (CHAT, {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
      "once"),
     (COMPLETIONS, {"structured_outputs": {"xml": "a"}}, "structured_outputs", "xml"),
+    # specs no text matches: found when compiled against the tokenizer, before the request
+    # runs (they came back 200 with an empty answer that does not match them)
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#"}}}}, "response_format", "no text matches"),
+    (CHAT, {"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                            "$ref": "#/$defs/a"}}, "guided_json", "no text matches"),
+    (COMPLETIONS, {"guided_regex": "[^\\s\\S]"}, "guided_regex", "no text matches"),
 ]
 
 

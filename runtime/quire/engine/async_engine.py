@@ -323,6 +323,15 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def compile_grammar(self, params) -> None:
+        """The engine's compile of a request's grammar (GuidedDecodingParams), awaited: a
+        grammar the tokenizer-bound compile refuses (QuireValidationError) is the caller's
+        to answer before the request is added. The compile is cached, so add_request finds
+        it done."""
+        structured = getattr(self.engine, "structured", None)
+        if structured is not None:
+            await asyncio.wrap_future(structured.compiler.submit(params))
+
     def abort(self, request_id: str) -> None:
         """Abort a request (queued, running or not yet added); a no-op once it finished.
         It reaches the engine after every command queued before it (its add, if pending)."""

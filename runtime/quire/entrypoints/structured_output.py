@@ -12,6 +12,7 @@ from quire.entrypoints.errors import invalid_input
 from quire.entrypoints.limits import check_schema_bytes
 from quire.structured.params import GuidedDecodingParams
 from quire.structured.request_formats import guided_decoding_from_request
+from quire.validation import QuireValidationError
 
 
 async def guided_decoding(serving, req) -> GuidedDecodingParams | None:
@@ -19,7 +20,16 @@ async def guided_decoding(serving, req) -> GuidedDecodingParams | None:
     fields = req.structured_output_fields()
     if not fields or fields == {"response_format": {"type": "text"}}:
         return None  # nothing to check: no thread hop
-    return await serving.pool.run(_build, fields, serving.limits.max_schema_bytes)
+    guided = await serving.pool.run(_build, fields, serving.limits.max_schema_bytes)
+    if guided is not None:
+        # compiled against the tokenizer before the request is accepted: what only that
+        # finds (a spec no text matches) is a 400 naming the field, not an empty answer
+        field = next(f for f in fields if f != "disable_any_whitespace")
+        try:
+            await serving.engine.compile_grammar(guided)
+        except ValueError as e:
+            raise invalid_input(QuireValidationError(field, f"{field}: {e}")) from None
+    return guided
 
 
 def _build(tokenizer, fields: dict, max_schema_bytes: int) -> GuidedDecodingParams | None:

@@ -131,6 +131,13 @@ class Backend:
         m = llguidance.LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
         if m.is_error():
             raise QuireValidationError(params.kind, f"{params.kind}: {m.get_error()}")
+        # the first mask, on a copy: a spec that no text matches ({"$ref": "#"}, the regex
+        # [^\s\S]) is refused here, not answered with an empty output it does not match
+        first = m.deep_copy()
+        first.compute_bitmask()
+        if first.is_error():
+            raise QuireValidationError(params.kind, f"{params.kind}: no text matches it "
+                                                    f"({first.get_error()[:200]})")
         return CompiledGrammar(m)
 
     def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
