@@ -5,6 +5,12 @@
              holding `tensor` GPUs. Pod 0 of a group, the leader, runs `quire serve` with the
              API; the others are headless workers that join its process group.
 
+Each group gets its own headless Service, named after its leader pod (<name>-<group>:
+networkConfig.subdomainPolicy UniquePerReplica), which LWS_LEADER_ADDRESS resolves through.
+The default (Shared) has LWS create one headless Service named <name>, the client Service's
+own name: LWS skips a Service that exists, so the leader's address never resolved, and the
+operator would have taken over one LWS made first (its clients then sent to loading leaders).
+
 The LWS controller gives every pod of a group LWS_LEADER_ADDRESS (the leader's DNS name),
 LWS_GROUP_SIZE and LWS_WORKER_INDEX (0 for the leader), and labels it with that index
 (names.LWS_WORKER_INDEX_LABEL): the Services, the router and the autoscaler select leaders only.
@@ -39,6 +45,7 @@ RESTART_POLICY = "RecreateGroupOnPodRestart"
 # Workers start as soon as the leader exists, as vLLM's LWS examples run it. LeaderReady would
 # deadlock: the leader is ready (/ready) only once the model is loaded, which needs every stage.
 STARTUP_POLICY = "LeaderCreated"
+SUBDOMAIN_POLICY = "UniquePerReplica"  # (the module's docstring says why)
 
 
 def wants_leaderworkerset(raw_spec: Mapping[str, Any] | None) -> bool:
@@ -89,6 +96,7 @@ def desired_leaderworkerset(owner: Mapping[str, Any], spec: LLMSpec, default_ima
         "spec": {
             "replicas": initial_replicas(spec),
             "startupPolicy": STARTUP_POLICY,
+            "networkConfig": {"subdomainPolicy": SUBDOMAIN_POLICY},
             # As the Deployment: never below the serving capacity during a rollout, one new
             # group at a time.
             "rolloutStrategy": {"type": "RollingUpdate",

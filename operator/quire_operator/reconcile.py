@@ -32,10 +32,15 @@ from .gateway_children import gateway_child_names, gateway_children
 from .keda_children import desired_scaled_object, keda_child_names
 from .kube import ApiError, Kube, resource_path
 from .kv_cache_spec import desired_valkey_children, valkey_child_names
-from .lws_children import desired_leaderworkerset, wants_leaderworkerset
+from .lws_children import CONTROL_PORT, MASTER_PORT, desired_leaderworkerset, wants_leaderworkerset
 from .network_policy import desired_network_policies, policy_names, policy_settings
 from .pod_tls import with_trust_key
-from .router_children import desired_router_service, router_child_names, router_children
+from .router_children import (
+    KV_EVENTS_PORT,
+    desired_router_service,
+    router_child_names,
+    router_children,
+)
 from .spec import LLMSpec, SpecError, check_name, parse_spec
 from .status import Blocked
 from .status_writer import update_status
@@ -135,6 +140,8 @@ def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce:
         try:
             check_name(name)
             spec = parse_spec(body.get("spec"))
+            check_child_names(name, spec)
+            check_ports(spec)
         except SpecError as e:
             _block(kube, body, Blocked(status.INVALID_SPEC, str(e)), announce)
             return
@@ -147,6 +154,44 @@ def reconcile(kube: Kube, body: Mapping[str, Any], default_image: str, announce:
         log.debug("%s/%s: %s at generation %s", namespace, name, deployment.get("kind"),
                   deployment.get("metadata", {}).get("generation"))
         refresh_status(kube, namespace, name, blocked=None, spec=spec, generation=generation, announce=announce)
+
+
+def check_child_names(name: str, spec: LLMSpec) -> None:
+    """The longest names this spec's children take, each a Service name, a pod's host name or
+    a label value (63 characters at most): a name that fits alone may not with its suffixes,
+    and must be refused before anything is written, not halfway through."""
+    longer = []
+    if spec.router.enabled:
+        longer += [router_child_names(name)[0][1], router_child_names(name)[3][1]]
+    if spec.kv_offload.valkey is not None:
+        longer.append(valkey_child_names(name)[0][1] + "-0")  # its StatefulSet pod
+    if spec.parallelism.multi_node:  # group g's Service <name>-g, its pods <name>-g-w
+        groups = max(spec.replicas, spec.autoscaling.max_replicas or 0, 1)
+        longer.append(f"{name}-{groups - 1}-{spec.parallelism.pipeline - 1}")
+    for child in longer:
+        if len(child) > names.MAX_NAME_LENGTH:
+            room = names.MAX_NAME_LENGTH - (len(child) - len(name))
+            raise SpecError("metadata.name", f"{name!r} is {len(name)} characters, so this "
+                            f"spec's child {child!r} would be {len(child)}, past the "
+                            f"{names.MAX_NAME_LENGTH} a Service name, a pod's host name or a "
+                            f"label value takes: at most {room} characters fit this spec")
+
+
+def check_ports(spec: LLMSpec) -> None:
+    """spec.port against the fixed ports that share an object with it (the API server refuses
+    a Service or a container with one port twice; two listeners cannot bind one)."""
+    taken = {}
+    if spec.router.enabled and spec.router.ext_proc_port is not None:
+        taken[spec.router.ext_proc_port] = ("the endpoint picker's (gRPC ext_proc, for "
+                                            "spec.gateway.inferencePool) on the Service")
+    if spec.router.enabled and spec.router.routing == "precise-prefix":
+        taken[KV_EVENTS_PORT] = "the KV events' (routing: precise-prefix) on the Service"
+    if spec.parallelism.multi_node:
+        taken[MASTER_PORT] = "the group's rendezvous (torch.distributed) on the leader"
+        taken[CONTROL_PORT] = "the group's control channel on the leader"
+    if spec.port in taken:
+        raise SpecError("spec.port", f"{spec.port} is {taken[spec.port]} too; choose another "
+                        f"port (not {', '.join(map(str, sorted(taken)))})")
 
 
 def _newest(kube: Kube, body: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -159,7 +159,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         model=_parse_model(model),
         image=spec.string("image"),
         image_pull_policy=spec.choice("imagePullPolicy", PULL_POLICIES),
-        replicas=spec.integer("replicas", 1, minimum=0),
+        replicas=spec.integer("replicas", 1, minimum=0, maximum=MAX_REPLICAS),
         port=spec.integer("port", 8000, minimum=1, maximum=65535),
         resources=ResourcesSpec(
             gpus=_gpus(resources, parallelism, checked=spec.has("parallelism")),
@@ -168,9 +168,9 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMSpec:
         ),
         parallelism=parallelism,
         runtime=_parse_runtime(runtime),
-        env=tuple(spec.objects("env", required_key="name")),
+        env=tuple(_as_stored(spec, "env", ENV_KEYS, "name")),
         node_selector=spec.string_map("nodeSelector"),
-        tolerations=tuple(spec.objects("tolerations")),
+        tolerations=tuple(_as_stored(spec, "tolerations", TOLERATION_KEYS)),
         pod_annotations=spec.string_map("podAnnotations"),
         pdb_enabled=pdb.boolean("enabled", False),
         pdb_max_unavailable=pdb.integer("maxUnavailable", 1, minimum=0),
@@ -328,8 +328,8 @@ def _parse_autoscaling(scaling: _Reader) -> AutoscalingSpec:
     parsed = AutoscalingSpec(
         enabled=enabled,
         # 0 is scale to zero: parse_scale_to_zero says when it is allowed.
-        min_replicas=scaling.integer("minReplicas", 1, minimum=0),
-        max_replicas=scaling.integer("maxReplicas", None, minimum=1),
+        min_replicas=scaling.integer("minReplicas", 1, minimum=0, maximum=MAX_REPLICAS),
+        max_replicas=scaling.integer("maxReplicas", None, minimum=1, maximum=MAX_REPLICAS),
         target_queue_depth=scaling.number("targetQueueDepth", 4.0, above=0.0),
         target_kv_cache_utilization=scaling.number("targetKVCacheUtilization", 0.8, above=0.0, maximum=1.0),
         tolerance=scaling.number("tolerance", 0.1, minimum=0.0, maximum=1.0),
@@ -454,6 +454,24 @@ class _Reader:
         if required_key and not all(item.get(required_key) for item in value):
             raise SpecError(f"{self.path}.{key}", f"every item needs a {required_key!r}")
         return [dict(item) for item in value]
+
+
+MAX_REPLICAS = 2**31 - 1  # a workload's spec.replicas is an int32
+
+# what the API server keeps of an EnvVar and a Toleration: other keys it drops, and an empty
+# string it omits (omitempty), so a desired object holding them would differ from the live one
+# on every read (a false drift, patched and reported at each event)
+ENV_KEYS = ("name", "value", "valueFrom")
+TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+
+
+def _as_stored(spec: _Reader, key: str, keys: tuple[str, ...],
+               required_key: str | None = None) -> list[dict]:
+    items = spec.objects(key, required_key=required_key)
+    for i, item in enumerate(items):
+        if required_key is not None and not isinstance(item[required_key], str):
+            raise SpecError(f"{spec.path}.{key}[{i}].{required_key}", "must be a string")
+    return [{k: item[k] for k in keys if k in item and item[k] != ""} for item in items]
 
 
 def _check_range(path: str, value: float, *, minimum: float | None, maximum: float | None) -> None:

@@ -156,6 +156,16 @@ def test_values_schema_rejects_bad_values(values, key):
             chart.render(values=values, name="quire", namespace=NAMESPACE)
 
 
+@pytest.mark.parametrize("timings", [{"leaseDurationSeconds": 5}, {"leaseDurationSeconds": 10},
+                                     {"retryPeriodSeconds": 12}])
+def test_leader_election_timings_out_of_order_fail_the_render(timings):
+    """The operator exits at start unless retry < renew < lease: a release that renders
+    them would crash-loop after a successful install."""
+    with helm.Chart.load(CHART) as chart:
+        with pytest.raises(helm.HelmError, match="retryPeriodSeconds < renewDeadlineSeconds"):
+            chart.render(values={"leaderElection": timings}, name="quire", namespace=NAMESPACE)
+
+
 def test_notes_show_how_to_create_the_first_llmdeployment():
     text = notes()
     assert "kind: LLMDeployment" in text and "kubectl get llmd" in text

@@ -63,3 +63,33 @@ def test_an_extra_key_in_a_services_selector_is_drift_and_the_patch_removes_it()
     assert drift_of(live, desired) == "spec.selector"
     assert patch_for(live, desired)["spec"]["selector"] == {"quire.dev/router": "chat", "quire.dev/llmdeployment": None}
     assert drift_of({"kind": "Service", "spec": {"selector": {"quire.dev/router": "chat"}}}, desired) is None
+
+
+def _without_empty_strings(value):
+    """The API server's omitempty: an empty string is not stored (nor keys it does not know,
+    which the spec passes through no more)."""
+    if isinstance(value, dict):
+        return {k: _without_empty_strings(v) for k, v in value.items() if v != ""}
+    if isinstance(value, list):
+        return [_without_empty_strings(v) for v in value]
+    return value
+
+
+def test_empty_strings_and_unknown_keys_in_env_and_tolerations_are_not_drift():
+    """env {value: ""} and a toleration's empty fields were sent, dropped by the server, and
+    then seen missing on every read: a patch and a DriftCorrected Event at each event."""
+    spec = parse_spec({"env": [{"name": "EMPTY", "value": ""}, {"name": "X", "value": "1", "note": 2}],
+                       "tolerations": [{"key": "gpu", "operator": "Exists", "value": "", "effect": "",
+                                        "extra": True}]})
+    assert spec.env == ({"name": "EMPTY"}, {"name": "X", "value": "1"})
+    assert spec.tolerations == ({"key": "gpu", "operator": "Exists"},)
+    desired = with_hash(desired_deployment(OWNER, spec, "img:1"))
+    live = _without_empty_strings(copy.deepcopy(desired))
+    live["metadata"].update(uid="d1", resourceVersion="7", generation=1)
+    assert drift_of(live, desired) is None
+
+
+def test_an_env_name_that_is_not_a_string_is_named():
+    from quire_operator.spec import SpecError
+    with pytest.raises(SpecError, match=r"spec.env\[0\].name: must be a string"):
+        parse_spec({"env": [{"name": ["A"]}]})

@@ -86,6 +86,10 @@ def test_a_group_is_one_replica_of_pipeline_pods_that_restart_together():
     assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
     # Workers must start before the leader can be ready (it loads its stage only with them).
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    # Each group's headless Service is <name>-<group>, never <name>: that is the client
+    # Service's name, and LWS's Shared policy would want it for its own (the leader's address
+    # would not resolve, or the operator would take LWS's headless Service over).
+    assert lws["spec"]["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
     (ref,) = lws["metadata"]["ownerReferences"]
     assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("LLMDeployment", "big", "u", True)
 

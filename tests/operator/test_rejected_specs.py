@@ -17,6 +17,10 @@ REFUSED = {
     "cpu-two": ({"resources": {"cpu": "two"}}, f"spec.resources.cpu: 'two' {NOT_QUANTITY}"),
     "chat.v2": ({}, "metadata.name: 'chat.v2' is not a valid Service name (DNS-1035"),
     "x" * 64: ({}, f"metadata.name: '{'x' * 64}' is 64 characters; at most 63"),
+    # 60 characters fit alone, not with the router's <name>-router and <name>-pods
+    "r" * 60: ({"router": {"enabled": True}},
+               f"metadata.name: '{'r' * 60}' is 60 characters, so this spec's child "
+               f"'{'r' * 60}-router' would be 67"),
 }
 
 
@@ -104,3 +108,41 @@ def test_a_rejected_update_leaves_the_serving_pods_alone(cluster):
         assert llmd["status"]["observedGeneration"] == 1  # generation 2 is not applied
         assert condition(llmd, "Ready")["status"] == "True"  # the old pods still serve
         assert cluster.deployment("chat")["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+
+
+def test_the_names_of_every_childs_suffix_are_counted():
+    """Each spec's longest child: the router's, the Valkey pod's, a group's worker pod (its
+    host name, and its group's Service <name>-<group>)."""
+    import pytest
+
+    from quire_operator.reconcile import check_child_names
+    from quire_operator.spec import SpecError, parse_spec
+    cases = [({"kvCache": {"offload": {"remote": {"valkey": {"memory": "2Gi"}}}}}, "-kv-0"),
+             ({"parallelism": {"tensor": 8, "pipeline": 2}, "replicas": 12}, "-11-1"),
+             ({"parallelism": {"tensor": 8, "pipeline": 2}, "replicas": 1,
+               "autoscaling": {"enabled": True, "maxReplicas": 100}}, "-99-1")]
+    for spec, suffix in cases:
+        fits = "n" * (63 - len(suffix))
+        check_child_names(fits, parse_spec(spec))
+        with pytest.raises(SpecError, match=f"'{fits}n{suffix}' would be 64"):
+            check_child_names(fits + "n", parse_spec(spec))
+    check_child_names("n" * 63, parse_spec({}))  # a plain spec: its children take the name
+
+
+
+def test_a_port_that_a_fixed_port_shares_an_object_with_is_refused():
+    """The Service with the endpoint picker's 9002 or the KV events' 5557, the leader with its
+    rendezvous 29500 and control 29501: one port twice is a body the API server refuses."""
+    import pytest
+
+    from quire_operator.reconcile import check_ports
+    from quire_operator.spec import SpecError, parse_spec
+    router = {"router": {"enabled": True}}
+    for spec, port in [({**router, "gateway": {"inferencePool": {"enabled": True}}}, 9002),
+                       ({"router": {"enabled": True, "routing": "precise-prefix"}}, 5557),
+                       ({"parallelism": {"tensor": 8, "pipeline": 2}}, 29500),
+                       ({"parallelism": {"tensor": 8, "pipeline": 2}}, 29501)]:
+        check_ports(parse_spec(spec))  # the default port: fine
+        with pytest.raises(SpecError, match=f"spec.port: {port} is .* too; choose another"):
+            check_ports(parse_spec({**spec, "port": port}))
+    check_ports(parse_spec({"port": 9002}))  # nothing else on 9002 without the pool

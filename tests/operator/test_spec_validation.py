@@ -36,6 +36,8 @@ def test_operator_defaults_equal_the_crd_defaults():
 @pytest.mark.parametrize("spec, field", [
     ({"replicas": -1}, "spec.replicas"),
     ({"replicas": "two"}, "spec.replicas"),
+    ({"replicas": 2**31}, "spec.replicas"),  # a workload's replicas is an int32
+    ({"autoscaling": {"enabled": True, "maxReplicas": 2**31}}, "spec.autoscaling.maxReplicas"),
     ({"port": 70000}, "spec.port"),
     ({"model": {"source": ""}}, "spec.model.source"),
     ({"model": {"source": "no spaces allowed/x y"}}, "spec.model.source"),
