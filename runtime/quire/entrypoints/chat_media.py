@@ -22,7 +22,8 @@ from quire.entrypoints import request_chat_template
 from quire.entrypoints.chat_continuation import template_rejected
 from quire.entrypoints.errors import bad_request, engine_error
 from quire.entrypoints.limits import check_prompt_tokens
-from quire.multimodal.chat import render_image_chat, with_tools
+from quire.entrypoints.tool_calls.render import with_tools
+from quire.multimodal.chat import image_chat_template, render_image_chat
 from quire.multimodal.images import image_from_bytes, image_from_url
 from quire.multimodal.inputs import ProcessedPrompt
 from quire.multimodal.limits import check_image_count
@@ -116,8 +117,10 @@ def _render_and_process(tokenizer, mm_processor, conversation, images,
                                             continue_final_message)
         return mine.process(text, images, add_special_tokens=False)
     try:
+        template = image_chat_template(mine, tokenizer)
+        conversation, extra = with_tools(template, conversation, tools, extra)
         text = render_image_chat(mine, tokenizer, conversation, add_generation_prompt,
-                                 tools=tools, continue_final_message=continue_final_message,
+                                 template, continue_final_message=continue_final_message,
                                  **extra)
     except QuireValidationError:
         raise

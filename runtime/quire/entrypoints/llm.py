@@ -12,7 +12,7 @@ from quire.engine.beam_search import BeamSearchParams
 from quire.engine.engine import PromptType
 from quire.engine.factory import create_engine
 from quire.lora.request import LoRARequest
-from quire.multimodal.chat import chat_images, render_image_chat
+from quire.multimodal.chat import chat_images, image_chat_template, render_image_chat
 from quire.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from quire.pooling.params import PoolingParams
 from quire.sampling_params import RequestOutputKind, SamplingParams
@@ -163,9 +163,12 @@ class LLM:
                 "messages", f"the model is not multimodal: "
                 f"{self.engine.model_config.architecture} takes text only, so messages can't "
                 "carry image parts")
+        from quire.entrypoints.tool_calls.render import with_tools  # tool calling
+        template = image_chat_template(processor, self.tokenizer, chat_template)
+        messages, extra = with_tools(template, messages, tools, {})
         text = render_image_chat(processor, self.tokenizer, messages, add_generation_prompt,
-                                 chat_template, tools=tools,
-                                 continue_final_message=continue_final_message)
+                                 template, continue_final_message=continue_final_message,
+                                 **extra)
         # the rendered text has the template's special tokens: the tokenizer adds none
         return {"prompt": text, "multi_modal_data": {"image": images},
                 "add_special_tokens": False}

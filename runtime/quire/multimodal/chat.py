@@ -47,32 +47,24 @@ def chat_images(messages: list[dict], max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     return out, images
 
 
-def render_image_chat(mm_processor, tokenizer, messages: list[dict],
-                      add_generation_prompt: bool, chat_template: str | None = None,
-                      tools: list[dict] | None = None, **template_kwargs) -> str:
-    """The conversation's text (image parts as {"type": "image"}) through the processor's own
-    chat template, which places the family's image placeholder per image part (the
-    tokenizer's, when the processor has none); `chat_template` overrides it. `tools`, tool
-    calls and results go in as for a text chat (tool_calls/render.py: the template's own way,
-    or Hermes-style for one that knows no tools)."""
-    processor = mm_processor.processor
-    template = chat_template or getattr(processor, "chat_template", None) \
+def image_chat_template(mm_processor, tokenizer, chat_template: str | None = None) -> str:
+    """The template an image chat renders through: `chat_template`, else the processor's own
+    (which places the family's image placeholder per image part), else the tokenizer's."""
+    template = chat_template or getattr(mm_processor.processor, "chat_template", None) \
         or getattr(tokenizer, "chat_template", None)
     if not template:
         raise QuireValidationError(FIELD, "this model has no chat template to place the "
                                    "images with; give chat_template, or a prompt with the "
                                    f"image placeholder {mm_processor.image_token!r}")
-    messages, template_kwargs = with_tools(template, messages, tools, template_kwargs)
+    return template
+
+
+def render_image_chat(mm_processor, tokenizer, messages: list[dict],
+                      add_generation_prompt: bool, chat_template: str | None = None,
+                      **template_kwargs) -> str:
+    """The conversation's text (image parts as {"type": "image"}) through image_chat_template.
+    (Tools go in first, as the text path puts them: tool_calls/render.with_tools.)"""
+    template = image_chat_template(mm_processor, tokenizer, chat_template)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          tokenize=False, chat_template=template,
                                          **template_kwargs)
-
-
-def with_tools(template: str, messages: list[dict], tools: list[dict] | None,
-               template_kwargs: dict) -> tuple[list[dict], dict]:
-    """(messages, template variables) with the tools in, for this template."""
-    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-        return messages, template_kwargs
-    from quire.entrypoints.tool_calls.render import template_inputs
-    messages, extra = template_inputs(template, messages, tools)
-    return messages, {**template_kwargs, **extra}

@@ -41,6 +41,16 @@ def render_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None
     return list(ids)
 
 
+def with_tools(template: str, messages: list[dict], tools: list[dict] | None,
+               template_kwargs: dict) -> tuple[list[dict], dict]:
+    """template_inputs where there are tools, calls or results (else the messages as they
+    are), merged over `template_kwargs`: an image chat's rendering takes them so."""
+    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return messages, template_kwargs
+    messages, extra = template_inputs(template, messages, tools)
+    return messages, {**template_kwargs, **extra}
+
+
 def template_inputs(template: str, messages: list[dict],
                     tools: list[dict] | None) -> tuple[list[dict], dict]:
     """(messages, extra template variables) for `template`: its own tool rendering when it
