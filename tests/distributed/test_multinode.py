@@ -158,3 +158,31 @@ def test_a_headless_node_that_cannot_reach_node_zero_says_so():
         assert proc.wait(timeout=120) == 1
         tail = _tail(log)
     assert f"rank 1 could not reach node 0 at 127.0.0.1:{port + 1} within 3 s" in tail, tail
+
+
+def test_nodes_whose_parallelism_flags_differ_both_say_so_at_once():
+    """Node 1 runs tensor 2 (ranks 2 and 3) where node 0's group has tensor 1 (rank 1 only):
+    node 0 refuses it, saying why to both sides, instead of waiting out
+    --distributed-timeout while node 1 reports that node 0 went away."""
+    model = harness.tiny_model()
+    port = _free_master_port()
+    with _log("mismatch-node0.log") as log0, _log("mismatch-node1.log") as log1:
+        node0 = subprocess.Popen(
+            [*CLI, model, *_flags("127.0.0.1", port, 0), "--distributed-timeout", "300",
+             "--host", "127.0.0.1", "--port", str(harness.free_port())],
+            stdout=log0, stderr=subprocess.STDOUT, cwd=ROOT)
+        node1 = subprocess.Popen(
+            [*CLI, model, *_flags("127.0.0.1", port, 1), "--tensor-parallel-size", "2",
+             "--headless", "--distributed-timeout", "300"],
+            stdout=log1, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:  # well within the 300 s timeout each would otherwise wait
+            assert node0.wait(timeout=120) == 1 and node1.wait(timeout=120) == 1
+        finally:
+            for p in (node0, node1):
+                if p.poll() is None:
+                    p.kill()
+        tail0, tail1 = _tail(log0), _tail(log1)
+    assert "the group cannot form: rank 2 is not one of this group's remote ranks [1]" \
+        in tail0, tail0
+    assert "--pipeline-parallel-size and --nnodes must be the same on every node" in tail0
+    assert "refused rank" in tail1 and "must be the same on every node" in tail1, tail1

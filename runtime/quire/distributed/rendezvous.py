@@ -68,11 +68,27 @@ class RemoteWorkers:
                     logger.warning("refused a connection to the step channel: %s", e)
                     continue
                 rank = _hello(conn)
-                if rank not in self.expected or rank in conns:
-                    logger.warning("refused a step-channel hello from rank %r (expected %s)",
-                                   rank, sorted(self.expected - set(conns)))
+                if rank is None:  # every one of ours says hello: a stranger, or a stalled one
+                    logger.warning("refused a step-channel connection that said no hello")
                     conn.close()
                     continue
+                if rank not in self.expected or rank in conns:
+                    # another node's flags differ (its ranks are not this group's), or two
+                    # nodes share a --node-rank: the group can never form, so say why to
+                    # both sides at once instead of waiting out --distributed-timeout
+                    why = (f"rank {rank} already joined: two nodes have the same --node-rank"
+                           if rank in conns else
+                           f"rank {rank} is not one of this group's remote ranks "
+                           f"{sorted(self.expected)}: --tensor-parallel-size, "
+                           f"--pipeline-parallel-size and --nnodes must be the same on every "
+                           f"node")
+                    try:
+                        conn.send(("refused", why))
+                    except OSError:
+                        pass
+                    conn.close()
+                    errors.append(RuntimeError(f"the group cannot form: {why}"))
+                    break
                 try:
                     conn.send(spec_for(rank))
                 except OSError as e:
@@ -84,6 +100,14 @@ class RemoteWorkers:
         thread = threading.Thread(target=accept, name="quire-rendezvous", daemon=True)
         thread.start()
         done.wait(timeout)
+        refusals = [e for e in errors if isinstance(e, RuntimeError)]
+        if refusals:
+            done.set()
+            self.close()
+            thread.join(5)
+            for conn in conns.values():
+                conn.close()
+            raise refusals[0]
         if set(conns) != self.expected:
             done.set()
             self.close()
@@ -138,7 +162,11 @@ def connect(addr: str, port: int, rank: int, timeout: float):
     if not conn.poll(max(1.0, deadline - time.monotonic())):
         raise TimeoutError(f"node 0 at {addr}:{port} took rank {rank}'s hello but sent no "
                            f"spec within {timeout:g} s")
-    return conn, conn.recv()
+    sent = conn.recv()
+    if isinstance(sent, tuple) and len(sent) == 2 and sent[0] == "refused":
+        conn.close()
+        raise RuntimeError(f"node 0 at {addr}:{port} refused rank {rank}: {sent[1]}")
+    return conn, sent
 
 
 
