@@ -186,3 +186,34 @@ def test_nodes_whose_parallelism_flags_differ_both_say_so_at_once():
         in tail0, tail0
     assert "--pipeline-parallel-size and --nnodes must be the same on every node" in tail0
     assert "refused rank" in tail1 and "must be the same on every node" in tail1, tail1
+
+
+def test_a_node_with_another_model_is_refused_before_it_serves():
+    """Node 1 holds a Qwen3 where node 0 serves a Llama: it loaded what matched node 0's
+    layout (dropping the q/k norms) and the group answered with text neither model writes.
+    Node 1 now compares its model's config with node 0's and stops, naming what differs; node
+    0 then fails as when a node dies."""
+    helpers = harness.runtime_helpers()
+    from quire.models.loader import load_tokenizer, materialize, resolve_model
+    other = os.path.join(harness.tmp_root(), "tiny-qwen3-other")
+    if not os.path.exists(other):
+        helpers.save_tiny_model(other, helpers.tiny_config("qwen3"),
+                                load_tokenizer(materialize(resolve_model(None)), None))
+    port = _free_master_port()
+    with _log("othermodel-node0.log") as log0, _log("othermodel-node1.log") as log1:
+        node0 = subprocess.Popen(
+            [*CLI, harness.tiny_model(), *_flags("127.0.0.1", port, 0), "--distributed-timeout",
+             "300", "--host", "127.0.0.1", "--port", str(harness.free_port())],
+            stdout=log0, stderr=subprocess.STDOUT, cwd=ROOT)
+        node1 = subprocess.Popen([*CLI, other, *_flags("127.0.0.1", port, 1), "--headless",
+                                  "--distributed-timeout", "300"],
+                                 stdout=log1, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            assert node1.wait(timeout=120) == 1 and node0.wait(timeout=180) == 1
+        finally:
+            for p in (node0, node1):
+                if p.poll() is None:
+                    p.kill()
+        tail1 = _tail(log1)
+    assert "this node's model" in tail1 and "is not node 0's: architecture" in tail1, tail1
+    assert "every node must serve the same checkpoint" in tail1

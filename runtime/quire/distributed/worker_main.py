@@ -11,6 +11,7 @@ node 0 vanished without a goodbye exits non-zero too (its group must restart).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -70,6 +71,22 @@ class RemoteRank:
     log_level: int
 
 
+def check_same_model(source: ModelSource, sent: WorkerSpec) -> None:
+    """This node's copy of the model against node 0's: a node with another model would load
+    what of it matches node 0's layout (a Qwen3's q/k norms dropped without a word) and the
+    group would serve text neither model writes. The configs are compared, field by field
+    (the weights themselves are not: a copy of other weights in the same shape passes)."""
+    from quire.models.loader import load_hf_config
+    mine = ModelConfig.from_hf(load_hf_config(source, sent.args.revision))
+    differ = [f.name for f in dataclasses.fields(mine)
+              if f.repr and getattr(mine, f.name) != getattr(sent.cfg, f.name)]
+    if differ:
+        shown = ", ".join(f"{n} {getattr(mine, n)!r} here, {getattr(sent.cfg, n)!r} on node 0"
+                          for n in differ[:4])
+        raise RuntimeError(f"rank {sent.rank}: this node's model ({source.path}) is not node "
+                           f"0's: {shown}; every node must serve the same checkpoint")
+
+
 def main(spec: WorkerSpec | RemoteRank, conn) -> None:
     _exit_with_parent()
     remote = isinstance(spec, RemoteRank)
@@ -80,6 +97,7 @@ def main(spec: WorkerSpec | RemoteRank, conn) -> None:
         if remote:
             from quire.distributed.rendezvous import connect
             conn, sent = connect(spec.master_addr, spec.step_port, spec.rank, spec.timeout)
+            check_same_model(spec.source, sent)
             sent.source = spec.source
             sent.num_threads = sent.num_threads or spec.num_threads
             spec = sent
