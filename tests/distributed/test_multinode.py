@@ -217,3 +217,36 @@ def test_a_node_with_another_model_is_refused_before_it_serves():
         tail1 = _tail(log1)
     assert "this node's model" in tail1 and "is not node 0's: architecture" in tail1, tail1
     assert "every node must serve the same checkpoint" in tail1
+
+
+def test_the_step_channel_finds_a_silent_peer():
+    """Both ends of the step channel keep the kernel probing an idle peer and bound
+    unacknowledged data, so a cut link ends the channel (node 0 fails its requests and exits;
+    a headless node exits) instead of a wait without end."""
+    import threading
+
+    from quire.distributed import rendezvous
+    port = harness.free_port()
+    node0 = rendezvous.RemoteWorkers(port, [1], lambda rank: f"rank {rank}")
+    joined = {}
+    thread = threading.Thread(target=lambda: joined.update(
+        worker=rendezvous.connect("127.0.0.1", port, 1, 10)))
+    thread.start()
+    conns = node0.accept_all(10, lambda rank: "spec")
+    thread.join(10)
+    worker, sent = joined["worker"]
+    assert sent == "spec"
+    try:
+        for conn in (worker, conns[1]):
+            with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as s:
+                assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                idle, interval, count = rendezvous.KEEPALIVE
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == idle
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == interval
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == count
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == \
+                    rendezvous.USER_TIMEOUT_MS
+    finally:
+        worker.close()
+        conns[1].close()
+        node0.close()

@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 KEY_ENV = "QUIRE_DISTRIBUTED_KEY"
 HELLO_TIMEOUT_S = 10.0  # a connection that says nothing this long is not one of ours
+# The channel idles for hours, and a peer behind a cut link sends no FIN: the kernel's
+# keepalive probes find it (silent 5 s, then 4 probes 2 s apart: ~13 s), and unacknowledged
+# data gives up after 15 s, so both ends see the channel fail (node 0 fails its requests and
+# exits, a headless node exits) instead of waiting on it forever or on gloo's 120 s.
+KEEPALIVE = (5, 2, 4)  # idle seconds, seconds between probes, probes
+USER_TIMEOUT_MS = 15_000
 
 
 def authkey() -> bytes:
@@ -35,6 +41,19 @@ def warn_if_default_key() -> None:
                        "port can join the group; set $%s (the same on every node; the "
                        "operator's spec.parallelism.keySecret) or keep the port private",
                        KEY_ENV)
+
+
+def keep_alive(conn: Connection) -> None:
+    """TCP keepalive and a bound on unacknowledged data on the channel's socket (Linux's
+    options; where one is missing the channel goes on without it)."""
+    import socket
+    idle, interval, count = KEEPALIVE
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as s:  # a dup
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
+                            ("TCP_KEEPCNT", count), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+            if hasattr(socket, name):
+                s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def step_port(master_port: int) -> int:
@@ -90,6 +109,7 @@ class RemoteWorkers:
                     errors.append(RuntimeError(f"the group cannot form: {why}"))
                     break
                 try:
+                    keep_alive(conn)
                     conn.send(spec_for(rank))
                 except OSError as e:
                     errors.append(e)
@@ -158,6 +178,7 @@ def connect(addr: str, port: int, rank: int, timeout: float):
                                    f"the leader started?") from None
             time.sleep(delay)
             delay = min(2.0, delay * 2)
+    keep_alive(conn)
     conn.send(("hello", rank))
     if not conn.poll(max(1.0, deadline - time.monotonic())):
         raise TimeoutError(f"node 0 at {addr}:{port} took rank {rank}'s hello but sent no "
