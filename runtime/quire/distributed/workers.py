@@ -19,10 +19,12 @@ the engine is idle (hours), which a collective's timeout would not allow.
 A worker's death fails the engine cleanly: a watcher thread waits on the local workers'
 sentinels and the remote workers' channels (a dead process's socket closes) and, when one
 dies, records why, kills the others (so none is left stuck in a collective) and calls
-`on_death` (the server then fails at once, idle or not); rank 0, if it is inside a
-collective, gets an error from gloo at once (the dead peer's sockets close) or at the latest
-after the collective timeout; the next `run_step` raises `TensorParallelError` naming the
-rank, where it ran and why.
+`on_death` (the server then fails at once, idle or not, even with a step stuck in a
+collective with the dead rank: the process exits without waiting for it); rank 0, if it is
+inside a collective, gets an error from gloo at once (the dead peer's sockets close) or at the
+latest after the collective timeout; the next `run_step` raises `TensorParallelError` naming
+the rank, where it ran and why. A remote rank behind a cut link is found by the step
+channel's TCP keepalive (rendezvous.KEEPALIVE).
 """
 
 from __future__ import annotations

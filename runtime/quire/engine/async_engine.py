@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from quire.config import EngineArgs
+from quire.distributed.errors import TensorParallelError
 from quire.engine.async_errors import (
     AdapterExists,
     AdapterNotFound,
@@ -52,7 +53,6 @@ from quire.engine.async_errors import (
 from quire.engine.engine_commands import (
     AbortRequest,
     AddRequest,
-    CheckWorkers,
     Command,
     CommandQueue,
     EngineCall,
@@ -422,13 +422,18 @@ class AsyncLLMEngine:
             self._die(e, "the engine loop failed")
 
     def _watch_workers(self, loop: asyncio.AbstractEventLoop) -> None:
-        """A worker's death (seen by a watcher thread) fails the engine now, idle or not."""
+        """A worker's death (seen by a watcher thread) fails the engine now, idle or not: on
+        the loop, not as a command, which would wait behind a step stuck in a collective with
+        the dead rank (a cut link: gloo gives up only after its 120 s)."""
         workers = getattr(getattr(self.engine, "executor", None), "workers", None)
         if workers is not None:
-            workers.on_death = lambda: loop.call_soon_threadsafe(self._commands.put,
-                                                                 CheckWorkers())
+            workers.on_death = lambda: loop.call_soon_threadsafe(self._worker_died, workers)
             if workers.dead is not None:  # died while the model loaded
-                loop.call_soon(self._commands.put, CheckWorkers())
+                loop.call_soon(self._worker_died, workers)
+
+    def _worker_died(self, workers) -> None:
+        if workers.dead is not None:
+            self._die(TensorParallelError(workers.dead), "the engine loop failed")
 
     def _describe_model(self) -> None:
         e = self.engine

@@ -122,14 +122,6 @@ class Shutdown(Command):
     """The loop ends once the engine has no unfinished request and no command is queued."""
 
 
-class CheckWorkers(Command):
-    """Queued by the workers' death watcher: raises (fatal) when one has died, so an idle
-    server fails at once instead of at its next step."""
-
-    def run(self, engine) -> None:
-        engine.executor.check_workers()
-
-
 class CommandQueue:
     """FIFO of commands, with a wake-up for the loop when one arrives."""
 
