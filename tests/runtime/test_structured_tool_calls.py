@@ -122,6 +122,17 @@ def llm(tmp_path_factory, smollm_tokenizer):
     return LLM(path, dtype="float32", kv_cache_memory=16 << 20)
 
 
+def _forced_answers(llm, prompt: str, guided, n: int) -> list:
+    """n sampled answers (seeds 0..n-1) under a tool_choice grammar, each ended by it."""
+    outs = llm.generate([prompt] * n,
+                        [SamplingParams(temperature=1.0, seed=s, max_tokens=300,
+                                        guided_decoding=guided) for s in range(n)],
+                        use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+    return [out.outputs[0] for out in outs]
+
+
 @pytest.mark.parametrize("family", ["hermes", "llama3_json"])
 @pytest.mark.parametrize("tool_choice, parallel", [
     ("required", False), ("required", True),
@@ -129,14 +140,8 @@ def llm(tmp_path_factory, smollm_tokenizer):
 ])
 def test_tool_choice_grammar_makes_parsable_calls(llm, family, tool_choice, parallel):
     guided = tool_choice_guided_decoding(TOOLS, tool_choice, parallel, family)
-    outs = llm.generate(["What is the weather in Paris?"] * 6,
-                        [SamplingParams(temperature=1.0, seed=s, max_tokens=300,
-                                        guided_decoding=guided) for s in range(6)],
-                        use_tqdm=False)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for out in outs:
-        c = out.outputs[0]
-        assert c.finish_reason == "stop", c.text
+    for c in _forced_answers(llm, "What is the weather in Paris?", guided, 6):
         parsed = get_tool_parser(family).parse(c.text)
         assert parsed.tools_called, c.text
         if not parallel or isinstance(tool_choice, dict):
@@ -177,14 +182,8 @@ def test_tools_with_references_keep_them_in_the_calls_grammar(llm, tool_choice):
     import jsonschema
     tools = _pydantic_tools()
     guided = tool_choice_guided_decoding(tools, tool_choice, False, "hermes")
-    outs = llm.generate(["Look it up."] * 4,
-                        [SamplingParams(temperature=1.0, seed=s, max_tokens=300,
-                                        guided_decoding=guided) for s in range(4)],
-                        use_tqdm=False)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    for out in outs:
-        c = out.outputs[0]
-        assert c.finish_reason == "stop", c.text
+    for c in _forced_answers(llm, "Look it up.", guided, 4):
         (call,) = get_tool_parser("hermes").parse(c.text).tool_calls
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
 
