@@ -166,6 +166,17 @@ def test_leader_election_timings_out_of_order_fail_the_render(timings):
             chart.render(values={"leaderElection": timings}, name="quire", namespace=NAMESPACE)
 
 
+def test_pod_labels_cannot_take_the_selectors_keys():
+    """A podLabels entry with a selector label's key would leave the operator Deployment's
+    selector matching none of its pods (the API server refuses that Deployment)."""
+    objects = render({"podLabels": {"app.kubernetes.io/name": "mine", "team": "llm"}})
+    deployment, _ = operator_container(objects)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "llm"
+    for key, value in deployment["spec"]["selector"]["matchLabels"].items():
+        assert labels[key] == value
+
+
 def test_notes_show_how_to_create_the_first_llmdeployment():
     text = notes()
     assert "kind: LLMDeployment" in text and "kubectl get llmd" in text
