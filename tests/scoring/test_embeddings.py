@@ -125,6 +125,35 @@ def test_embeddings_float_base64_and_token_ids(servers, st, model_path):
     assert b64["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_embeddings_take_normalize_and_truncate_prompt_tokens(servers, st, model_path):
+    """vLLM's normalize (false: the pooled vector as it is) and truncate_prompt_tokens (the
+    prompt's last k tokens), both silently ignored before."""
+    srv, _ = servers
+    raw = requests.post(srv.url + "/v1/embeddings", timeout=60, json={
+        "input": TEXTS[0], "normalize": False}).json()["data"][0]["embedding"]
+    unit = st.encode([TEXTS[0]], convert_to_tensor=True)[0]
+    norm = float(np.linalg.norm(raw))
+    assert abs(norm - 1.0) > 1e-3  # not a unit vector: the pooled one
+    _close([x / norm for x in raw], unit)
+    tokenizer = sentence_transformer(model_path).tokenizer
+    ids = tokenizer(QUERY_PROMPT + TEXTS[2]).input_ids
+    cut = requests.post(srv.url + "/v1/embeddings", timeout=60, json={
+        "input": [ids], "truncate_prompt_tokens": 5}).json()
+    whole = requests.post(srv.url + "/v1/embeddings", timeout=60, json={
+        "input": [ids[-5:]]}).json()
+    assert cut["usage"]["prompt_tokens"] == 5
+    assert cut["data"][0]["embedding"] == whole["data"][0]["embedding"]
+    # completions keep the prompt's last tokens too (echo shows what was kept)
+    _, gen = servers
+    kept = requests.post(gen.url + "/v1/completions", timeout=60, json={
+        "prompt": [5, 6, 7, 8, 9, 10], "truncate_prompt_tokens": 3, "max_tokens": 1,
+        "echo": True, "temperature": 0}).json()
+    again = requests.post(gen.url + "/v1/completions", timeout=60, json={
+        "prompt": [8, 9, 10], "max_tokens": 1, "echo": True, "temperature": 0}).json()
+    assert kept["usage"]["prompt_tokens"] == 3
+    assert kept["choices"][0]["text"] == again["choices"][0]["text"]
+
+
 def test_score_and_rerank_are_cosine_similarities(servers, st):
     srv, _ = servers
     query, docs = TEXTS[0], TEXTS[1:]
@@ -159,6 +188,13 @@ def test_score_and_rerank_are_cosine_similarities(servers, st):
     ("pooled", "/v1/embeddings", {"input": [[10**9]]}, "input"),
     ("pooled", "/v1/embeddings", {"input": "hi " * 5000}, "input"),
     ("pooled", "/v1/embeddings", {}, "input"),
+    ("pooled", "/v1/embeddings", {"input": "hi", "normalize": "yes"}, "normalize"),
+    ("pooled", "/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens"),
+    ("gen", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                     "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ("gen", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text"}]}]}, "messages"),
     ("pooled", "/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
     ("pooled", "/score", {"text_1": "a", "text_2": ["b", "c " * 5000]}, "text_2"),
     ("pooled", "/rerank", {"query": "q " * 5000, "documents": ["d"]}, "query"),

@@ -116,6 +116,10 @@ def check_chat_request(req: ChatCompletionRequest, limits, vocab_size: int) -> N
                           "prompt_logprobs")
     check_stop(req.stop, req.stop_token_ids, limits, vocab_size)
     check_continuation(req.add_generation_prompt, req.continue_final_message, req.messages)
+    if req.checked_truncation() is not None:
+        raise bad_request("truncate_prompt_tokens is not supported on chat here (a rendered "
+                          "conversation cut at a token count loses its start): shorten the "
+                          "messages", "truncate_prompt_tokens")
 
 
 def echoed(req: ChatCompletionRequest) -> str:

@@ -176,8 +176,23 @@ STRUCTURED_OUTPUT_FIELDS = tuple(StructuredOutputFields.model_fields)
 
 
 # --- /v1/completions ------------------------------------------------------------------------
+class TruncateField(_Request):
+    """vLLM's truncate_prompt_tokens: keep the prompt's last this many tokens (-1: as many as
+    the context takes)."""
+    truncate_prompt_tokens: int | None = Field(
+        None, description="-1 or a positive integer (the prompt's last this many tokens)")
+
+    def checked_truncation(self) -> int | None:
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not (k == -1 or k >= 1)):
+            from quire.entrypoints.errors import bad_request
+            raise bad_request(f"truncate_prompt_tokens must be -1 or a positive integer, got "
+                              f"{k!r}", "truncate_prompt_tokens")
+        return k
+
+
 class CompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField, PriorityField,
-                        TokenIdFields):
+                        TokenIdFields, TruncateField):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
@@ -239,7 +254,10 @@ class ChatMessage(_Request):
                 if image_parts and part.type == "image_url":
                     texts.append({"type": "image"})
                     continue
-                if part.type != "text" or part.text is None:
+                if part.type == "text" and part.text is None:
+                    raise bad_request("a content part of type 'text' needs its 'text' (a "
+                                      "string)", "messages")
+                if part.type != "text":
                     allowed = "'text' and 'image_url'" if image_parts else "only 'text'"
                     raise bad_request(f"content parts of type {part.type!r} are not supported; "
                                       f"{allowed} parts", "messages")
@@ -267,7 +285,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingFields, StructuredOutputFields, CacheSaltField, PriorityField,
-                            TokenIdFields):
+                            TokenIdFields, TruncateField):
     model: str | None = None
     messages: list[ChatMessage] = Field(
         description="a non-empty list of {'role', 'content'} messages")

@@ -8,10 +8,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from quire.entrypoints.openai_protocol import _Request
+from quire.entrypoints.openai_protocol import TruncateField, _Request
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(TruncateField):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of "
@@ -19,6 +19,8 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="'float' or 'base64'")
     dimensions: int | None = Field(None, description="a positive integer or null")
+    # vLLM's: unit vectors or not (null: as the model's sentence-transformers files say)
+    normalize: bool | None = Field(None, description="true, false or null")
     user: str | None = None
 
 

@@ -121,12 +121,19 @@ class Serving:
 
     # --- prompts, by size first: characters, then tokens ---------------------------------
     async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
-                         param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+                         param: str = "prompt", add_special_tokens: bool = True,
+                         truncate: int | None = None) -> list[int]:
+        """`truncate` (vLLM's truncate_prompt_tokens, checked): keep the prompt's last this
+        many tokens, -1 as many as fit."""
+        if truncate == -1:
+            truncate = info.max_model_len - 1
         if isinstance(prompt, str):
             check_prompt_chars(param, len(prompt), self.limits.prompt_chars(info.max_model_len))
             ids = await self.pool.encode(prompt, add_special_tokens)
+            ids = ids[-truncate:] if truncate else ids
             check_prompt_tokens(param, len(ids), info.max_model_len)
             return ids
+        prompt = prompt[-truncate:] if truncate else prompt
         check_prompt_tokens(param, len(prompt), info.max_model_len)
         if prompt and not 0 <= min(prompt) <= max(prompt) < info.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < info.vocab_size)

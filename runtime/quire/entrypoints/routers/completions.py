@@ -53,10 +53,12 @@ async def completions(request: Request):
                                  logprobs=req.logprobs, stream=req.stream,
                                  guided_decoding=await guided_decoding(serving, req),
                                  prompt_logprobs=_engine_prompt_logprobs(req))
-    prompt_ids = continued_prompts([await serving.prompt_ids(p, info) for p in prompts], req)
-    # echo needs each prompt's text: the client's own, or its token ids decoded
-    echoes = [(p if isinstance(p, str) else await serving.pool.decode(ids)) if req.echo
-              else "" for p, ids in zip(prompts, prompt_ids)]
+    truncate = req.checked_truncation()
+    prompt_ids = continued_prompts([await serving.prompt_ids(p, info, truncate=truncate)
+                                    for p in prompts], req)
+    # echo needs each prompt's text: the client's own, or its (kept) token ids decoded
+    echoes = [(p if isinstance(p, str) and not truncate else await serving.pool.decode(ids))
+              if req.echo else "" for p, ids in zip(prompts, prompt_ids)]
     # echo's logprobs name each prompt token; the first one's text is not in any entry
     scoring = Scoring(echo_only, req.echo and req.logprobs is not None,
                       req.prompt_logprobs is not None,

@@ -37,9 +37,10 @@ async def embeddings(request: Request):
     req = await read_body(request, EmbeddingRequest)
     info, _ = serving.model_for(req.model, runner="pooling")
     inputs = _inputs(req.input, serving.limits)
-    params = pooling_params(serving, req.dimensions)
+    params = pooling_params(serving, req.dimensions, req.normalize)
     request_id = f"embd-{uuid.uuid4().hex}"
-    finals = await embed_all(serving, request, request_id, inputs, params, "input")
+    finals = await embed_all(serving, request, request_id, inputs, params, "input",
+                             req.checked_truncation())
     data = [EmbeddingData(index=i, embedding=_encoded(out.embedding, req.encoding_format))
             for i, out in enumerate(finals)]
     tokens = sum(len(out.prompt_token_ids) for out in finals)
@@ -48,11 +49,12 @@ async def embeddings(request: Request):
         usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)))
 
 
-def pooling_params(serving: Serving, dimensions: int | None) -> PoolingParams:
+def pooling_params(serving: Serving, dimensions: int | None,
+                   normalize: bool | None = None) -> PoolingParams:
     """PoolingParams for this server's model, or a 400 naming what it can't give."""
     serving.check_runner(PoolingParams())
     try:
-        params = PoolingParams(dimensions=dimensions)
+        params = PoolingParams(dimensions=dimensions, normalize=normalize)
         serving.engine.model_info.pooler.check_dimensions(dimensions)
     except ValueError as e:
         raise invalid_input(e) from None
@@ -61,14 +63,15 @@ def pooling_params(serving: Serving, dimensions: int | None) -> PoolingParams:
 
 async def embed_all(serving: Serving, request: Request, request_id: str,
                     inputs: list[str | list[int]], params: PoolingParams,
-                    param: str | list[str]) -> list[RequestOutput]:
+                    param: str | list[str], truncate: int | None = None) -> list[RequestOutput]:
     """One embedding per input, in order (texts get the model's default prompt first); a
     400 naming `param` (or each input's own) for an input too long or out of the
     vocabulary."""
     info = serving.engine.model_info
     prompt = info.pooler.default_prompt if info.pooler is not None else ""
     names = [param] * len(inputs) if isinstance(param, str) else param
-    ids = [await serving.prompt_ids(prompt + p if isinstance(p, str) else p, info, name)
+    ids = [await serving.prompt_ids(prompt + p if isinstance(p, str) else p, info, name,
+                                    truncate=truncate)
            for p, name in zip(inputs, names)]
     streams = await serving.submit(request_id, ids, params)
     return await serving.finals(streams, disconnected(request))
