@@ -81,6 +81,9 @@ def test_tokenize_detokenize_version(srv, llm):
     r = requests.post(srv.url + "/tokenize", json={"prompt": "Hello world, how are you?"})
     assert r.status_code == 200
     assert r.json() == {"count": len(ids), "max_model_len": 2048, "tokens": ids}
+    r = requests.post(srv.url + "/tokenize", json={"prompt": "Hello world, how are you?",
+                                                   "return_token_strs": True})
+    assert r.json()["token_strs"] == llm.tokenizer.convert_ids_to_tokens(ids)  # vLLM's field
     r = requests.post(srv.url + "/detokenize", json={"tokens": ids})
     assert r.json() == {"prompt": "Hello world, how are you?"}
     messages = [{"role": "user", "content": "Hi there"}]

@@ -336,6 +336,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    return_token_strs: bool = False  # vLLM's: each token's string too (token_strs)
     chat_template_kwargs: dict | None = Field(
         None, description="a JSON object of extra chat template variables")
 

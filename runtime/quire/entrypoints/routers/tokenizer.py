@@ -33,7 +33,14 @@ async def tokenize(request: Request):
         check_prompt_chars("prompt", len(req.prompt),
                            serving.limits.prompt_chars(info.max_model_len))
         tokens = await serving.pool.encode(req.prompt, req.add_special_tokens)
-    return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+    out = {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+    if req.return_token_strs:
+        out["token_strs"] = await serving.pool.run(_token_strs, tokens)
+    return out
+
+
+def _token_strs(tokenizer, tokens: list[int]) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(tokens)
 
 
 @router.post("/detokenize")
