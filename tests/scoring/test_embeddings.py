@@ -63,6 +63,13 @@ def test_llm_embed_matches_sentence_transformers(model_path, st):
     with pytest.raises(QuireValidationError) as e:
         llm.generate(["hi"], SamplingParams(max_tokens=2))
     assert e.value.field == "runner"
+    # an input may fill the context (nothing is generated after it), not one token more
+    limit = min(llm.engine.max_model_len, llm.engine.capacity_tokens)
+    (full,) = llm.embed([{"prompt_token_ids": [11] * limit}], use_tqdm=False)
+    assert len(full.prompt_token_ids) == limit
+    with pytest.raises(QuireValidationError, match=f"at most {limit} tokens"):
+        llm.embed([{"prompt_token_ids": [11] * (limit + 1)}], use_tqdm=False)
+    assert_no_blocks_in_use(llm)
 
 
 def test_convert_embed_serves_a_generation_checkpoint(tmp_path):
@@ -152,6 +159,23 @@ def test_embeddings_take_normalize_and_truncate_prompt_tokens(servers, st, model
         "prompt": [8, 9, 10], "max_tokens": 1, "echo": True, "temperature": 0}).json()
     assert kept["usage"]["prompt_tokens"] == 3
     assert kept["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+def test_an_input_may_fill_the_context(servers):
+    """Nothing is generated after a pooled input, so it may take the whole context (vLLM's
+    check is > max_model_len); one token more is a 400 naming the input."""
+    srv, _ = servers
+    limit = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    full = requests.post(srv.url + "/v1/embeddings", timeout=120, json={
+        "input": [[11] * limit]})
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"]["prompt_tokens"] == limit
+    over = requests.post(srv.url + "/v1/embeddings", timeout=60, json={
+        "input": [[11] * (limit + 1)]})
+    assert over.status_code == 400 and f"at most {limit} tokens" in over.json()["error"]["message"]
+    kept = requests.post(srv.url + "/v1/embeddings", timeout=120, json={
+        "input": [[11] * (limit + 5)], "truncate_prompt_tokens": -1})
+    assert kept.json()["usage"]["prompt_tokens"] == limit
 
 
 def test_score_and_rerank_are_cosine_similarities(servers, st):

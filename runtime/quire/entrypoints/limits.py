@@ -180,11 +180,15 @@ def check_prompt_chars(param: str, num_chars: int, limit: int) -> None:
                           f"(--max-prompt-chars)", param)
 
 
-def check_prompt_tokens(param: str, num_tokens: int, max_model_len: int) -> None:
-    if num_tokens >= max_model_len:
+def check_prompt_tokens(param: str, num_tokens: int, max_model_len: int,
+                        pooling: bool = False) -> None:
+    """A generated answer needs a slot after the prompt; a pooled input (embeddings) does
+    not, so it may fill the context."""
+    if num_tokens > max_model_len or (num_tokens == max_model_len and not pooling):
+        most = f"at most {max_model_len}" if pooling else f"shorter than {max_model_len}"
         raise bad_request(f"{param} is {num_tokens} tokens; this model's context is "
-                          f"{max_model_len} tokens, so prompts must be shorter than "
-                          f"{max_model_len} tokens", param)
+                          f"{max_model_len} tokens, so {'inputs' if pooling else 'prompts'} "
+                          f"must be {most} tokens", param)
 
 
 def check_messages(messages, limits: ServerLimits, max_model_len: int) -> None:

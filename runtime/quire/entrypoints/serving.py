@@ -125,16 +125,17 @@ class Serving:
                          truncate: int | None = None) -> list[int]:
         """`truncate` (vLLM's truncate_prompt_tokens, checked): keep the prompt's last this
         many tokens, -1 as many as fit."""
+        pooling = info.runner == "pooling"  # (no answer after the prompt: it may fill all)
         if truncate == -1:
-            truncate = info.max_model_len - 1
+            truncate = info.max_model_len - (0 if pooling else 1)
         if isinstance(prompt, str):
             check_prompt_chars(param, len(prompt), self.limits.prompt_chars(info.max_model_len))
             ids = await self.pool.encode(prompt, add_special_tokens)
             ids = ids[-truncate:] if truncate else ids
-            check_prompt_tokens(param, len(ids), info.max_model_len)
+            check_prompt_tokens(param, len(ids), info.max_model_len, pooling)
             return ids
         prompt = prompt[-truncate:] if truncate else prompt
-        check_prompt_tokens(param, len(prompt), info.max_model_len)
+        check_prompt_tokens(param, len(prompt), info.max_model_len, pooling)
         if prompt and not 0 <= min(prompt) <= max(prompt) < info.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < info.vocab_size)
             raise bad_request(f"{param} token ids must be integers in [0, {info.vocab_size}), "

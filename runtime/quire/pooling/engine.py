@@ -76,13 +76,23 @@ class PoolingEngine(LLMEngine):
         if isinstance(prompt, str):  # the checkpoint's default prompt, as encode() puts it
             prompt = self.pooler.default_prompt + prompt
         text, token_ids = self._tokenize(prompt)
-        self._max_tokens(len(token_ids), _PREFILL_ONLY)  # the prompt must fit
+        self._check_fits(len(token_ids))
         check_priority(priority)
         seq = Request(request_id, token_ids, _PREFILL_ONLY, frozenset(), 1, arrival_time,
                       cache_salt=cache_salt, priority=priority)
         self._requests[request_id] = _PoolingRequest(seq, params, text)
         self.scheduler.add_request(seq)
         return request_id
+
+    def _check_fits(self, num_tokens: int) -> None:
+        """The input must fit the context and the KV cache; it may fill them, as nothing is
+        generated after it (LLMEngine's check keeps a slot for an answer)."""
+        limit = min(self.max_model_len, self.capacity_tokens)
+        if num_tokens > limit:
+            raise QuireValidationError(
+                "prompt", f"prompt is {num_tokens} tokens; this model's context is "
+                f"{self.max_model_len} tokens and the KV cache holds {self.capacity_tokens}, "
+                f"so inputs may have at most {limit} tokens")
 
     def abort_request(self, request_ids) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
