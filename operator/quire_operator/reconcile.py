@@ -31,15 +31,17 @@ from .drift import drift_of, patch_for
 from .gateway_children import gateway_child_names, gateway_children
 from .keda_children import desired_scaled_object, keda_child_names
 from .kube import ApiError, Kube, resource_path
-from .kv_cache_spec import desired_valkey_children, valkey_child_names
+from .kv_cache_spec import desired_valkey_children, valkey_child_names, valkey_name
 from .lws_children import CONTROL_PORT, MASTER_PORT, desired_leaderworkerset, wants_leaderworkerset
 from .network_policy import desired_network_policies, policy_names, policy_settings
 from .pod_tls import with_trust_key
 from .router_children import (
     KV_EVENTS_PORT,
     desired_router_service,
+    headless_service_name,
     router_child_names,
     router_children,
+    router_name,
 )
 from .spec import LLMSpec, SpecError, check_name, parse_spec
 from .status import Blocked
@@ -162,9 +164,9 @@ def check_child_names(name: str, spec: LLMSpec) -> None:
     and must be refused before anything is written, not halfway through."""
     longer = []
     if spec.router.enabled:
-        longer += [router_child_names(name)[0][1], router_child_names(name)[3][1]]
+        longer += [router_name(name), headless_service_name(name)]
     if spec.kv_offload.valkey is not None:
-        longer.append(valkey_child_names(name)[0][1] + "-0")  # its StatefulSet pod
+        longer.append(valkey_name(name) + "-0")  # its StatefulSet pod
     if spec.parallelism.multi_node:  # group g's Service <name>-g, its pods <name>-g-w
         groups = max(spec.replicas, spec.autoscaling.max_replicas or 0, 1)
         longer.append(f"{name}-{groups - 1}-{spec.parallelism.pipeline - 1}")

@@ -7,7 +7,11 @@ changes."""
 
 import time
 
+import pytest
+
 from quire_operator import names
+from quire_operator.reconcile import check_child_names, check_ports
+from quire_operator.spec import SpecError, parse_spec
 
 from operator_harness import LLMD_API, cluster, llmdeployment, running_operator, wait_for  # noqa: F401 (cluster is a fixture)
 
@@ -113,10 +117,6 @@ def test_a_rejected_update_leaves_the_serving_pods_alone(cluster):
 def test_the_names_of_every_childs_suffix_are_counted():
     """Each spec's longest child: the router's, the Valkey pod's, a group's worker pod (its
     host name, and its group's Service <name>-<group>)."""
-    import pytest
-
-    from quire_operator.reconcile import check_child_names
-    from quire_operator.spec import SpecError, parse_spec
     cases = [({"kvCache": {"offload": {"remote": {"valkey": {"memory": "2Gi"}}}}}, "-kv-0"),
              ({"parallelism": {"tensor": 8, "pipeline": 2}, "replicas": 12}, "-11-1"),
              ({"parallelism": {"tensor": 8, "pipeline": 2}, "replicas": 1,
@@ -133,10 +133,6 @@ def test_the_names_of_every_childs_suffix_are_counted():
 def test_a_port_that_a_fixed_port_shares_an_object_with_is_refused():
     """The Service with the endpoint picker's 9002 or the KV events' 5557, the leader with its
     rendezvous 29500 and control 29501: one port twice is a body the API server refuses."""
-    import pytest
-
-    from quire_operator.reconcile import check_ports
-    from quire_operator.spec import SpecError, parse_spec
     router = {"router": {"enabled": True}}
     for spec, port in [({**router, "gateway": {"inferencePool": {"enabled": True}}}, 9002),
                        ({"router": {"enabled": True, "routing": "precise-prefix"}}, 5557),

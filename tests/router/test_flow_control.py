@@ -187,7 +187,7 @@ def test_replicas_that_died_saturated_fail_fast_instead_of_holding():
     request fails at once, as without saturation."""
     with running_fakes("d", 61) as fakes:
         d = fakes["d"]
-        with router("--backend", d.url, "--flow-max-wait", "30", "--scrape-interval", "0.2",
+        with router("--backend", d.url, "--flow-max-wait", "120", "--scrape-interval", "0.2",
                     "--saturation-queue-depth", "1") as r:
             saturate(r, (d,), 10)
             shed = requests.post(r.url + "/v1/completions", timeout=30, json={
@@ -201,7 +201,7 @@ def test_replicas_that_died_saturated_fail_fast_instead_of_holding():
                 answer = requests.post(r.url + "/v1/completions", timeout=60, json={
                     "prompt": "x", "max_tokens": 2, **body})
                 assert answer.status_code == 502, answer.text
-                assert time.monotonic() - started < 10
+                assert time.monotonic() - started < 60  # not the 120 s bound: at once
 
 
 def test_the_endpoint_picker_makes_the_same_decisions(replicas):

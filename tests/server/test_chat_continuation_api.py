@@ -12,38 +12,17 @@ import json
 import anthropic
 import pytest
 import requests
+from smollm_fixtures import client, llm, srv  # noqa: F401 (fixtures)
 
 from quire import SamplingParams
 from quire.models.loader import load_tokenizer, materialize, resolve_model
 
-from server_harness import (
-    API_KEY,
-    SMOLLM_NAME,
-    openai_client,
-    reference_llm,
-    server,
-    tiny_model,
-)
+from server_harness import API_KEY, SMOLLM_NAME, server, tiny_model
 
 STARTED = [{"role": "user", "content": "Count from 1 to 20, separated by commas."},
            {"role": "assistant", "content": "1, 2, 3, 4,"}]
 MAX = 12
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
-
-
-@pytest.fixture(scope="module")
-def srv():
-    return server("smollm")
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai_client(srv)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return reference_llm()
 
 
 @pytest.fixture(scope="module")

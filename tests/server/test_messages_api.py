@@ -12,8 +12,9 @@ import json
 import anthropic
 import pytest
 import requests
+from smollm_fixtures import client, srv  # noqa: F401 (fixtures)
 
-from server_harness import API_KEY, SMOLLM_NAME, openai_client, server
+from server_harness import API_KEY, SMOLLM_NAME, server
 
 SYSTEM = "Answer in one short sentence."
 QUESTION = "What is the capital of France?"
@@ -34,16 +35,6 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"],
               for t in TOOLS]
 WEATHER_ASK = "What's the weather like in Paris?"
 USER = [{"role": "user", "content": QUESTION}]
-
-
-@pytest.fixture(scope="module")
-def srv():
-    return server("smollm")
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai_client(srv)
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,16 @@ streaming, n > 1, logprobs, echo, stop, usage. Greedy text must equal LLM.genera
 from __future__ import annotations
 
 import pytest
+from smollm_fixtures import client, llm, srv  # noqa: F401 (fixtures)
 
 from quire import SamplingParams
 
-from server_harness import SMOLLM_NAME, openai_client, reference_llm, server
+from server_harness import SMOLLM_NAME, server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village by the sea,"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def srv():
-    return server("smollm")
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai_client(srv)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    """The same model in-process: the reference (one prompt at a time, float32)."""
-    return reference_llm()
 
 
 @pytest.fixture(scope="module")

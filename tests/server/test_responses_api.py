@@ -11,8 +11,9 @@ import json
 import openai
 import pytest
 import requests
+from smollm_fixtures import client, srv  # noqa: F401 (fixtures)
 
-from server_harness import SMOLLM_NAME, openai_client, server
+from server_harness import SMOLLM_NAME
 
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "Answer in one short sentence."
@@ -32,16 +33,6 @@ TIME = _function("get_time", "Current time in a timezone",
 RESPONSES_TOOLS = [{"type": "function", **WEATHER}, {"type": "function", **TIME}]
 CHAT_TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
 WEATHER_ASK = "What's the weather like in Paris?"
-
-
-@pytest.fixture(scope="module")
-def srv():
-    return server("smollm")
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai_client(srv)
 
 
 def _chat(client, messages, max_tokens=MAX, **kwargs):

@@ -14,8 +14,9 @@ import jsonschema
 import pydantic
 import pytest
 import requests
+from smollm_fixtures import client, srv  # noqa: F401 (fixtures)
 
-from server_harness import SMOLLM_NAME, metric, metrics_of, openai_client, server
+from server_harness import SMOLLM_NAME, metric, metrics_of
 
 PERSON = {
     "type": "object",
@@ -38,16 +39,6 @@ SUBJECTS = ["a chef from Lyon", "a student who likes chess", "a retired pilot", 
             "a carpenter", "a nurse", "a game designer", "a farmer", "a judge", "a sailor"]
 MSG = [{"role": "user", "content": "Say hello."}]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-
-
-@pytest.fixture(scope="module")
-def srv():
-    return server("smollm")
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai_client(srv)
 
 
 def _person(client, i: int):

@@ -10,11 +10,12 @@ import json
 
 import pytest
 import requests
+from smollm_fixtures import client, srv  # noqa: F401 (fixtures)
 
 from quire.entrypoints.chat_tools import ToolCallDeltas, ToolUse, message_parts
 from quire.entrypoints.tool_calls import get_tool_parser
 
-from server_harness import SMOLLM_NAME, openai_client, server
+from server_harness import SMOLLM_NAME, server
 
 
 def _tool(name: str, description: str, properties: dict) -> dict:
@@ -31,16 +32,6 @@ TIME = _tool("get_time", "Current time in a timezone", {"timezone": {"type": "st
                                                                       "maxLength": 20}})
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What's the weather like in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def srv():
-    return server("smollm")
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai_client(srv)
 
 
 def _required(client, **kwargs):

@@ -23,7 +23,7 @@ import torch
 
 from quire.config import EngineArgs
 from quire.models.config import ModelConfig
-from quire.models.loader import ModelSource
+from quire.models.loader import ModelSource, load_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,6 @@ def check_same_model(source: ModelSource, sent: WorkerSpec) -> None:
     what of it matches node 0's layout (a Qwen3's q/k norms dropped without a word) and the
     group would serve text neither model writes. The configs are compared, field by field
     (the weights themselves are not: a copy of other weights in the same shape passes)."""
-    from quire.models.loader import load_hf_config
     mine = ModelConfig.from_hf(load_hf_config(source, sent.args.revision))
     differ = [f.name for f in dataclasses.fields(mine)
               if f.repr and getattr(mine, f.name) != getattr(sent.cfg, f.name)]

@@ -185,7 +185,6 @@ class TruncateField(_Request):
     def checked_truncation(self) -> int | None:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not (k == -1 or k >= 1)):
-            from quire.entrypoints.errors import bad_request
             raise bad_request(f"truncate_prompt_tokens must be -1 or a positive integer, got "
                               f"{k!r}", "truncate_prompt_tokens")
         return k
