@@ -344,6 +344,37 @@ inline __m512i pair_order() {
   return _mm512_load_si512(order);
 }
 
+#if defined(__AVX512VBMI__)
+// int4 pairs a 64-byte line at a time, where the CPU has VBMI: a line of a row block holds
+// pairs kp..kp+3 of k for its 16 rows (16 bytes a pair). vpermt2b takes pair j's byte r from
+// the line into word 2r (its low nibble: k) and from the line shifted right by 4 into word
+// 2r + 1 (its high nibble: k + 1), and the table looks both up: nibble_pairs' words, so the
+// same sums in the same order, in two operations a pair and a shift a line where
+// nibble_pairs takes four. Zen 4 (AVX512-BF16, VBMI, no AMX) issues about one 512-bit
+// shuffle a cycle, and there the shuffles bound these rows once the weights are in cache:
+// 1536 x 576 Q4_1, one thread, hot, bfloat16 x, 1.63 -> 1.06 ns per 16 bytes at one row,
+// 5.42 -> 4.52 at nine (probe). From memory the step's rows gain less (HISTORY.md,
+// session 33).
+struct PairSpread {  // vpermt2b's index per pair j of a line (bytes 64+ are the shifted line)
+  alignas(64) uint8_t index[4][64];
+  PairSpread() {
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < kRows; ++r) {
+        index[j][4 * r] = index[j][4 * r + 1] = static_cast<uint8_t>(16 * j + r);
+        index[j][4 * r + 2] = index[j][4 * r + 3] = static_cast<uint8_t>(64 + 16 * j + r);
+      }
+  }
+};
+inline __m512i pair_spread(int j) {
+  static const PairSpread spread;
+  return _mm512_load_si512(spread.index[j]);
+}
+// pair j of the line at p's four: high = the line shifted right by 4 (as words)
+inline __m512i line_pair(__m512i line, __m512i high, __m512i spread, __m512i table) {
+  return _mm512_permutexvar_epi16(_mm512_permutex2var_epi8(line, spread, high), table);
+}
+#endif
+
 // int8 (8 significant bits: exact in bfloat16): k at p, k + 1 at p + kRows. A small integer's
 // bfloat16 is its float32's high half (the low half is zero), so each lane is k's float32
 // shifted down, or'd with k + 1's: a shift and an or where converting both to bfloat16 and
@@ -533,6 +564,10 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
 #if defined(__AVX512BF16__)
   [[maybe_unused]] const __m512i table = nibble_table<Form>();
 #endif
+#if defined(__AVX512VBMI__)
+  [[maybe_unused]] const __m512i spread[4] = {pair_spread(0), pair_spread(1), pair_spread(2),
+                                              pair_spread(3)};
+#endif
   // A decode step streams each weight once from memory: the same lines of the next B row
   // blocks (this thread's next ones under the schedule's contiguous chunks) are fetched
   // meanwhile, as block b's are read (a prefetch past the last block is harmless: it never
@@ -603,6 +638,25 @@ __attribute__((noinline)) void stream_rows(const X* x, const float* xsum, const 
       __m512 sum[B][MT];
       for (int b = 0; b < B; ++b)
         for (int m = 0; m < MT; ++m) sum[b][m] = _mm512_setzero_ps();
+#if defined(__AVX512VBMI__)
+      if constexpr (Form != kInt8) {  // (groups of 32, 64, 128: whole lines)
+        for (int64_t kp = k0 / 2; kp < k1 / 2; kp += 4)
+          for (int b = 0; b < B; ++b) {
+            fetch_ahead(b, kp * kRows);
+            const __m512i line = _mm512_loadu_si512(q + b * block_bytes + kp * kRows),
+                          high = _mm512_srli_epi16(line, 4);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              const __m512bh wk = (__m512bh)line_pair(line, high, spread[j], table);
+              for (int m = 0; m < MT; ++m) {
+                int32_t pair;
+                std::memcpy(&pair, x + m * K + 2 * (kp + j), sizeof pair);
+                sum[b][m] = _mm512_dpbf16_ps(sum[b][m], (__m512bh)_mm512_set1_epi32(pair), wk);
+              }
+            }
+          }
+      } else
+#endif
       for (int64_t k = k0; k < k1; k += 2)  // k0, k1 even (bf16_direct)
         for (int b = 0; b < B; ++b) {
           fetch_ahead(b, Form == kInt8 ? k * kRows : k / 2 * kRows);
