@@ -408,9 +408,23 @@ inline __m512i bf16_pairs(const uint8_t* p, __m512i order) {
 // block (`ahead`) as it reads that byte of this one, once a line: one prefetch at a time
 // spread over the work, not a group's or a batch's lines at once before it (that burst left
 // the weights' read and the work adding up instead of overlapping: amx_rows, stream_rows).
+//
+// Where those lines go: into L1 on Intel; into L2 on AMD's Zen (native builds), where one
+// row's step read ~20 GB/s of weights against 30-43 for a plain read on a 2-core Zen 4 (a
+// prefetch into L1 holds one of the core's L1 miss buffers until its line arrives: the
+// likely cap). There, one
+// SmolLM2 step's matmuls (small_m.py's, huge pages) at one row of bfloat16 x took 3.5-4.1 ms
+// with _MM_HINT_T1 against 4.0-4.8 with _MM_HINT_T0, in 7 alternated pairs; 2-16 rows about
+// the same (HISTORY.md, session 33). (GCC 12 names Zen 4 znver3.)
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) \
+    || defined(__znver5__)
+constexpr _mm_hint kFetchHint = _MM_HINT_T1;
+#elif defined(__AVX512F__) || defined(__AVX2__)
+constexpr _mm_hint kFetchHint = _MM_HINT_T0;
+#endif
 inline void fetch_line(const uint8_t* ahead, int64_t at) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  if (at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+  if (at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), kFetchHint);
 #else
   (void)ahead, (void)at;
 #endif
@@ -543,9 +557,9 @@ __attribute__((noinline)) void expanded_rows(const X* x, const float* xsum, cons
 // 265 MB of weights: 9.1 -> 10.1 GB/s with 2 threads, 5.4 -> 5.8 with one)
 template <int Form, typename S>
 inline void fetch_group_scales(const S* scales, const S* offsets, int64_t at) {
-  _mm_prefetch(reinterpret_cast<const char*>(scales + at), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales + at), kFetchHint);
   if constexpr (Form == kInt4Zero || Form == kInt4Min)
-    _mm_prefetch(reinterpret_cast<const char*>(offsets + at), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(offsets + at), kFetchHint);
 }
 #endif
 
