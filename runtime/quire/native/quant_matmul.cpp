@@ -412,10 +412,11 @@ inline __m512i bf16_pairs(const uint8_t* p, __m512i order) {
 // Where those lines go: into L1 on Intel; into L2 on AMD's Zen (native builds), where one
 // row's step read ~20 GB/s of weights against 30-43 for a plain read on a 2-core Zen 4 (a
 // prefetch into L1 holds one of the core's L1 miss buffers until its line arrives: the
-// likely cap). There, one
-// SmolLM2 step's matmuls (small_m.py's, huge pages) at one row of bfloat16 x took 3.5-4.1 ms
-// with _MM_HINT_T1 against 4.0-4.8 with _MM_HINT_T0, in 7 alternated pairs; 2-16 rows about
-// the same (HISTORY.md, session 33). (GCC 12 names Zen 4 znver3.)
+// likely cap). There, one SmolLM2 step's matmuls (small_m.py's, huge pages) at one row of
+// bfloat16 x took 3.5-4.1 ms with _MM_HINT_T1 against 4.0-4.8 with _MM_HINT_T0, in 7 alternated pairs; 2-16 rows about
+// the same; the avx2 build's float32 rows there 4.3-4.5 against 4.5-4.9 (4 pairs). The int8
+// activations' kernels (int8_activations.h) keep L1: into L2 their one row ran slower there
+// (3.56 against 3.00-3.39 ms). (HISTORY.md, session 33; GCC 12 names Zen 4 znver3.)
 #if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) \
     || defined(__znver5__)
 constexpr _mm_hint kFetchHint = _MM_HINT_T1;
