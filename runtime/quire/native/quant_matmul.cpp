@@ -369,7 +369,7 @@ inline __m512i pair_spread(int j) {
   static const PairSpread spread;
   return _mm512_load_si512(spread.index[j]);
 }
-// pair j of the line at p's four: high = the line shifted right by 4 (as words)
+// one pair of a line's four, as nibble_pairs' words (high: the line shifted right by 4)
 inline __m512i line_pair(__m512i line, __m512i high, __m512i spread, __m512i table) {
   return _mm512_permutexvar_epi16(_mm512_permutex2var_epi8(line, spread, high), table);
 }
@@ -413,10 +413,11 @@ inline __m512i bf16_pairs(const uint8_t* p, __m512i order) {
 // row's step read ~20 GB/s of weights against 30-43 for a plain read on a 2-core Zen 4 (a
 // prefetch into L1 holds one of the core's L1 miss buffers until its line arrives: the
 // likely cap). There, one SmolLM2 step's matmuls (small_m.py's, huge pages) at one row of
-// bfloat16 x took 3.5-4.1 ms with _MM_HINT_T1 against 4.0-4.8 with _MM_HINT_T0, in 7 alternated pairs; 2-16 rows about
-// the same; the avx2 build's float32 rows there 4.3-4.5 against 4.5-4.9 (4 pairs). The int8
-// activations' kernels (int8_activations.h) keep L1: into L2 their one row ran slower there
-// (3.56 against 3.00-3.39 ms). (HISTORY.md, session 33; GCC 12 names Zen 4 znver3.)
+// bfloat16 x took 3.5-4.1 ms with _MM_HINT_T1 against 4.0-4.8 with _MM_HINT_T0, in 7
+// alternated pairs; 2-16 rows about the same; the avx2 build's float32 rows there 4.3-4.5
+// against 4.5-4.9 (4 pairs). The int8 activations' kernels (int8_activations.h) keep L1:
+// into L2 their one row ran slower there (3.56 against 3.00-3.39 ms). (HISTORY.md, session
+// 33; GCC 12 names Zen 4 znver3.)
 #if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) \
     || defined(__znver5__)
 constexpr _mm_hint kFetchHint = _MM_HINT_T1;
