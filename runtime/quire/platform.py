@@ -28,6 +28,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor_id (/proc/cpuinfo: GenuineIntel, AuthenticAMD), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def cpu_has_native_bf16() -> bool:
     """AMX or AVX512-BF16: bfloat16 matmuls run ~3-4x faster than float32 (measured on a
     Xeon with AMX: ~500 vs ~150 GFLOPS at batch 64+)."""

@@ -48,7 +48,10 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 # without AMX; SmolLM2's heads; HISTORY.md, session 26): 16 new rows over 2,048 tokens 469 us
 # tiled against SDPA's 560, 32 rows 792 against 697, fresh prompts of 64 and 256 tokens 1.21x
 # and 0.78x. float32 tiles were ahead of SDPA at every length measured (fresh 2,048 1.05x,
-# 256 rows over 2,048 1.12x).
+# 256 rows over 2,048 1.12x). On AMD's Zen 4 (AVX512-BF16, no AMX) SDPA in bfloat16 lost at
+# every length: the same script, fresh 128 / 512 / 2,048 tokens 595 / 6434 / 55549 us against
+# the tiles' 229 / 2649 / 37355, 16 / 64 / 256 rows over 2,048 1983 / 4640 / 14639 against
+# 695 / 2607 / 9278 (HISTORY.md, session 33), so there every chunk stays on the tiles.
 BF16_DOT_SDPA_MIN_ROWS = 24
 
 
@@ -70,9 +73,10 @@ def tiled(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def sdpa_min_rows(q: torch.Tensor) -> int | None:
     """Where the kernel tiles: None if its tiles beat SDPA on chunks of q's kind at every
     length, else the new rows from which a chunk, fresh or over a cached prefix, is faster
-    through SDPA (bfloat16 on a CPU with a bfloat16 dot product)."""
-    native_bf16 = q.dtype == torch.bfloat16 and platform.cpu_has_native_bf16()
-    return BF16_DOT_SDPA_MIN_ROWS if native_bf16 else None
+    through SDPA (bfloat16 on a CPU with a bfloat16 dot product, except AMD's)."""
+    sdpa_bf16 = (q.dtype == torch.bfloat16 and platform.cpu_has_native_bf16()
+                 and platform.cpu_vendor() != "AuthenticAMD")
+    return BF16_DOT_SDPA_MIN_ROWS if sdpa_bf16 else None
 
 
 def extend_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:
