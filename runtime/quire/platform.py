@@ -17,26 +17,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo, "" where there is no such file or field."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(field)), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo), empty where there is no such file."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    return frozenset(_cpuinfo("flags").split())
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor_id (/proc/cpuinfo: GenuineIntel, AuthenticAMD), "" where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
+    return _cpuinfo("vendor_id")
 
 
 def cpu_has_native_bf16() -> bool:
