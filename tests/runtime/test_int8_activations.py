@@ -136,10 +136,11 @@ def test_one_value_rounded_the_other_way_is_far_outside_the_bound(march):
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("group", [32, 64])
 def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m(group, weights):
-    """Every path: the scalar, AVX2 and AVX512-VNNI rows (tiles of 1-8), the AMX tiles from 5
-    rows (streamed up to 16, expanded beyond: 40 rows are tiles of 16, 16 and 8). int8
-    weights: the builds with AVX512-VNNI (the others keep float x for them)."""
-    x = _x(40, 576, torch.float32, seed=7)
+    """Every path: the scalar, AVX2 and AVX512-VNNI rows (tiles of 1-8; from 5 rows, chunks of
+    up to 64 through each unpacked block: 150 rows are 64, 64 and 22), the AMX tiles from 5
+    rows (streamed up to 16, expanded beyond). int8 weights: the builds with AVX512-VNNI (the
+    others keep float x for them)."""
+    x = _x(150, 576, torch.float32, seed=7)
     outputs = {}
     linear = qm.int4_linear if weights == "int4" else qm.int8_linear
     for march in BUILDS if weights == "int4" else [b for b in BUILDS if _vnni(b)]:
@@ -148,7 +149,7 @@ def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m(group, weig
         else:
             packed, _ = _packed_int8(70, 576, group, march)
         whole = linear(x, packed)
-        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 23):  # alone, beside others, past a tile
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 23, 65):  # alone, beside others, past a tile
             parts = torch.cat([linear(x[i:i + rows], packed)
                                for i in range(0, x.shape[0], rows)])
             assert torch.equal(parts, whole), (march, rows)
