@@ -136,9 +136,9 @@ def test_one_value_rounded_the_other_way_is_far_outside_the_bound(march):
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("group", [32, 64])
 def test_every_build_gives_the_same_bits_and_rows_do_not_depend_on_m(group, weights):
-    """Every path: the scalar, AVX2 and AVX512-VNNI rows (tiles of 1-8; from 5 rows, chunks of
-    up to 64 through each unpacked block: 150 rows are 64, 64 and 22), the AMX tiles from 5
-    rows (streamed up to 16, expanded beyond). int8 weights: the builds with AVX512-VNNI (the
+    """Every path: the scalar, AVX2 and AVX512-VNNI rows (tiles of 1-4; on VNNI builds from 5
+    rows, chunks of up to 64 through each unpacked block: 150 rows are 64, 64 and 22), the AMX
+    tiles from 5 rows (streamed up to 16, expanded beyond). int8 weights: the builds with AVX512-VNNI (the
     others keep float x for them)."""
     x = _x(150, 576, torch.float32, seed=7)
     outputs = {}

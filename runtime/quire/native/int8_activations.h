@@ -31,12 +31,12 @@ constexpr int kQ8Block = 32;  // x values per int8 scale (and k per integer sum)
 // meets them. An integer sum does not depend on the order of its terms: the bits are the
 // other builds'.
 #define QUIRE_Q8_QUADS 1
-constexpr int kQ8Tile = 8;  // rows of x per pass over a row block (16 chains of vpdpbusd)
 constexpr int quad_slot(int k) { return (k & ~7) | ((k & 1) << 2) | ((k & 7) >> 1); }
 #else
-constexpr int kQ8Tile = 4;
 constexpr int quad_slot(int k) { return k; }
 #endif
+// Rows of x per pass over a row block (q8_rows; VNNI builds from 5 rows: q8_through)
+constexpr int kQ8Tile = 4;
 
 // Whether a weight can take int8 activations: the int4 forms, whole 32-k blocks in a group;
 // int8 weights (GGUF's Q8_0: the default model's LM head) on builds with AVX512-VNNI only.
@@ -391,21 +391,16 @@ void q8_tile(int mt, const Q8Rows& x, int64_t m0, const Weight& w, int64_t block
     case 1: q8_rows<Form, S, 1>(x, m0, w, block, out); break;
     case 2: q8_rows<Form, S, 2>(x, m0, w, block, out); break;
     case 3: q8_rows<Form, S, 3>(x, m0, w, block, out); break;
-    case 4: q8_rows<Form, S, 4>(x, m0, w, block, out); break;
-#if defined(QUIRE_Q8_QUADS)
-    case 8: q8_rows<Form, S, 8>(x, m0, w, block, out); break;
-    default:  // 5-7: four, then the rest
-      q8_rows<Form, S, 4>(x, m0, w, block, out);
-      q8_tile<Form, S>(mt - 4, x, m0 + 4, w, block, out + 4 * kRows);
-#endif
+    default: q8_rows<Form, S, 4>(x, m0, w, block, out); break;
   }
 }
 
 #if defined(QUIRE_Q8_QUADS)
 // From kQ8ThroughRows rows on (batched decode, verification, prefill), a row block's 32-k
 // block is unpacked once into 8 registers and every row of a chunk goes through them, 4 rows
-// at a time: q8_rows unpacks it again for each tile of 8 and keeps its sums in memory, which
-// ran at ~60% of this (one thread, hot data: 180-190 against 272 GOP/s on the Zen 4 EPYC).
+// at a time: q8_rows, in tiles of 8 rows, unpacked it again for each tile and kept its sums in
+// memory, which ran at ~65% of this (one thread, hot data: 180-190 against 272 G operations a
+// second on the Zen 4 EPYC).
 // The same exact isums and the same folds in the same order: the same bits.
 constexpr int64_t kQ8ThroughRows = 5;
 constexpr int64_t kQ8Chunk = 64;  // rows a pass (out and part stay in L1: 4 KB each)
